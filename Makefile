@@ -1,0 +1,39 @@
+# GaaS: `make run` starts everything, `make test` tests it. See README.md.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: help install proto model run test test-unit bench envoy-config clean
+
+help:
+	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
+	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers)"
+	@echo "make bench   latency/throughput benchmarks (prints a table, writes bench/results/*.json)"
+	@echo "make model   build the tiny local model into models/gaas-tiny"
+	@echo "make envoy-config   render the Envoy configs of deploy/topology.yaml into envoy/generated/"
+
+install:
+	@bash scripts/install.sh
+
+proto: install
+	@$(BIN)/python -m gaas.protogen
+
+model: proto
+	@$(BIN)/gaas model build --preset tiny
+
+run: proto
+	@$(BIN)/gaas up
+
+test: proto
+	$(BIN)/python -m pytest tests
+
+test-unit: proto
+	$(BIN)/python -m pytest tests -m "not mesh"
+
+bench: proto
+	$(BIN)/python -m bench.run
+
+envoy-config: proto
+	@$(BIN)/gaas envoy render
+
+clean:
+	rm -rf build gaas/v1 envoy/generated .gaas .pytest_cache

@@ -1,0 +1,436 @@
+"""gaas: run and use the GaaS inference mesh.
+
+  gaas up                      start everything (Redis if needed, services, Envoys); Ctrl-C stops it
+  gaas generate "Once upon"    stream a generation through the ingress
+  gaas status                  health of every service instance, Envoy and worker
+  gaas models                  models the mesh serves
+  gaas model build             build the local test/benchmark model
+  gaas envoy render            write the Envoy configs the topology produces
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TOPOLOGY = ROOT / "deploy" / "topology.yaml"
+DEFAULT_DEPLOY = ROOT / "deploy" / "gaas.yaml"
+DEFAULT_RUN_DIR = Path(os.environ.get("GAAS_HOME", ROOT / ".gaas"))
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _say(msg: str) -> None:
+    print(f"gaas: {msg}", file=sys.stderr, flush=True)
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(f"gaas: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def _state(run_dir: Path) -> dict | None:
+    """What a running `gaas up` wrote about itself, if it is still alive."""
+    path = run_dir / "mesh.json"
+    try:
+        state = json.loads(path.read_text())
+        os.kill(state["pid"], 0)
+        return state
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _topology(args, state: dict | None = None):
+    from gaas import topology
+
+    overrides = {}
+    if state:
+        overrides = {
+            "host": state["host"],
+            "port_base": state["port_base"],
+            "ingress_port": state["ingress_port"],
+            "workers": state["workers"],
+        }
+    for key in ("port_base", "ingress_port", "workers"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
+    return topology.load(Path(args.topology), **overrides)
+
+
+def _ingress(args) -> str:
+    if args.ingress:
+        return args.ingress
+    if env := os.environ.get("GAAS_INGRESS"):
+        return env
+    state = _state(Path(args.run_dir))
+    if state:
+        return f"{state['host']}:{state['ingress_port']}"
+    return f"127.0.0.1:{os.environ.get('GAAS_INGRESS_PORT', '8080')}"
+
+
+# ------------------------------------------------------------------------- up
+
+
+def cmd_up(args) -> int:
+    from gaas.deployspec import SpecError
+    from gaas.mesh import Mesh, MeshError
+    from gaas.topology import TopologyError
+
+    run_dir = Path(args.run_dir)
+    if state := _state(run_dir):
+        return _fail(f"a mesh is already running from {run_dir} (pid {state['pid']}); `gaas status` shows it")
+    try:
+        topo = _topology(args)
+        mesh = Mesh(
+            topo,
+            run_dir=run_dir,
+            deploy_file=Path(args.deploy),
+            redis_url=args.redis_url,
+            progress=_say,
+        )
+    except (TopologyError, SpecError) as exc:
+        return _fail(str(exc), 2)
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        if not stop.is_set():
+            _say(f"{signal.Signals(signum).name} received: stopping the mesh")
+        stop.set()
+
+    # Explicitly, both: a shell that started us in the background may have SIGINT ignored.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    started = time.monotonic()
+    services = len(topo.instances)
+    _say(f"starting {services} service instances and {services + 1} Envoys (logs in {run_dir / 'logs'})")
+    try:
+        mesh.start()
+        health = _wait_ready(mesh, stop, args.timeout)
+    except MeshError as exc:
+        _fail(str(exc))
+        mesh.stop()
+        return 1
+    except BaseException:
+        mesh.stop()
+        raise
+    if health is None:  # interrupted while starting
+        mesh.stop()
+        return 130
+
+    elapsed = time.monotonic() - started
+    ingress = topo.ingress
+    if args.json:
+        print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), **health.to_dict()}), flush=True)
+    else:
+        workers = ", ".join(f"{w['worker_id']} ({w['device']})" for w in health.workers)
+        print(
+            f"\nGaaS is up in {elapsed:.1f} s: {services} services, {services + 1} Envoys, workers: {workers}\n"
+            f"  ingress (gRPC and HTTP): {ingress}\n"
+            f"  try:    gaas generate \"Once upon a time\"\n"
+            f"          curl -N http://{ingress}/v1/generate -d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'\n"
+            f"  status: gaas status      logs: {run_dir / 'logs'}\n"
+            f"  Ctrl-C (or SIGTERM) stops everything.\n",
+            flush=True,
+        )
+    reported: set[str] = set()
+    while not stop.wait(1.0):
+        for child in mesh.exited():
+            if child.name not in reported:
+                reported.add(child.name)
+                _say(f"{child.name} exited with code {child.proc.returncode}; its log {child.log} ends:\n{child.tail(8)}")
+    _say("stopping (services drain first, then the Envoys)")
+    mesh.stop()
+    _say("stopped; nothing left running")
+    return 0
+
+
+def _wait_ready(mesh, stop: threading.Event, timeout: float):
+    """mesh.wait_ready, but giving up early when a signal arrives."""
+    from gaas.mesh import MeshError
+
+    result: dict = {}
+
+    def waiter() -> None:
+        try:
+            result["health"] = mesh.wait_ready(timeout)
+        except MeshError as exc:
+            result["error"] = exc
+        finally:
+            stop_waiting.set()
+
+    stop_waiting = threading.Event()
+    threading.Thread(target=waiter, daemon=True).start()
+    while not stop_waiting.wait(0.2):
+        if stop.is_set():
+            mesh._stopping = True
+            return None
+    if "error" in result:
+        raise result["error"]
+    return result["health"]
+
+
+# ------------------------------------------------------------------- generate
+
+
+def cmd_generate(args) -> int:
+    from gaas.client import GaasClient, GaasError
+
+    target = _ingress(args)
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    text: list[str] = []
+    final = None
+    with GaasClient(target) as client:
+        try:
+            stream = client.generate(
+                prompt,
+                model=args.model,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop or (),
+                priority=args.priority,
+                timeout=args.timeout,
+            )
+            try:
+                for chunk in stream:
+                    if chunk.token_ids and first is None:
+                        first = time.perf_counter()
+                    tokens += len(chunk.token_ids)
+                    text.append(chunk.text)
+                    if not args.json:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                    if chunk.finish_reason:
+                        final = chunk
+            except KeyboardInterrupt:
+                stream.cancel()
+                print(file=sys.stderr)
+                return _fail("cancelled", 130)
+        except GaasError as exc:
+            if exc.code == "UNAVAILABLE" and "connect" in exc.message.lower():
+                return _fail(f"nothing answers at {target}: is the mesh up? (`make run` / `gaas up`)")
+            return _fail(f"{exc.code}: {exc.message}")
+    elapsed = time.perf_counter() - started
+    ttft_ms = (first - started) * 1000 if first else None
+    decode_s = elapsed - (first - started) if first else 0
+    rate = (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None
+    summary = {
+        "text": "".join(text),
+        "ttft_ms": round(ttft_ms, 2) if ttft_ms is not None else None,
+        "tokens": tokens,
+        "tokens_per_s": round(rate, 1) if rate else None,
+        "seconds": round(elapsed, 4),
+    }
+    if final is not None:
+        from gaas.v1 import common_pb2
+
+        summary.update(
+            request_id=final.request_id,
+            finish_reason=common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower(),
+            model=final.model,
+            model_version=final.model_version,
+            worker=final.worker_id,
+            usage={
+                "prompt_tokens": final.usage.prompt_tokens,
+                "cached_tokens": final.usage.cached_tokens,
+                "completion_tokens": final.usage.completion_tokens,
+            },
+        )
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        parts = [
+            f"TTFT {summary['ttft_ms']} ms" if ttft_ms is not None else "no tokens",
+            f"{tokens} tokens",
+        ]
+        if rate:
+            parts.append(f"{rate:.1f} tokens/s")
+        if final is not None:
+            parts += [f"{summary['finish_reason']}", f"{final.model} {final.model_version} on {final.worker_id}"]
+        print(f"\n-- {' | '.join(parts)}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------- status
+
+
+def cmd_status(args) -> int:
+    from gaas import probe
+    from gaas.topology import TopologyError
+
+    state = _state(Path(args.run_dir))
+    try:
+        topo = _topology(args, state)
+    except TopologyError as exc:
+        return _fail(str(exc), 2)
+    health = probe.probe(topo, timeout=args.timeout)
+    if args.json:
+        print(json.dumps({**health.to_dict(), "running_from": str(args.run_dir) if state else None}, indent=2))
+        return 0 if health.healthy else 1
+    print(f"ingress  {health.ingress:<22} {'READY' if health.ingress_ready else 'DOWN'}")
+    for i in health.instances:
+        sidecar = "sidecar ready" if i.sidecar_ready else "sidecar DOWN"
+        line = f"{i.name:<10} {i.address:<22} {i.health:<12} {sidecar}"
+        if i.detail and i.health != "SERVING":
+            line += f"  ({i.detail})"
+        print(line)
+    if health.workers:
+        print("\nregistered workers:")
+        for w in health.workers:
+            print(f"  {w['worker_id']:<10} {w['address']:<22} {w['model']} {w['model_version']}  {w['backend']} on {w['device']}  {w['state']}")
+    if not state and not any(i.health == "SERVING" for i in health.instances):
+        print("\nno mesh seems to be running here: start one with `make run` (or `gaas up`)")
+    return 0 if health.healthy else 1
+
+
+def cmd_models(args) -> int:
+    from gaas.client import GaasClient, GaasError
+
+    with GaasClient(_ingress(args)) as client:
+        try:
+            models = client.list_models()
+        except GaasError as exc:
+            return _fail(f"{exc.code}: {exc.message}")
+    rows = [
+        {"name": m.name, "version": m.version, "ready_workers": m.ready_workers, "max_model_len": m.max_model_len}
+        for m in models
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['name']:<16} {r['version']:<10} {r['ready_workers']} worker(s)  context {r['max_model_len']}")
+    return 0
+
+
+# ---------------------------------------------------------------------- model
+
+
+def cmd_model_build(args) -> int:
+    from gaas.model.build import PRESETS, build_model, is_built
+
+    out = Path(args.out or ROOT / "models" / f"gaas-{args.preset}")
+    if args.preset not in PRESETS:
+        return _fail(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}", 2)
+    if is_built(out) and not args.force:
+        _say(f"{out} already holds a built model (use --force to rebuild)")
+        return 0
+    build_model(args.preset, out, seed=args.seed, progress=_say)
+    print(out)
+    return 0
+
+
+def cmd_envoy_render(args) -> int:
+    from gaas import envoyconf, protogen
+    from gaas.topology import TopologyError
+
+    try:
+        topo = _topology(args)
+    except TopologyError as exc:
+        return _fail(str(exc), 2)
+    protogen.generate()
+    out = Path(args.out)
+    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, Path(args.run_dir) / "logs")
+    for name, path in files.items():
+        print(f"{name:<20} {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gaas.model.build import PRESETS
+
+    p = argparse.ArgumentParser(prog="gaas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def mesh_args(sp, *, workers: bool = True) -> None:
+        sp.add_argument("--topology", default=str(DEFAULT_TOPOLOGY), help="topology file (default: deploy/topology.yaml)")
+        sp.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="state, logs and generated configs (default: .gaas, or $GAAS_HOME)")
+        sp.add_argument("--port-base", type=int, default=None, help="first port of the instances' port blocks (env GAAS_PORT_BASE; default from the topology)")
+        sp.add_argument("--ingress-port", type=int, default=None, help="ingress port (env GAAS_INGRESS_PORT; default 8080)")
+        if workers:
+            sp.add_argument("--workers", type=int, default=None, help="worker replicas (env GAAS_WORKERS; default from the topology)")
+
+    up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C or SIGTERM",
+                        description="Start Redis (unless one answers), every service, one Envoy sidecar per "
+                        "instance and the ingress Envoy; print where to send requests; stop it all on Ctrl-C/SIGTERM.")
+    mesh_args(up)
+    up.add_argument("--deploy", default=str(DEFAULT_DEPLOY), help="deployment file applied to control (default: deploy/gaas.yaml)")
+    up.add_argument("--redis-url", default=os.environ.get("GAAS_REDIS_URL", DEFAULT_REDIS),
+                    help="Redis to use; started locally when nothing answers (env GAAS_REDIS_URL)")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to be ready (300)")
+    up.add_argument("--json", action="store_true", help="print one JSON line when ready instead of the banner")
+    up.set_defaults(func=cmd_up)
+
+    gen = sub.add_parser("generate", help="stream a generation through the ingress",
+                         description="Stream a generation: the text as it arrives, then TTFT, tokens and tokens/s.")
+    gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
+    gen.add_argument("--model", default="", help="model name (default: the deployment's default model)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (64)")
+    gen.add_argument("--temperature", type=float, default=None, help="sampling temperature (engine default 1.0; 0 = greedy)")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="fix the sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--priority", choices=["low", "normal", "high"], default="normal")
+    gen.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (120)")
+    gen.add_argument("--ingress", default=None, help="host:port of the ingress (env GAAS_INGRESS; default: the running mesh's)")
+    gen.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, timings, usage) instead")
+    gen.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("status", help="health of each service instance, Envoy and worker",
+                        description="Ask every instance's health service through its sidecar, every Envoy's admin "
+                        "/ready, and control's list of registered workers. Exit code 0 when all are healthy.")
+    mesh_args(st)
+    st.add_argument("--timeout", type=float, default=1.0, help="seconds per probe (1)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=cmd_status)
+
+    models = sub.add_parser("models", help="models the mesh serves, with their ready workers")
+    models.add_argument("--ingress", default=None, help="host:port of the ingress")
+    models.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+    models.set_defaults(func=cmd_models)
+
+    model = sub.add_parser("model", help="local models")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    build = msub.add_parser("build", help="build a random-weight Llama model with a trained BPE tokenizer",
+                            description="Presets: " + "; ".join(f"{k}: {v.purpose}" for k, v in PRESETS.items()))
+    build.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (tiny)")
+    build.add_argument("--out", default=None, help="output directory (default: models/gaas-<preset>)")
+    build.add_argument("--seed", type=int, default=0, help="weight initialisation seed (0)")
+    build.add_argument("--force", action="store_true", help="rebuild even if the directory holds a model")
+    build.set_defaults(func=cmd_model_build)
+
+    envoy = sub.add_parser("envoy", help="Envoy configs")
+    esub = envoy.add_subparsers(dest="envoy_command", required=True, metavar="ACTION")
+    render = esub.add_parser("render", help="write the ingress and sidecar configs the topology produces")
+    mesh_args(render)
+    render.add_argument("--out", default=str(ROOT / "envoy" / "generated"), help="output directory (envoy/generated)")
+    render.set_defaults(func=cmd_envoy_render)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The GaaS client SDK: streaming generation over gRPC through the ingress.
+
+    from gaas.client import GaasClient
+    with GaasClient("127.0.0.1:8080") as client:
+        for chunk in client.generate("Once upon a time", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Errors are GaasError, carrying the gRPC status code name and the service's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+PRIORITIES = {
+    "low": common_pb2.PRIORITY_LOW,
+    "normal": common_pb2.PRIORITY_NORMAL,
+    "high": common_pb2.PRIORITY_HIGH,
+}
+
+
+class GaasError(Exception):
+    """A call failed. code: the gRPC status name (e.g. NOT_FOUND); message: what to do about it."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> "GaasError":
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return cls(code.name if code else "UNKNOWN", details or "")
+
+
+class GenerateStream:
+    """Iterates GenerateChunk messages; cancel() stops the generation (the engine aborts it)."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[common_pb2.GenerateChunk]:
+        try:
+            yield from self._call
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise GaasError.from_rpc(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GaasClient:
+    def __init__(self, target: str = "127.0.0.1:8080", *, api_key: str | None = None) -> None:
+        self.target = target
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.insecure_channel(target)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str = "",
+        max_tokens: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        priority: str = "normal",
+        session_id: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> GenerateStream:
+        """Start a generation; prompt is text or a list of token ids."""
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
+        sampling = common_pb2.SamplingParams()
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                setattr(sampling, name, value)
+        req = inference_pb2.GenerateRequest(
+            model=model,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=list(stop),
+            priority=PRIORITIES[priority],
+            session_id=session_id,
+            request_id=request_id,
+        )
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.extend(prompt)
+        return GenerateStream(self._stub.Generate(req, timeout=timeout, metadata=self._metadata))
+
+    def list_models(self, timeout: float = 5.0) -> list[inference_pb2.ModelInfo]:
+        try:
+            resp = self._stub.ListModels(inference_pb2.ListModelsRequest(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise GaasError.from_rpc(exc) from None
+        return list(resp.models)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "GaasClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

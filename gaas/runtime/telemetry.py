@@ -1,0 +1,48 @@
+"""OpenTelemetry tracing for gRPC servers and clients; exporting is off unless configured.
+
+Set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4317) to export spans over OTLP/gRPC.
+Without it the tracer provider is a no-op, so instrumentation costs next to nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+
+
+def make_tracer_provider(service: str, instance: str) -> trace.TracerProvider:
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if not endpoint:
+        return trace.NoOpTracerProvider()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": f"gaas-{service}", "service.instance.id": instance})
+    )
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    log.info("exporting traces to %s", endpoint)
+    return provider
+
+
+def server_interceptor(provider: trace.TracerProvider):
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return aio_server_interceptor(tracer_provider=provider)
+
+
+def client_interceptors(provider: trace.TracerProvider) -> list:
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return list(aio_client_interceptors(tracer_provider=provider))
+
+
+def shutdown(provider: trace.TracerProvider) -> None:
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()

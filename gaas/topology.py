@@ -1,0 +1,219 @@
+"""The mesh topology (deploy/topology.yaml): services, replicas and the ports every instance and
+its Envoy sidecar listen on. The Envoy configs and `gaas up` are both derived from it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+# Start order; also the order `gaas status` lists them.
+SERVICES = ("control", "kvcache", "billing", "worker", "router")
+
+# The gRPC service each kind serves (what its sidecar's peers route on).
+GRPC_SERVICE = {
+    "control": "gaas.v1.Control",
+    "kvcache": "gaas.v1.KVCache",
+    "billing": "gaas.v1.Billing",
+    "worker": "gaas.v1.Worker",
+    "router": "gaas.v1.Inference",
+}
+
+# Whom each kind calls, through its sidecar's outbound listener (DESIGN.md's "talks to").
+TALKS_TO = {
+    "control": (),
+    "kvcache": ("control",),
+    "billing": ("control",),
+    "worker": ("control", "kvcache"),
+    "router": ("control", "kvcache", "worker"),
+}
+
+PORTS_PER_INSTANCE = 10
+SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
+
+WORKER_DEFAULTS = {"model": "", "kv_cache_gib": 1, "block_size": 32, "enforce_eager": True}
+
+
+class TopologyError(ValueError):
+    """The topology file is malformed; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    # Service kind, one of SERVICES.
+    service: str
+    # Replica name, e.g. "worker-0".
+    name: str
+    # Replica index within its service.
+    index: int
+    host: str
+    # First port of this instance's block.
+    base: int
+    # Service-specific settings (the worker's model, cache size...).
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        return self.base + SERVICE_OFFSET
+
+    @property
+    def inbound_port(self) -> int:
+        return self.base + INBOUND_OFFSET
+
+    @property
+    def outbound_port(self) -> int:
+        return self.base + OUTBOUND_OFFSET
+
+    @property
+    def admin_port(self) -> int:
+        return self.base + ADMIN_OFFSET
+
+    @property
+    def metrics_port(self) -> int:
+        return self.base + METRICS_OFFSET
+
+    @property
+    def address(self) -> str:
+        """The service's own port: only its sidecar connects here."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def inbound(self) -> str:
+        """Where peers (through their sidecars) reach this instance."""
+        return f"{self.host}:{self.inbound_port}"
+
+    @property
+    def outbound(self) -> str:
+        """Where this instance reaches its peers."""
+        return f"{self.host}:{self.outbound_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    host: str
+    port_base: int
+    ingress_port: int
+    instances: tuple[Instance, ...]
+
+    @property
+    def ingress_admin_port(self) -> int:
+        return self.port_base + ADMIN_OFFSET
+
+    @property
+    def ingress(self) -> str:
+        return f"{self.host}:{self.ingress_port}"
+
+    def of(self, service: str) -> list[Instance]:
+        return [i for i in self.instances if i.service == service]
+
+    def instance(self, name: str) -> Instance:
+        for i in self.instances:
+            if i.name == name:
+                return i
+        raise KeyError(f"no instance named {name!r} in the topology")
+
+    def all_ports(self) -> list[int]:
+        ports = [self.ingress_port, self.ingress_admin_port]
+        for i in self.instances:
+            ports += [i.port, i.inbound_port, i.outbound_port, i.admin_port, i.metrics_port]
+        return ports
+
+
+def _int(value: object, what: str, minimum: int = 0) -> int:
+    try:
+        n = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TopologyError(f"{what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise TopologyError(f"{what} must be at least {minimum}, got {n}")
+    return n
+
+
+def build(
+    doc: Mapping[str, object],
+    *,
+    host: str | None = None,
+    port_base: int | None = None,
+    ingress_port: int | None = None,
+    workers: int | None = None,
+) -> Topology:
+    """Derive every instance and port from the parsed YAML; keyword arguments override it."""
+    if not isinstance(doc, Mapping):
+        raise TopologyError("the topology must be a mapping with host, port_base, ingress, services")
+    services = doc.get("services") or {}
+    if not isinstance(services, Mapping):
+        raise TopologyError("'services' must map service names to their settings")
+    unknown = set(services) - set(SERVICES)
+    if unknown:
+        raise TopologyError(f"unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(SERVICES)}")
+    missing = set(SERVICES) - set(services)
+    if missing:
+        raise TopologyError(f"the mesh needs every service; missing: {', '.join(sorted(missing))}")
+
+    host = host or str(doc.get("host", "127.0.0.1"))
+    base = port_base if port_base is not None else _int(doc.get("port_base", 20000), "port_base", 1024)
+    ingress = doc.get("ingress") or {}
+    ingress_port = ingress_port if ingress_port is not None else _int(ingress.get("port", 8080), "ingress.port", 1)
+
+    instances: list[Instance] = []
+    block = 1  # block 0 is the ingress's
+    for service in SERVICES:
+        settings = dict(services[service] or {})
+        replicas = _int(settings.pop("replicas", 1), f"services.{service}.replicas", 1)
+        if service == "worker" and workers is not None:
+            replicas = _int(workers, "workers", 1)
+        options: dict[str, object] = {}
+        if service == "worker":
+            unknown_opts = set(settings) - set(WORKER_DEFAULTS)
+            if unknown_opts:
+                raise TopologyError(f"services.worker: unknown setting(s) {', '.join(sorted(unknown_opts))}")
+            options = {**WORKER_DEFAULTS, **settings}
+            if not options["model"]:
+                raise TopologyError("services.worker.model is required (a model name from deploy/gaas.yaml)")
+            if _int(options["block_size"], "services.worker.block_size", 16) % 16:
+                raise TopologyError("services.worker.block_size must be a multiple of 16")
+        elif settings:
+            raise TopologyError(f"services.{service}: unknown setting(s) {', '.join(sorted(settings))}")
+        for idx in range(replicas):
+            instances.append(
+                Instance(service, f"{service}-{idx}", idx, host, base + block * PORTS_PER_INSTANCE, options)
+            )
+            block += 1
+    if base + block * PORTS_PER_INSTANCE > 65535:
+        raise TopologyError(f"port_base {base} leaves too few ports for {block} port blocks")
+    topo = Topology(host=host, port_base=base, ingress_port=ingress_port, instances=tuple(instances))
+    if ingress_port in topo.all_ports()[1:]:
+        raise TopologyError(f"ingress port {ingress_port} collides with a port derived from port_base {base}")
+    return topo
+
+
+def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topology:
+    """Read the topology file, applying GAAS_HOST / GAAS_PORT_BASE / GAAS_INGRESS_PORT / GAAS_WORKERS
+    from env, then explicit keyword overrides (those that are not None)."""
+    env = os.environ if env is None else env
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise TopologyError(f"cannot read topology file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path} is not valid YAML: {exc}") from exc
+    from_env = {
+        "host": env.get("GAAS_HOST") or None,
+        "port_base": _int(env["GAAS_PORT_BASE"], "GAAS_PORT_BASE", 1024) if env.get("GAAS_PORT_BASE") else None,
+        "ingress_port": _int(env["GAAS_INGRESS_PORT"], "GAAS_INGRESS_PORT", 1) if env.get("GAAS_INGRESS_PORT") else None,
+        "workers": _int(env["GAAS_WORKERS"], "GAAS_WORKERS", 1) if env.get("GAAS_WORKERS") else None,
+    }
+    merged = {k: v for k, v in from_env.items() if v is not None}
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return build(doc or {}, **merged)
+
+
+def with_worker_options(topo: Topology, **options: object) -> Topology:
+    """A copy whose workers carry extra options (used by tests to shrink the cache)."""
+    instances = tuple(
+        replace(i, options={**i.options, **options}) if i.service == "worker" else i for i in topo.instances
+    )
+    return replace(topo, instances=instances)

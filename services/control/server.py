@@ -1,0 +1,66 @@
+"""Control plane service: worker registry (Redis leases) and model catalogue (SQL).
+
+Settings come from GAAS_* variables (see --help); `gaas up` sets them from the topology.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from gaas import deployspec
+from gaas.runtime import redisconn
+from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.runtime.sql import Database
+from gaas.v1 import control_pb2_grpc
+from services.control.catalog import ModelCatalog
+from services.control.config import ControlConfig
+from services.control.registry import WorkerRegistry
+from services.control.servicer import ControlServicer
+
+log = logging.getLogger("gaas.control")
+
+HELP_ENV = """environment:
+  GAAS_INSTANCE       replica name (control-0)
+  GAAS_HOST/GAAS_PORT where to listen (127.0.0.1:50051)
+  GAAS_METRICS_PORT   /metrics port (-1: none)
+  GAAS_REDIS_URL      Redis for worker leases (redis://127.0.0.1:6379/0)
+  GAAS_DATABASE_URL   sqlite:///path.db (default .gaas/control.db) or postgresql://...
+  GAAS_DEPLOY_FILE    deployment YAML applied at start-up
+  GAAS_LEASE_TTL      seconds a worker registration lives without renewal (10)
+"""
+
+
+async def serve(cfg: ControlConfig) -> None:
+    rt = ServiceRuntime(options_for("control", cfg))
+    rt.install_signal_handlers()
+    redis = redisconn.connect(cfg.redis_url)
+    await redisconn.ping(redis, cfg.redis_url)
+    db = Database(cfg.database_url)
+    catalog = ModelCatalog(db)
+    await catalog.init_schema()
+    if cfg.deploy_file:
+        spec = deployspec.load(Path(cfg.deploy_file))
+        await catalog.apply(spec)
+        log.info("applied %s: models %s", cfg.deploy_file, ", ".join(spec.names()))
+    registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
+    rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(registry, catalog), "gaas.v1.Control")
+    await rt.start()
+    await rt.set_serving(True)
+    try:
+        await rt.run_until_stopped()
+    finally:
+        await redis.aclose()
+        db.close()
+
+
+def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
+    run_service("control", ControlConfig.from_env, serve)
+
+
+if __name__ == "__main__":
+    main()

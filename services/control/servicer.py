@@ -1,0 +1,112 @@
+"""gaas.v1.Control: protobuf <-> registry and catalogue, nothing more."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from gaas.v1 import control_pb2 as pb
+from gaas.v1 import control_pb2_grpc
+from services.control.catalog import ModelCatalog
+from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerId, WorkerRecord, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+_STATE_TO_PB = {SERVING: pb.WORKER_STATE_SERVING, DRAINING: pb.WORKER_STATE_DRAINING}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def worker_to_pb(r: WorkerRecord) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        worker_id=r.worker_id,
+        address=r.address,
+        model=r.model,
+        model_version=r.model_version,
+        backend=r.backend,
+        device=r.device,
+        block_size=r.block_size,
+        max_model_len=r.max_model_len,
+        state=_STATE_TO_PB.get(r.state, pb.WORKER_STATE_UNSPECIFIED),
+        lease_expires_unix_ms=r.lease_expires_ms,
+        registered_unix_ms=r.registered_ms,
+    )
+
+
+def _lease(r: WorkerRecord, ttl: int) -> pb.Lease:
+    return pb.Lease(worker_id=r.worker_id, expires_unix_ms=r.lease_expires_ms, ttl_seconds=ttl)
+
+
+def _valid_address(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, registry: WorkerRegistry, catalog: ModelCatalog) -> None:
+        self._registry = registry
+        self._catalog = catalog
+
+    async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.Lease:
+        w = request.worker
+        if not w.worker_id or not w.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker.worker_id and worker.model are required")
+        if not _valid_address(w.address):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"worker.address {w.address!r} must be host:port (its sidecar)"
+            )
+        known = {m.name for m in await self._catalog.list()}
+        if w.model not in known:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {w.model!r} is not in the applied deployment (known: {', '.join(sorted(known)) or 'none'})",
+            )
+        record = await self._registry.register(
+            WorkerRecord(
+                worker_id=WorkerId(w.worker_id),
+                address=w.address,
+                model=w.model,
+                model_version=w.model_version,
+                backend=w.backend,
+                device=w.device,
+                block_size=w.block_size,
+                max_model_len=w.max_model_len,
+                state=_STATE_FROM_PB.get(w.state, SERVING),
+            )
+        )
+        log.info("registered %s (%s at %s, %s)", record.worker_id, record.model, record.address, record.device)
+        return _lease(record, self._registry.ttl_seconds)
+
+    async def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Lease:
+        if not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id is required")
+        try:
+            record = await self._registry.renew(WorkerId(request.worker_id), _STATE_FROM_PB.get(request.state))
+        except LeaseExpired as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return _lease(record, self._registry.ttl_seconds)
+
+    async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest, context) -> pb.DeregisterWorkerResponse:
+        if await self._registry.deregister(WorkerId(request.worker_id)):
+            log.info("deregistered %s", request.worker_id)
+        return pb.DeregisterWorkerResponse()
+
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
+        records = await self._registry.list(request.model)
+        return pb.ListWorkersResponse(workers=[worker_to_pb(r) for r in records])
+
+    async def ListModels(self, request: pb.ListRegisteredModelsRequest, context) -> pb.ListRegisteredModelsResponse:
+        models = await self._catalog.list()
+        return pb.ListRegisteredModelsResponse(
+            models=[
+                pb.RegisteredModel(
+                    name=m.name,
+                    version=m.version,
+                    source=m.source,
+                    preset=m.preset,
+                    max_model_len=m.max_model_len,
+                    is_default=m.is_default,
+                )
+                for m in models
+            ]
+        )

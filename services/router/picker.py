@@ -1,0 +1,58 @@
+"""Choosing the worker for a request. A picker sees the live, non-ejected workers serving the
+request's model and returns one; an empty candidate set is a typed error, never None."""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+WorkerId = NewType("WorkerId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker_id: WorkerId
+    # Sidecar inbound host:port, named in x-gaas-worker.
+    address: str
+    model: str
+    model_version: str
+    max_model_len: int
+
+
+class NoWorkerAvailable(LookupError):
+    """No live worker can take the request; str() says which model and why."""
+
+
+class Picker(ABC):
+    name: str
+
+    @abstractmethod
+    def pick(self, candidates: Sequence[Candidate]) -> Candidate: ...
+
+
+class RoundRobinPicker(Picker):
+    """Each model's workers in turn (ordered by id, so replicas agree on the order)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, candidates: Sequence[Candidate]) -> Candidate:
+        if not candidates:
+            raise NoWorkerAvailable("no candidate workers")
+        ordered = sorted(candidates, key=lambda c: c.worker_id)
+        return ordered[next(self._counter) % len(ordered)]
+
+
+PICKERS: dict[str, type[Picker]] = {RoundRobinPicker.name: RoundRobinPicker}
+
+
+def make_picker(name: str) -> Picker:
+    try:
+        return PICKERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown picker {name!r}; choose one of {', '.join(PICKERS)}") from None

@@ -1,0 +1,67 @@
+"""Worker settings, read once at start-up from GAAS_* variables (`gaas up` sets them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gaas.runtime.envconfig import ConfigError, base_settings, env_bool, env_float, env_int, env_str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    # Replica name, also the worker id in the registry ("worker-0").
+    instance: str
+    host: str
+    # gRPC port (its sidecar's inbound listener forwards here).
+    port: int
+    # /metrics port, or -1 for none.
+    metrics_port: int
+    # host:port peers use to reach this worker: its sidecar's inbound listener.
+    advertise: str
+    # host:port of its sidecar's outbound listener (to control and kvcache); "" runs standalone.
+    outbound: str
+    # Served model: name, weights directory (or hub id) and version.
+    model: str
+    model_path: str
+    model_version: str
+    # Longest prompt + completion, tokens.
+    max_model_len: int
+    # KV block size, tokens.
+    block_size: int
+    # KV cache on the CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs.
+    kv_cache_gib: int
+    # Fraction of GPU memory vLLM may take (GPUs only).
+    gpu_memory_utilization: float
+    # Skip torch.compile and CUDA graphs (faster start, slower steps).
+    enforce_eager: bool
+    # Most sequences batched together.
+    max_num_seqs: int
+    # Seconds a lease lasts is decided by control; renew this often.
+    lease_renew_seconds: float
+    grace_seconds: float
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "WorkerConfig":
+        base = base_settings(env, "worker-0", 50061)
+        cfg = cls(
+            **base,
+            advertise=env_str(env, "GAAS_ADVERTISE", f"{base['host']}:{base['port']}"),
+            outbound=env.get("GAAS_OUTBOUND", ""),
+            model=env_str(env, "GAAS_MODEL"),
+            model_path=env_str(env, "GAAS_MODEL_PATH"),
+            model_version=env_str(env, "GAAS_MODEL_VERSION", "0"),
+            max_model_len=env_int(env, "GAAS_MAX_MODEL_LEN", 2048),
+            block_size=env_int(env, "GAAS_BLOCK_SIZE", 32),
+            kv_cache_gib=env_int(env, "GAAS_KV_CACHE_GIB", 1),
+            gpu_memory_utilization=env_float(env, "GAAS_GPU_MEMORY_UTILIZATION", 0.85),
+            enforce_eager=env_bool(env, "GAAS_ENFORCE_EAGER", True),
+            max_num_seqs=env_int(env, "GAAS_MAX_NUM_SEQS", 64),
+            lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 3.0),
+        )
+        if cfg.block_size % 16:
+            raise ConfigError(f"GAAS_BLOCK_SIZE must be a multiple of 16 (32 on the CPU), got {cfg.block_size}")
+        if cfg.kv_cache_gib < 1:
+            raise ConfigError("GAAS_KV_CACHE_GIB must be at least 1")
+        return cfg

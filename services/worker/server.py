@@ -1,0 +1,108 @@
+"""Worker service: one vLLM engine behind gaas.v1.Worker.
+
+Starts NOT_SERVING, builds the engine (20-40 s on a CPU), then reports SERVING and registers with
+the control plane through its sidecar, renewing the lease while alive. On SIGTERM: NOT_SERVING,
+deregister, let running streams finish (grace), stop the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.v1 import control_pb2, control_pb2_grpc, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.engine import VllmEngine, VllmSettings
+from services.worker.lease import LeaseKeeper
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger("gaas.worker")
+
+HELP_ENV = """environment:
+  GAAS_INSTANCE        replica name, also the worker id (worker-0)
+  GAAS_HOST/GAAS_PORT  where to listen (127.0.0.1:50061)
+  GAAS_ADVERTISE       host:port peers reach it at: its sidecar's inbound listener
+  GAAS_OUTBOUND        host:port of its sidecar's outbound listener (control); empty: no registration
+  GAAS_MODEL, GAAS_MODEL_PATH, GAAS_MODEL_VERSION   what it serves (required: name and path)
+  GAAS_MAX_MODEL_LEN (2048)  GAAS_BLOCK_SIZE (32)  GAAS_KV_CACHE_GIB (1, CPU only)
+  GAAS_ENFORCE_EAGER (true)  GAAS_MAX_NUM_SEQS (64)  GAAS_GPU_MEMORY_UTILIZATION (0.85)
+  GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
+  VLLM_CPU_OMP_THREADS_BIND  the core(s) a CPU worker is pinned to (`gaas up` sets one per worker)
+"""
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    rt = ServiceRuntime(options_for("worker", cfg))
+    rt.install_signal_handlers()
+    engine_task = asyncio.create_task(
+        VllmEngine.start(
+            VllmSettings(
+                model=cfg.model,
+                model_path=cfg.model_path,
+                model_version=cfg.model_version,
+                max_model_len=cfg.max_model_len,
+                block_size=cfg.block_size,
+                kv_cache_gib=cfg.kv_cache_gib,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enforce_eager=cfg.enforce_eager,
+                max_num_seqs=cfg.max_num_seqs,
+            )
+        )
+    )
+    servicer = WorkerServicer(cfg.instance)
+    rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "gaas.v1.Worker")
+    # The port is open (and NOT_SERVING) while the engine loads, so health checks get an answer.
+    await rt.start()
+    log.info("loading %s from %s", cfg.model, cfg.model_path)
+    stop_wait = asyncio.create_task(rt.wait_stop_requested())
+    await asyncio.wait({engine_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if not engine_task.done():
+        # The engine is built in a thread that cannot be interrupted; exit once it is up.
+        log.info("stop requested while the engine loads; exiting when it is up")
+    engine = await engine_task
+    stop_wait.cancel()
+    servicer.engine = engine
+    rt.on_stop(engine.shutdown)  # runs last
+    channel = None
+    if cfg.outbound:
+        channel = rt.channel(cfg.outbound)
+        info = engine.info
+        keeper = LeaseKeeper(
+            control_pb2_grpc.ControlStub(channel),
+            control_pb2.WorkerInfo(
+                worker_id=cfg.instance,
+                address=cfg.advertise,
+                model=info.model,
+                model_version=info.model_version,
+                backend=info.backend,
+                device=info.device,
+                block_size=info.block_size,
+                max_model_len=info.max_model_len,
+            ),
+            cfg.lease_renew_seconds,
+        )
+        rt.on_stop(keeper.stop)  # runs first: routers stop picking this worker
+    if rt.stopping:
+        await rt.shutdown()
+        return
+    await rt.set_serving(True)
+    if channel is not None:
+        keeper.start()
+    try:
+        await rt.run_until_stopped()
+    finally:
+        if channel is not None:
+            await channel.close()
+
+
+def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
+    run_service("worker", WorkerConfig.from_env, serve)
+
+
+if __name__ == "__main__":
+    main()

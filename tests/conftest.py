@@ -1,0 +1,126 @@
+"""Shared fixtures. The expensive pieces (Redis, the whole mesh with its vLLM workers) start once
+per test session and are shared; the mesh is started with the real `gaas up` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gaas import protogen
+
+ROOT = Path(__file__).resolve().parent.parent
+protogen.generate()
+
+MESH_WORKERS = 2
+MESH_START_TIMEOUT = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    # Tests that break the shared mesh (kill a worker, stop it) run after all others, in file order.
+    items.sort(key=lambda item: 1 if item.get_closest_marker("destructive") else 0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "destructive: damages the shared mesh; runs last")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A private, throw-away Redis for the session."""
+    from gaas.mesh import redis_answers, redis_server_command
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = subprocess.Popen(
+        redis_server_command("127.0.0.1", port, tmp_path_factory.mktemp("redis")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not redis_answers(url):
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("redis-server did not start")
+        time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@dataclass
+class RunningMesh:
+    proc: subprocess.Popen
+    run_dir: Path
+    ingress: str
+    port_base: int
+    ready: dict
+    # name -> pid of every child `gaas up` started (from its state file).
+    children: dict[str, int]
+    output: Path
+
+    def stop(self, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory) -> RunningMesh:
+    """The whole mesh, started by `gaas up` exactly as a user would (with its own Redis)."""
+    from gaas.mesh import free_port_base
+
+    run_dir = tmp_path_factory.mktemp("mesh")
+    base = free_port_base(span=200, start=31000)
+    ingress_port = base + 190
+    redis_port = base + 191
+    output = run_dir / "gaas-up.out"
+    cmd = [
+        sys.executable, "-m", "gaas.cli", "up",
+        "--run-dir", str(run_dir),
+        "--port-base", str(base),
+        "--ingress-port", str(ingress_port),
+        "--workers", str(MESH_WORKERS),
+        "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+        "--timeout", str(MESH_START_TIMEOUT),
+        "--json",
+    ]
+    out = open(output, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
+    ready_line = proc.stdout.readline()  # the one JSON line `gaas up --json` prints when ready
+    if not ready_line:
+        proc.wait(timeout=60)
+        pytest.fail(f"gaas up failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
+    ready = json.loads(ready_line)
+    children = json.loads((run_dir / "mesh.json").read_text())["children"]
+    m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output)
+    yield m
+    if proc.poll() is None:
+        m.stop()
+    out.close()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

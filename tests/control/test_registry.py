@@ -1,0 +1,69 @@
+import asyncio
+
+import pytest
+
+from gaas.runtime import redisconn
+from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerId, WorkerRecord, WorkerRegistry
+
+
+def record(worker_id="worker-0", model="gaas-tiny", address="127.0.0.1:20041"):
+    return WorkerRecord(WorkerId(worker_id), address, model, "1.0.0", "vllm-cpu", "cpu", 32, 2048)
+
+
+@pytest.fixture
+async def redis(redis_url):
+    client = redisconn.connect(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+async def test_register_list_deregister(redis):
+    reg = WorkerRegistry(redis, ttl_seconds=10)
+    r = await reg.register(record())
+    assert r.lease_expires_ms > r.registered_ms > 0
+    await reg.register(record("worker-1", model="gaas-small", address="127.0.0.1:20051"))
+    assert [w.worker_id for w in await reg.list()] == ["worker-0", "worker-1"]
+    assert [w.worker_id for w in await reg.list("gaas-small")] == ["worker-1"]
+    assert await reg.deregister(WorkerId("worker-0"))
+    assert not await reg.deregister(WorkerId("worker-0"))
+    assert [w.worker_id for w in await reg.list()] == ["worker-1"]
+
+
+async def test_lease_lapses_without_renewal(redis):
+    reg = WorkerRegistry(redis, ttl_seconds=1)
+    await reg.register(record())
+    await asyncio.sleep(0.6)
+    renewed = await reg.renew(WorkerId("worker-0"))
+    await asyncio.sleep(0.6)
+    assert [w.worker_id for w in await reg.list()] == ["worker-0"]  # the renewal kept it
+    assert renewed.state == SERVING
+    await asyncio.sleep(0.6)
+    assert await reg.list() == []
+    with pytest.raises(LeaseExpired, match="register again"):
+        await reg.renew(WorkerId("worker-0"))
+
+
+async def test_renew_changes_state(redis):
+    reg = WorkerRegistry(redis, ttl_seconds=10)
+    await reg.register(record())
+    r = await reg.renew(WorkerId("worker-0"), DRAINING)
+    assert r.state == DRAINING and (await reg.list())[0].state == DRAINING
+    with pytest.raises(ValueError, match="unknown worker state"):
+        await reg.renew(WorkerId("worker-0"), "sleeping")
+
+
+async def test_two_registries_share_state(redis):
+    """Control replicas see each other's registrations: state lives in Redis, not in a process."""
+    a, b = WorkerRegistry(redis, 10), WorkerRegistry(redis, 10)
+    await a.register(record())
+    assert [w.worker_id for w in await b.list()] == ["worker-0"]
+
+
+async def test_reregistration_keeps_first_registration_time(redis):
+    reg = WorkerRegistry(redis, ttl_seconds=10)
+    first = await reg.register(record())
+    await asyncio.sleep(0.01)
+    again = await reg.register(record())
+    assert again.registered_ms == first.registered_ms
+    assert again.lease_expires_ms >= first.lease_expires_ms

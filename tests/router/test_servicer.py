@@ -1,0 +1,154 @@
+"""The router's servicer over a real gRPC server, with the control plane and the workers faked
+behind their interfaces: picking, retrying before the first token, never after, error codes."""
+
+import grpc
+import pytest
+
+from gaas.runtime.server import ServerOptions, ServiceRuntime
+from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.router.directory import MeshDirectory, ModelEntry
+from services.router.picker import Candidate, RoundRobinPicker, WorkerId
+from services.router.servicer import InferenceServicer
+
+
+def rpc_error(code, details="boom"):
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeCall:
+    def __init__(self, script, request):
+        self._script = script
+        self._request = request
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def __aiter__(self):
+        for step in self._script:
+            if isinstance(step, grpc.aio.AioRpcError):
+                raise step
+            yield step
+
+
+class FakeWorkers:
+    """WorkerStub stand-in: each address follows its script (chunks, then maybe an error)."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts
+        self.calls = []  # (address, request)
+
+    def Generate(self, request, timeout=None, metadata=()):
+        address = dict(metadata)["x-gaas-worker"]
+        self.calls.append((address, request))
+        return FakeCall(self.scripts[address], request)
+
+
+def chunk(text, final=False):
+    c = common_pb2.GenerateChunk(text=text, token_ids=[1])
+    if final:
+        c.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        c.usage.completion_tokens = 2
+    return c
+
+
+OK = [chunk("a"), chunk("b", final=True)]
+
+
+async def serve(scripts, workers=("w0", "w1"), retries=2):
+    models = [ModelEntry("tiny", "1.0", 64, True)]
+    cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 64) for w in workers]
+
+    async def fetch():
+        return models, cands
+
+    fake = FakeWorkers(scripts)
+    servicer = InferenceServicer(
+        MeshDirectory(fetch, 1.0, 5.0), RoundRobinPicker(), fake, retries=retries, max_stream_seconds=30
+    )
+    rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, trust_tenant=False))
+    rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
+    await rt.start()
+    return rt, fake
+
+
+async def collect(rt, **req):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        return [c async for c in stub.Generate(inference_pb2.GenerateRequest(**req), timeout=5)]
+
+
+async def test_streams_and_alternates_workers():
+    rt, fake = await serve({"w0": OK, "w1": OK})
+    try:
+        first = await collect(rt, prompt="hi", request_id="req-1")
+        await collect(rt, prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert [c.text for c in first] == ["a", "b"]
+    assert first[-1].timings.router_ms > 0
+    assert [a for a, _ in fake.calls] == ["w0", "w1"]
+    forwarded = fake.calls[0][1]
+    assert forwarded.request_id == "req-1" and forwarded.request.model == "tiny"  # default model filled in
+
+
+async def test_retries_on_another_worker_before_the_first_token():
+    rt, fake = await serve({"w0": [rpc_error(grpc.StatusCode.UNAVAILABLE)], "w1": OK})
+    try:
+        chunks = await collect(rt, prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert [c.text for c in chunks] == ["a", "b"]
+    assert [a for a, _ in fake.calls] == ["w0", "w1"]
+
+
+async def test_no_retry_once_a_token_was_sent():
+    rt, fake = await serve({"w0": [chunk("a"), rpc_error(grpc.StatusCode.UNAVAILABLE, "engine died")], "w1": OK})
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(rt, prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine died" in err.value.details()
+    assert len(fake.calls) == 1
+
+
+async def test_gives_up_after_the_retries():
+    down = [rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")]
+    rt, fake = await serve({"w0": down, "w1": down}, retries=1)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(rt, prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(fake.calls) == 2
+
+
+@pytest.mark.parametrize(
+    "req, code, message",
+    [
+        ({"prompt": "hi", "model": "huge"}, grpc.StatusCode.NOT_FOUND, "available: tiny"),
+        ({}, grpc.StatusCode.INVALID_ARGUMENT, "exactly one of prompt"),
+        ({"prompt": "hi", "max_tokens": 100}, grpc.StatusCode.INVALID_ARGUMENT, "context of 64"),
+    ],
+)
+async def test_bad_requests_never_reach_a_worker(req, code, message):
+    rt, fake = await serve({"w0": OK, "w1": OK})
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(rt, **req)
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == code and message in err.value.details()
+    assert fake.calls == []
+
+
+async def test_no_workers_is_unavailable():
+    rt, _ = await serve({}, workers=())
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(rt, prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no worker is serving 'tiny'" in err.value.details()

@@ -1,0 +1,88 @@
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gaas import envoyconf, protogen, topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("envoy")
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, workers=2)
+    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs")
+    return topo, {name: yaml.safe_load(path.read_text()) for name, path in files.items()}, files
+
+
+def test_one_sidecar_per_instance_plus_ingress(rendered):
+    topo, configs, _ = rendered
+    assert set(configs) == {"ingress-0"} | {f"sidecar-{i.name}" for i in topo.instances}
+
+
+def test_configs_are_valid_envoy(rendered):
+    _, _, files = rendered
+    for name, path in files.items():
+        r = subprocess.run(
+            [envoyconf.envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert r.returncode == 0, f"{name}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+
+
+def _clusters(cfg):
+    return {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+
+
+def _routes(listener):
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["route_config"]["virtual_hosts"][0]
+
+
+def test_router_sidecar_routes_workers_by_header(rendered):
+    topo, configs, _ = rendered
+    cfg = configs["sidecar-router-0"]
+    clusters = _clusters(cfg)
+    dst = clusters["worker_dst"]
+    assert dst["type"] == "ORIGINAL_DST"
+    assert dst["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-gaas-worker"}
+    outbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "outbound")
+    worker_route = next(r for r in _routes(outbound)["routes"] if r["match"]["prefix"] == "/gaas.v1.Worker/")
+    assert worker_route["route"]["cluster"] == "worker_dst"
+    assert worker_route["match"]["headers"][0]["name"] == "x-gaas-worker"
+    # Peers are reached at their sidecars' inbound listeners, health-checked over gRPC.
+    control = clusters["control"]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in control["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert ports == [topo.instance("control-0").inbound_port]
+    assert "grpc_health_check" in control["health_checks"][0]
+
+
+def test_inbound_forwards_to_the_local_service(rendered):
+    topo, configs, _ = rendered
+    cfg = configs["sidecar-worker-1"]
+    inbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "inbound")
+    assert inbound["address"]["socket_address"]["port_value"] == topo.instance("worker-1").inbound_port
+    local = _clusters(cfg)["local_service"]
+    addr = local["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert addr["port_value"] == topo.instance("worker-1").port
+
+
+def test_control_has_no_outbound_and_worker_reaches_only_its_peers(rendered):
+    _, configs, _ = rendered
+    assert [x["name"] for x in configs["sidecar-control-0"]["static_resources"]["listeners"]] == ["inbound"]
+    assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control", "kvcache"}
+
+
+def test_ingress_strips_trusted_headers_and_transcodes(rendered):
+    _, configs, _ = rendered
+    listener = configs["ingress-0"]["static_resources"]["listeners"][0]
+    vhost = _routes(listener)
+    assert set(vhost["request_headers_to_remove"]) == {"x-gaas-tenant", "x-gaas-worker"}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["codec_type"] == "AUTO"
+    transcoder = hcm["http_filters"][0]["typed_config"]
+    assert transcoder["services"] == ["gaas.v1.Inference"]
+    assert Path(transcoder["proto_descriptor"]).is_file()

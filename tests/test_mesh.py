@@ -1,0 +1,272 @@
+"""The whole mesh, started once by `gaas up` (Redis, five services, two vLLM workers, six
+sidecars and the ingress Envoy): requests travel the real path and come back as they should."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+import redis
+
+from gaas.v1 import (
+    common_pb2,
+    control_pb2,
+    control_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from tests.conftest import MESH_WORKERS, ROOT, process_alive
+
+pytestmark = pytest.mark.mesh
+
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # several 32-token blocks
+
+
+def gaas(mesh, *args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "gaas.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "GAAS_HOME": str(mesh.run_dir)},
+    )
+
+
+def generate(mesh, metadata=(), **req):
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        return list(stub.Generate(inference_pb2.GenerateRequest(**req), timeout=60, metadata=metadata))
+
+
+def http(mesh, path, body: bytes | None = None, method="POST"):
+    req = urllib.request.Request(f"http://{mesh.ingress}{path}", data=body, method=method)
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def worker_addresses(mesh) -> dict[str, str]:
+    return {w["worker_id"]: w["address"] for w in mesh.ready["workers"]}
+
+
+def test_ready_report_and_status(mesh):
+    assert mesh.ready["healthy"] and mesh.ready["ingress"] == mesh.ingress
+    assert len(mesh.ready["workers"]) == MESH_WORKERS
+    r = gaas(mesh, "status", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    status = json.loads(r.stdout)
+    assert {i["name"] for i in status["instances"]} >= {"control-0", "router-0", "worker-0", "worker-1"}
+    assert all(i["health"] == "SERVING" and i["sidecar_ready"] for i in status["instances"])
+    assert {w["backend"] for w in status["workers"]} <= {"vllm-cpu", "vllm-cuda"}
+    human = gaas(mesh, "status")
+    assert "registered workers" in human.stdout and "SERVING" in human.stdout
+
+
+def test_grpc_generation_streams_tokens_through_the_ingress(mesh):
+    chunks = generate(mesh, prompt="Once upon a time", max_tokens=12, sampling=common_pb2.SamplingParams(temperature=0))
+    assert len(chunks) >= 2, "tokens should arrive as a stream, not one message"
+    final = chunks[-1]
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 12 == final.usage.completion_tokens
+    assert final.usage.prompt_tokens > 0
+    assert final.model == "gaas-tiny" and final.model_version == "1.0.0"
+    assert final.worker_id in worker_addresses(mesh)
+    assert final.timings.ttft_ms > 0 and final.timings.engine_ms >= final.timings.ttft_ms
+    assert all(c.request_id == final.request_id for c in chunks) and final.request_id
+    # Greedy decoding is deterministic: the same prompt gives the same text on any worker.
+    again = generate(mesh, prompt="Once upon a time", max_tokens=12, sampling=common_pb2.SamplingParams(temperature=0))
+    assert "".join(c.text for c in again) == "".join(c.text for c in chunks)
+
+
+def test_token_id_prompts_and_stop_strings(mesh):
+    chunks = generate(mesh, prompt_token_ids=[1, 50, 60, 70], max_tokens=5)
+    assert chunks[-1].usage.prompt_tokens == 4
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_round_robin_uses_every_worker(mesh):
+    served = {generate(mesh, prompt=f"hello {i}", max_tokens=2)[-1].worker_id for i in range(2 * MESH_WORKERS)}
+    assert served == set(worker_addresses(mesh))
+
+
+def test_prefix_cache_hit_is_reported(mesh):
+    cached = [generate(mesh, prompt=LONG_PROMPT, max_tokens=2)[-1].usage for _ in range(MESH_WORKERS + 1)]
+    assert cached[0].prompt_tokens >= 64
+    # Some repeat lands on a worker that has seen the prompt: whole blocks come from its cache.
+    assert max(u.cached_tokens for u in cached) >= 32
+
+
+def test_http_json_through_the_ingress(mesh):
+    status, body = http(mesh, "/v1/generate", json.dumps({"prompt": "Once upon a time", "max_tokens": 6}).encode())
+    assert status == 200, body
+    lines = [json.loads(line) for line in body.strip().splitlines()]
+    assert len(lines) >= 2
+    assert lines[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert lines[-1]["usage"]["completion_tokens"] == 6
+    status, body = http(mesh, "/v1/gaas/models", method="GET")
+    assert status == 200
+    models = {m["name"]: m for m in json.loads(body)["models"]}
+    assert models["gaas-tiny"]["ready_workers"] == MESH_WORKERS
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b'{"prompt": "x", "model": "gpt-9"}', 404, "model 'gpt-9' does not exist"),
+        (b'{"prompt": ""}', 400, "exactly one of prompt"),
+        (b'{"prompt": "x", "max_tokens": 999999}', 400, "context of 2048"),
+        (b'{"prompt": "x", "sampling": {"temperature": -3}}', 400, "temperature must be between"),
+        (b'{"prompt": ', 400, ""),
+        (b'{"prompt": 5}', 400, ""),
+    ],
+)
+def test_http_errors_are_clear(mesh, body, status, message):
+    got, text = http(mesh, "/v1/generate", body)
+    assert got == status, text
+    assert message in text
+
+
+def test_unknown_http_path_is_404(mesh):
+    assert http(mesh, "/v2/anything", b"{}")[0] == 404
+
+
+@pytest.mark.parametrize(
+    "req, code",
+    [
+        ({"prompt": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND),
+        ({"prompt": "x", "prompt_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt_token_ids": [99999999]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "model": "gaas-small"}, grpc.StatusCode.UNAVAILABLE),  # deployed, but no worker serves it
+    ],
+)
+def test_grpc_errors_carry_the_right_code(mesh, req, code):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(mesh, **req)
+    assert err.value.code() == code, err.value.details()
+    assert err.value.details()
+
+
+def test_forged_worker_header_from_outside_is_ignored(mesh):
+    """The ingress strips x-gaas-worker: a client cannot aim the router's sidecar anywhere."""
+    chunks = generate(mesh, metadata=(("x-gaas-worker", "127.0.0.1:1"),), prompt="hi", max_tokens=2)
+    assert chunks[-1].worker_id in worker_addresses(mesh)
+
+
+async def test_cancelled_stream_aborts_the_engine_request(mesh):
+    async with grpc.aio.insecure_channel(mesh.ingress) as ch:
+        call = inference_pb2_grpc.InferenceStub(ch).Generate(
+            inference_pb2.GenerateRequest(prompt="Tell me everything", max_tokens=1500), timeout=60
+        )
+        first = None
+        async for chunk in call:
+            first = chunk
+            break
+        call.cancel()
+    assert first is not None
+    # Every worker's engine is idle again shortly after (asked through each worker's sidecar).
+    deadline = time.monotonic() + 5
+    for wid, address in worker_addresses(mesh).items():
+        async with grpc.aio.insecure_channel(address) as wch:
+            stub = worker_pb2_grpc.WorkerStub(wch)
+            while True:
+                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
+                if load.running_requests == 0 and load.waiting_requests == 0:
+                    break
+                assert time.monotonic() < deadline, f"{wid} still runs the cancelled request: {load}"
+                await asyncio.sleep(0.05)
+
+
+def test_workers_hold_leases_in_redis(mesh):
+    r = redis.Redis.from_url(json.loads((mesh.run_dir / "mesh.json").read_text())["redis_url"])
+    for wid in worker_addresses(mesh):
+        ttl = r.pttl(f"gaas:worker:{wid}")
+        assert 0 < ttl <= 10_000, f"{wid}: lease TTL {ttl} ms"
+    r.close()
+
+
+def test_cli_generate_prints_text_and_stats(mesh):
+    r = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert "TTFT" in r.stderr and "8 tokens" in r.stderr and "tokens/s" in r.stderr
+    assert r.stdout.strip()
+    j = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "4", "--json")
+    summary = json.loads(j.stdout)
+    assert summary["tokens"] == 4 and summary["usage"]["completion_tokens"] == 4 and summary["ttft_ms"] > 0
+    bad = gaas(mesh, "generate", "x", "--model", "nope")
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+    models = json.loads(gaas(mesh, "models", "--json").stdout)
+    assert {m["name"] for m in models} == {"gaas-tiny", "gaas-small"}
+
+
+def test_services_expose_metrics(mesh):
+    from gaas import topology
+
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base, workers=MESH_WORKERS)
+    router = topo.instance("router-0")
+    body = urllib.request.urlopen(f"http://{router.host}:{router.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'gaas_router_grpc_requests_total{code="OK",method="Generate"}' in body
+    worker = topo.instance("worker-0")
+    body = urllib.request.urlopen(f"http://{worker.host}:{worker.metrics_port}/metrics", timeout=5).read().decode()
+    assert "gaas_worker_grpc_requests_total" in body and "vllm:" in body  # vLLM's own metrics too
+
+
+def wait_for_lines(path, *needles, timeout=10.0) -> str:
+    """The file's text once it holds a line containing all needles (Envoy flushes logs every second)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        if any(all(n in line for n in needles) for line in text.splitlines()):
+            return text
+        assert time.monotonic() < deadline, f"no line with {needles} in {path}:\n{text[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_access_logs_show_the_path(mesh):
+    final = generate(mesh, prompt="trace me", max_tokens=2, request_id="req-trace-me")[-1]
+    logs = mesh.run_dir / "logs"
+    wait_for_lines(logs / "envoy-ingress-access.log", "/gaas.v1.Inference/Generate")
+    router_sidecar = wait_for_lines(logs / "envoy-router-0-access.log", "req-trace-me", "/gaas.v1.Worker/Generate")
+    wait_for_lines(logs / f"envoy-{final.worker_id}-access.log", "req-trace-me")
+    assert "Health/Check" not in router_sidecar  # health checks are filtered out
+
+
+@pytest.mark.destructive
+def test_a_dead_worker_is_routed_around(mesh):
+    pid = mesh.children["worker-1"]
+    os.killpg(pid, signal.SIGKILL)
+    # Until its lease lapses the router may still pick it: the stream is retried on worker-0.
+    for i in range(4):
+        chunks = generate(mesh, prompt=f"still there {i}", max_tokens=2)
+        assert chunks[-1].worker_id == "worker-0"
+    deadline = time.monotonic() + 20
+    while True:
+        with grpc.insecure_channel(mesh.ready["instances"][0]["address"]) as ch:  # control-0's sidecar
+            workers = control_pb2_grpc.ControlStub(ch).ListWorkers(control_pb2.ListWorkersRequest(), timeout=2).workers
+        if [w.worker_id for w in workers] == ["worker-0"]:
+            break
+        assert time.monotonic() < deadline, "worker-1's lease did not lapse"
+        time.sleep(0.5)
+
+
+@pytest.mark.destructive
+def test_sigterm_stops_everything(mesh):
+    rc = mesh.stop(timeout=90)
+    assert rc == 0, mesh.output.read_text()[-3000:]
+    time.sleep(0.5)
+    alive = [name for name, pid in mesh.children.items() if process_alive(pid)]
+    assert alive == []
+    # vLLM's engine processes lived in the workers' process groups: none may remain.
+    leftovers = subprocess.run(["pgrep", "-f", str(mesh.run_dir)], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+    assert "stopped; nothing left running" in mesh.output.read_text()

@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+
+from gaas import topology
+from gaas.topology import TopologyError
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = {
+    "host": "127.0.0.1",
+    "port_base": 20000,
+    "ingress": {"port": 8080},
+    "services": {
+        "control": {"replicas": 1},
+        "kvcache": {"replicas": 1},
+        "billing": {"replicas": 1},
+        "router": {"replicas": 2},
+        "worker": {"replicas": 2, "model": "gaas-tiny"},
+    },
+}
+
+
+def test_ports_are_derived_in_blocks_of_ten():
+    t = topology.build(DOC)
+    names = [i.name for i in t.instances]
+    assert names == ["control-0", "kvcache-0", "billing-0", "worker-0", "worker-1", "router-0", "router-1"]
+    c = t.instance("control-0")
+    assert (c.port, c.inbound_port, c.outbound_port, c.admin_port, c.metrics_port) == (20010, 20011, 20012, 20013, 20014)
+    assert t.instance("worker-1").base == 20050
+    assert t.ingress_admin_port == 20003
+    assert len(set(t.all_ports())) == len(t.all_ports())
+
+
+def test_overrides_win():
+    t = topology.build(DOC, port_base=40000, ingress_port=9999, workers=3)
+    assert t.ingress == "127.0.0.1:9999"
+    assert t.instance("control-0").port == 40010
+    assert [w.name for w in t.of("worker")] == ["worker-0", "worker-1", "worker-2"]
+    assert t.of("worker")[0].options["kv_cache_gib"] == 1  # defaults filled in
+
+
+def test_env_overrides(tmp_path):
+    t = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_PORT_BASE": "41000", "GAAS_WORKERS": "2"})
+    assert t.port_base == 41000 and len(t.of("worker")) == 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"services": {**DOC["services"], "cache": {}}}, "unknown service"),
+        ({"services": {k: v for k, v in DOC["services"].items() if k != "router"}}, "missing: router"),
+        ({"services": {**DOC["services"], "worker": {"replicas": 1}}}, "model is required"),
+        ({"services": {**DOC["services"], "worker": {"model": "m", "gpus": 2}}}, "unknown setting"),
+        ({"services": {**DOC["services"], "router": {"replicas": 0}}}, "at least 1"),
+        ({"port_base": "lots"}, "port_base must be an integer"),
+        ({"ingress": {"port": 20011}}, "collides"),
+        ({"port_base": 65500}, "too few ports"),
+    ],
+)
+def test_bad_topologies_say_what_is_wrong(change, message):
+    with pytest.raises(TopologyError, match=message):
+        topology.build({**DOC, **change})
+
+
+def test_the_shipped_topology_loads():
+    t = topology.load(ROOT / "deploy" / "topology.yaml", env={})
+    assert {i.service for i in t.instances} == set(topology.SERVICES)

@@ -1,0 +1,152 @@
+"""The worker's servicer over a real gRPC server with a fake engine: chunk mapping, usage on the
+last chunk, cancellation reaching the engine, and error codes."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from gaas.runtime.server import ServerOptions, ServiceRuntime
+from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.engine import (
+    LENGTH,
+    Delta,
+    Engine,
+    EngineBusy,
+    EngineFailed,
+    EngineInfo,
+    EngineLoad,
+    EngineUnavailable,
+    InvalidRequest,
+)
+from services.worker.servicer import WorkerServicer
+
+INFO = EngineInfo("tiny", "1.0", "vllm-cpu", "cpu", 32, 256)
+
+
+class FakeEngine(Engine):
+    info = INFO
+
+    def __init__(self, tokens=3, delay=0.0, fail=None):
+        self.tokens, self.delay, self.fail = tokens, delay, fail
+        self.requests = []
+        self.aborted = asyncio.Event()
+
+    async def generate(self, r):
+        self.requests.append(r)
+        if self.fail:
+            raise self.fail
+        try:
+            for i in range(1, self.tokens + 1):
+                await asyncio.sleep(self.delay)
+                last = i == self.tokens
+                yield Delta(
+                    text=f"t{i}", token_ids=[i], completion_tokens=i,
+                    finish_reason=LENGTH if last else None,
+                    prompt_tokens=5 if last else 0, cached_tokens=2 if last else 0,
+                )
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.set()
+            raise
+
+    def load(self):
+        return EngineLoad(running=len(self.requests), waiting=0, kv_cache_usage=0.25)
+
+    async def shutdown(self):
+        pass
+
+
+async def serve(engine):
+    rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1))
+    rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer("worker-7", engine), "gaas.v1.Worker")
+    await rt.start()
+    return rt
+
+
+def wreq(request_id="req-1", cache_salt="", **kw):
+    return worker_pb2.WorkerGenerateRequest(
+        request=inference_pb2.GenerateRequest(**kw), request_id=request_id, cache_salt=cache_salt
+    )
+
+
+async def test_streams_deltas_with_usage_last():
+    engine = FakeEngine()
+    rt = await serve(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(
+                wreq(prompt="hi", max_tokens=3, cache_salt="s", sampling=common_pb2.SamplingParams(temperature=0)),
+                timeout=5)]
+    finally:
+        await rt.shutdown()
+    assert [c.text for c in chunks] == ["t1", "t2", "t3"]
+    last = chunks[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.cached_tokens, last.usage.completion_tokens) == (5, 2, 3)
+    assert (last.worker_id, last.model, last.model_version) == ("worker-7", "tiny", "1.0")
+    assert last.timings.engine_ms >= last.timings.ttft_ms > 0
+    assert not chunks[0].HasField("usage")
+    r = engine.requests[0]
+    assert (r.request_id, r.cache_salt, r.max_tokens, r.sampling) == ("req-1", "s", 3, {"temperature": 0.0})
+
+
+async def test_cancel_aborts_the_engine_request():
+    engine = FakeEngine(tokens=1000, delay=0.01)
+    rt = await serve(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            call = worker_pb2_grpc.WorkerStub(ch).Generate(wreq(prompt="hi", max_tokens=200), timeout=10)
+            async for _ in call:
+                break
+            call.cancel()
+            await asyncio.wait_for(engine.aborted.wait(), timeout=5)
+    finally:
+        await rt.shutdown()
+
+
+@pytest.mark.parametrize(
+    "engine, req, code, message",
+    [
+        (FakeEngine(), wreq(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "exactly one of prompt"),
+        (FakeEngine(), wreq(prompt="hi", max_tokens=300), grpc.StatusCode.INVALID_ARGUMENT, "context of 256"),
+        (FakeEngine(), wreq(request_id="", prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT, "request_id is required"),
+        (FakeEngine(), wreq(prompt="hi", model="big"), grpc.StatusCode.FAILED_PRECONDITION, "serves 'tiny'"),
+        (FakeEngine(fail=InvalidRequest("prompt too long")), wreq(prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT, "too long"),
+        (FakeEngine(fail=EngineUnavailable("engine died")), wreq(prompt="hi"), grpc.StatusCode.UNAVAILABLE, "died"),
+        (None, wreq(prompt="hi"), grpc.StatusCode.UNAVAILABLE, "still loading"),
+    ],
+)
+async def test_errors(engine, req, code, message):
+    rt = await serve(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=5)]
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == code and message in err.value.details()
+
+
+async def test_get_load():
+    rt = await serve(FakeEngine())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    finally:
+        await rt.shutdown()
+    assert (load.worker_id, load.kv_cache_usage) == ("worker-7", 0.25)
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [(EngineBusy("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED), (EngineFailed("boom"), grpc.StatusCode.INTERNAL)],
+)
+async def test_engine_faults(error, code):
+    rt = await serve(FakeEngine(fail=error))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(wreq(prompt="hi"), timeout=5)]
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == code
