@@ -4,6 +4,8 @@
   gaas generate "Once upon"    stream a generation through the ingress
   gaas status                  health of every service instance, Envoy and worker
   gaas models                  models the mesh serves
+  gaas tenant create acme      tenants (tiers gold / silver / bronze) and their API keys:
+  gaas key create acme           the key is printed once; `gaas key revoke KEY_ID` ends it
   gaas model build             build the local test/benchmark model
   gaas envoy render            write the Envoy configs the topology produces
 """
@@ -74,6 +76,40 @@ def _ingress(args) -> str:
     return f"127.0.0.1:{os.environ.get('GAAS_INGRESS_PORT', '8080')}"
 
 
+def _api_key(args) -> str | None:
+    """--api-key, else GAAS_API_KEY, else the demo key `gaas up` saved in the run directory."""
+    if getattr(args, "api_key", None):
+        return args.api_key
+    if env := os.environ.get("GAAS_API_KEY"):
+        return env
+    from gaas.admin import DEMO_KEY_FILE
+
+    path = Path(args.run_dir) / DEMO_KEY_FILE
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _control(args) -> str:
+    """Where the control plane is reached: --control, else control-0's sidecar of the running mesh."""
+    if getattr(args, "control", None):
+        return args.control
+    topo = _topology(args, _state(Path(args.run_dir)))
+    return topo.of("control")[0].inbound
+
+
+def _examples(ingress: str, key: str, model: str) -> str:
+    return (
+        f"  curl:   curl -N http://{ingress}/v1/chat/completions -H 'Authorization: Bearer {key}' \\\n"
+        f"            -H 'Content-Type: application/json' \\\n"
+        f"            -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"stream\": true}}'\n"
+        f"  python: from openai import OpenAI\n"
+        f"          client = OpenAI(base_url=\"http://{ingress}/v1\", api_key=\"{key}\")\n"
+        f"          print(client.completions.create(model=\"{model}\", prompt=\"Once upon a time\", max_tokens=32).choices[0].text)\n"
+    )
+
+
 # ------------------------------------------------------------------------- up
 
 
@@ -125,17 +161,31 @@ def cmd_up(args) -> int:
         mesh.stop()
         return 130
 
+    from gaas.admin import DEMO_KEY_FILE, DEMO_TENANT, Admin
+    from gaas.client import GaasError
+
+    try:
+        with Admin(topo.of("control")[0].inbound) as admin:
+            demo_key, created = admin.ensure_demo_key(run_dir)
+    except GaasError as exc:
+        _fail(f"cannot set up the demo tenant: {exc}")
+        mesh.stop()
+        return 1
     elapsed = time.monotonic() - started
     ingress = topo.ingress
+    model = mesh.spec.default_model.name
     if args.json:
-        print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), **health.to_dict()}), flush=True)
+        print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), "demo_key_file":
+                          str(run_dir / DEMO_KEY_FILE), **health.to_dict()}), flush=True)
     else:
         workers = ", ".join(f"{w['worker_id']} ({w['device']})" for w in health.workers)
         print(
             f"\nGaaS is up in {elapsed:.1f} s: {services} services, {services + 1} Envoys, workers: {workers}\n"
-            f"  ingress (gRPC and HTTP): {ingress}\n"
-            f"  try:    gaas generate \"Once upon a time\"\n"
-            f"          curl -N http://{ingress}/v1/generate -d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'\n"
+            f"  ingress (gRPC and HTTP, OpenAI-compatible under /v1): {ingress}\n"
+            f"  API key of tenant '{DEMO_TENANT}' ({'new' if created else 'kept'}, saved in {run_dir / DEMO_KEY_FILE}):\n"
+            f"          {demo_key}\n"
+            f"  try:    gaas generate \"Once upon a time\"   (gaas commands use that key unless given --api-key)\n"
+            f"{_examples(ingress, demo_key, model)}"
             f"  status: gaas status      logs: {run_dir / 'logs'}\n"
             f"  Ctrl-C (or SIGTERM) stops everything.\n",
             flush=True,
@@ -192,7 +242,7 @@ def cmd_generate(args) -> int:
     tokens = 0
     text: list[str] = []
     final = None
-    with GaasClient(target) as client:
+    with GaasClient(target, api_key=_api_key(args)) as client:
         try:
             stream = client.generate(
                 prompt,
@@ -300,7 +350,7 @@ def cmd_status(args) -> int:
 def cmd_models(args) -> int:
     from gaas.client import GaasClient, GaasError
 
-    with GaasClient(_ingress(args)) as client:
+    with GaasClient(_ingress(args), api_key=_api_key(args)) as client:
         try:
             models = client.list_models()
         except GaasError as exc:
@@ -314,6 +364,76 @@ def cmd_models(args) -> int:
     else:
         for r in rows:
             print(f"{r['name']:<16} {r['version']:<10} {r['ready_workers']} worker(s)  context {r['max_model_len']}")
+    return 0
+
+
+# ------------------------------------------------------------- tenants, keys
+
+
+def _admin_call(args, fn):
+    from gaas.admin import Admin
+    from gaas.client import GaasError
+
+    try:
+        with Admin(_control(args)) as admin:
+            return fn(admin), None
+    except GaasError as exc:
+        return None, _fail(f"{exc.code}: {exc.message}", 1)
+
+
+def cmd_tenant_create(args) -> int:
+    tenant, err = _admin_call(args, lambda a: a.create_tenant(args.name, args.tier))
+    if err is not None:
+        return err
+    print(json.dumps(tenant) if args.json else f"created tenant {tenant['name']} ({tenant['tier']}); "
+          f"give it a key with: gaas key create {tenant['name']}")
+    return 0
+
+
+def cmd_tenant_list(args) -> int:
+    tenants, err = _admin_call(args, lambda a: a.list_tenants())
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(tenants, indent=2))
+    else:
+        for t in tenants:
+            print(f"{t['name']:<24} {t['tier']}")
+    return 0
+
+
+def cmd_key_create(args) -> int:
+    result, err = _admin_call(args, lambda a: a.create_key(args.tenant))
+    if err is not None:
+        return err
+    key, secret = result
+    if args.json:
+        print(json.dumps({**key, "api_key": secret}))
+    else:
+        print(secret)
+        _say(f"API key {key['key_id']} for tenant {key['tenant']}: shown this once, only its hash is kept")
+    return 0
+
+
+def cmd_key_list(args) -> int:
+    keys, err = _admin_call(args, lambda a: a.list_keys(args.tenant or ""))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(keys, indent=2))
+    else:
+        for k in keys:
+            state = "revoked" if k["revoked"] else "active"
+            print(f"{k['key_id']:<18} {k['tenant']:<20} {k['prefix']}...  {state}")
+    return 0
+
+
+def cmd_key_revoke(args) -> int:
+    key, err = _admin_call(args, lambda a: a.revoke_key(args.key_id))
+    if err is not None:
+        return err
+    print(json.dumps(key) if args.json else f"revoked {key['key_id']} of tenant {key['tenant']}; "
+          "routers refuse it within seconds")
     return 0
 
 
@@ -390,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--priority", choices=["low", "normal", "high"], default="normal")
     gen.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (120)")
     gen.add_argument("--ingress", default=None, help="host:port of the ingress (env GAAS_INGRESS; default: the running mesh's)")
+    gen.add_argument("--api-key", default=None, help="API key (env GAAS_API_KEY; default: the demo key `gaas up` saved)")
     gen.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, timings, usage) instead")
     gen.set_defaults(func=cmd_generate)
@@ -404,9 +525,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="models the mesh serves, with their ready workers")
     models.add_argument("--ingress", default=None, help="host:port of the ingress")
+    models.add_argument("--api-key", default=None, help="API key (env GAAS_API_KEY; default: the demo key)")
     models.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
     models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(func=cmd_models)
+
+    def admin_args(sp) -> None:
+        mesh_args(sp, workers=False)
+        sp.add_argument("--control", default=None, help="host:port of control (default: control-0's sidecar of the running mesh)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    tenant = sub.add_parser("tenant", help="tenants")
+    tsub = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
+    tcreate = tsub.add_parser("create", help="create a tenant")
+    tcreate.add_argument("name", help="lower-case letters, digits, '-' and '_'")
+    tcreate.add_argument("--tier", choices=["gold", "silver", "bronze"], default="bronze", help="service tier (bronze)")
+    admin_args(tcreate)
+    tcreate.set_defaults(func=cmd_tenant_create)
+    tlist = tsub.add_parser("list", help="list tenants")
+    admin_args(tlist)
+    tlist.set_defaults(func=cmd_tenant_list)
+
+    key = sub.add_parser("key", help="API keys")
+    ksub = key.add_subparsers(dest="key_command", required=True, metavar="ACTION")
+    kcreate = ksub.add_parser("create", help="create an API key for a tenant (printed once; only its hash is kept)")
+    kcreate.add_argument("tenant")
+    admin_args(kcreate)
+    kcreate.set_defaults(func=cmd_key_create)
+    klist = ksub.add_parser("list", help="list API keys (ids and prefixes, never the keys)")
+    klist.add_argument("tenant", nargs="?", default="", help="only this tenant's keys")
+    admin_args(klist)
+    klist.set_defaults(func=cmd_key_list)
+    krevoke = ksub.add_parser("revoke", help="revoke an API key by its id (see `gaas key list`)")
+    krevoke.add_argument("key_id")
+    admin_args(krevoke)
+    krevoke.set_defaults(func=cmd_key_revoke)
 
     model = sub.add_parser("model", help="local models")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from gaas.runtime.context import TENANT_HEADER, WORKER_HEADER
-from gaas.topology import GRPC_SERVICE, TALKS_TO, Instance, Topology
+from gaas.topology import GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, Topology
 
 HTTP2 = {
     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -205,15 +205,29 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
     return _bootstrap(f"sidecar-{inst.name}", inst.host, inst.admin_port, listeners, clusters)
 
 
+OPENAI_ERRORS_LUA = Path(__file__).resolve().parent.parent / "envoy" / "openai_errors.lua"
+# Largest HTTP body the ingress buffers for transcoding; the router sets its own, smaller limit.
+MAX_HTTP_BODY = 8 << 20
+
+
 def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
-    """The edge: gRPC and HTTP/1.1 on one port, JSON transcoded to the router's gRPC API."""
+    """The edge: gRPC and HTTP/1.1 on one port; JSON transcoded to the router's gRPC APIs (the
+    native one and the OpenAI-compatible one), whose errors get OpenAI's shape."""
+    openai_errors = {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"filename": str(OPENAI_ERRORS_LUA)},
+        },
+    }
     transcoder = {
         "name": "envoy.filters.http.grpc_json_transcoder",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
             "proto_descriptor": str(descriptor_set),
-            "services": [GRPC_SERVICE["router"]],
+            "services": [GRPC_SERVICE["router"], OPENAI_SERVICE],
             "convert_grpc_status": True,
+            "max_request_body_size": MAX_HTTP_BODY,
             "print_options": {
                 "add_whitespace": False,
                 "always_print_primitive_fields": False,
@@ -226,13 +240,15 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
     }
     routes = [
         _grpc_route(f"/{GRPC_SERVICE['router']}/", "router"),
+        _grpc_route(f"/{OPENAI_SERVICE}/", "router"),
         # After transcoding the path is the gRPC one; anything else is not ours.
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]
     hcm = _hcm(
         "ingress",
         routes,
-        [transcoder],
+        # On responses filters run in reverse: the transcoder's output reaches the Lua filter.
+        [openai_errors, transcoder],
         log_dir / "envoy-ingress-access.log",
         # Only the router may say who the tenant is or which worker serves; never a client.
         vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER]},

@@ -9,6 +9,8 @@ DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1 << 20
+MAX_MESSAGES = 256
+CHAT_ROLES = ("system", "user", "assistant")
 ID_MAX = 128
 
 # vLLM's priority scheduling serves lower values first.
@@ -50,12 +52,19 @@ def sampling_dict(sp: common_pb2.SamplingParams) -> dict[str, float | int]:
 
 
 def check(req: inference_pb2.GenerateRequest, max_model_len: int | None = None) -> int:
-    """Validate req; returns the effective max_tokens."""
-    if bool(req.prompt) == bool(req.prompt_token_ids):
-        raise RequestInvalid("set exactly one of prompt (text) and prompt_token_ids")
-    if len(req.prompt) > MAX_PROMPT_CHARS:
-        raise RequestInvalid(f"prompt is {len(req.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-    max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+    """Validate req; returns the effective max_tokens (0 for messages without one: the worker
+    gives them the rest of the context once the conversation is rendered)."""
+    if sum(map(bool, (req.prompt, req.prompt_token_ids, req.messages))) != 1:
+        raise RequestInvalid("set exactly one of prompt (text), prompt_token_ids and messages")
+    chars = len(req.prompt) + sum(len(m.content) for m in req.messages)
+    if chars > MAX_PROMPT_CHARS:
+        raise RequestInvalid(f"the prompt is {chars} characters; the limit is {MAX_PROMPT_CHARS}")
+    if len(req.messages) > MAX_MESSAGES:
+        raise RequestInvalid(f"at most {MAX_MESSAGES} messages, got {len(req.messages)}")
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise RequestInvalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+    max_tokens = req.max_tokens or (0 if req.messages else DEFAULT_MAX_TOKENS)
     if max_model_len is not None:
         if max_tokens >= max_model_len:
             raise RequestInvalid(f"max_tokens {max_tokens} must be below the model's context of {max_model_len} tokens")

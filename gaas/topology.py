@@ -22,6 +22,9 @@ GRPC_SERVICE = {
     "router": "gaas.v1.Inference",
 }
 
+# The router's second public API: OpenAI's HTTP API over HttpBody methods.
+OPENAI_SERVICE = "gaas.v1.OpenAI"
+
 # Whom each kind calls, through its sidecar's outbound listener (DESIGN.md's "talks to").
 TALKS_TO = {
     "control": (),

@@ -72,6 +72,12 @@ class RunningMesh:
     # name -> pid of every child `gaas up` started (from its state file).
     children: dict[str, int]
     output: Path
+    # The demo tenant's key `gaas up` created.
+    api_key: str
+
+    @property
+    def auth(self) -> tuple:
+        return (("authorization", f"Bearer {self.api_key}"),)
 
     def stop(self, timeout: float = 90) -> int:
         if self.proc.poll() is None:
@@ -107,7 +113,8 @@ def mesh(tmp_path_factory) -> RunningMesh:
         pytest.fail(f"gaas up failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
     ready = json.loads(ready_line)
     children = json.loads((run_dir / "mesh.json").read_text())["children"]
-    m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output)
+    api_key = Path(ready["demo_key_file"]).read_text().strip()
+    m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output, api_key)
     yield m
     if proc.poll() is None:
         m.stop()

@@ -83,6 +83,11 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     assert set(vhost["request_headers_to_remove"]) == {"x-gaas-tenant", "x-gaas-worker"}
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["codec_type"] == "AUTO"
-    transcoder = hcm["http_filters"][0]["typed_config"]
-    assert transcoder["services"] == ["gaas.v1.Inference"]
+    filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
+    transcoder = filters["envoy.filters.http.grpc_json_transcoder"]
+    assert transcoder["services"] == ["gaas.v1.Inference", "gaas.v1.OpenAI"]
     assert Path(transcoder["proto_descriptor"]).is_file()
+    # The Lua filter comes first, so on the way back it sees the transcoder's answers.
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names.index("envoy.filters.http.lua") < names.index("envoy.filters.http.grpc_json_transcoder")
+    assert Path(filters["envoy.filters.http.lua"]["default_source_code"]["filename"]).is_file()

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,37 +26,11 @@ from gaas.v1 import (
     worker_pb2_grpc,
 )
 from tests.conftest import MESH_WORKERS, ROOT, process_alive
+from tests.meshutil import gaas, generate, http, wait_for_lines, worker_addresses
 
 pytestmark = pytest.mark.mesh
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # several 32-token blocks
-
-
-def gaas(mesh, *args, timeout=60):
-    return subprocess.run(
-        [sys.executable, "-m", "gaas.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "GAAS_HOME": str(mesh.run_dir)},
-    )
-
-
-def generate(mesh, metadata=(), **req):
-    with grpc.insecure_channel(mesh.ingress) as ch:
-        stub = inference_pb2_grpc.InferenceStub(ch)
-        return list(stub.Generate(inference_pb2.GenerateRequest(**req), timeout=60, metadata=metadata))
-
-
-def http(mesh, path, body: bytes | None = None, method="POST"):
-    req = urllib.request.Request(f"http://{mesh.ingress}{path}", data=body, method=method)
-    req.add_header("content-type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
-def worker_addresses(mesh) -> dict[str, str]:
-    return {w["worker_id"]: w["address"] for w in mesh.ready["workers"]}
 
 
 def test_ready_report_and_status(mesh):
@@ -159,14 +132,21 @@ def test_grpc_errors_carry_the_right_code(mesh, req, code):
 
 def test_forged_worker_header_from_outside_is_ignored(mesh):
     """The ingress strips x-gaas-worker: a client cannot aim the router's sidecar anywhere."""
-    chunks = generate(mesh, metadata=(("x-gaas-worker", "127.0.0.1:1"),), prompt="hi", max_tokens=2)
+    chunks = generate(mesh, metadata=mesh.auth + (("x-gaas-worker", "127.0.0.1:1"),), prompt="hi", max_tokens=2)
     assert chunks[-1].worker_id in worker_addresses(mesh)
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer gaas_not_a_key"),)])
+def test_grpc_needs_a_valid_key(mesh, metadata):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(mesh, metadata=metadata, prompt="hi", max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_cancelled_stream_aborts_the_engine_request(mesh):
     async with grpc.aio.insecure_channel(mesh.ingress) as ch:
         call = inference_pb2_grpc.InferenceStub(ch).Generate(
-            inference_pb2.GenerateRequest(prompt="Tell me everything", max_tokens=1500), timeout=60
+            inference_pb2.GenerateRequest(prompt="Tell me everything", max_tokens=1500), timeout=60, metadata=mesh.auth
         )
         first = None
         async for chunk in call:
@@ -219,17 +199,6 @@ def test_services_expose_metrics(mesh):
     worker = topo.instance("worker-0")
     body = urllib.request.urlopen(f"http://{worker.host}:{worker.metrics_port}/metrics", timeout=5).read().decode()
     assert "gaas_worker_grpc_requests_total" in body and "vllm:" in body  # vLLM's own metrics too
-
-
-def wait_for_lines(path, *needles, timeout=10.0) -> str:
-    """The file's text once it holds a line containing all needles (Envoy flushes logs every second)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        if any(all(n in line for n in needles) for line in text.splitlines()):
-            return text
-        assert time.monotonic() < deadline, f"no line with {needles} in {path}:\n{text[-2000:]}"
-        time.sleep(0.2)
 
 
 def test_access_logs_show_the_path(mesh):

@@ -12,9 +12,12 @@ TenantId = NewType("TenantId", str)
 REQUEST_ID_HEADER = "x-gaas-request-id"
 TENANT_HEADER = "x-gaas-tenant"
 WORKER_HEADER = "x-gaas-worker"
+AUTHORIZATION_HEADER = "authorization"
 
 request_id_var: ContextVar[str] = ContextVar("gaas_request_id", default="")
 tenant_var: ContextVar[str] = ContextVar("gaas_tenant", default="")
+# The caller's Authorization value, as sent ("Bearer <key>"); only the router reads it.
+authorization_var: ContextVar[str] = ContextVar("gaas_authorization", default="")
 
 
 def new_request_id() -> str:
@@ -27,3 +30,7 @@ def current_request_id() -> str:
 
 def current_tenant() -> TenantId:
     return TenantId(tenant_var.get())
+
+
+def current_authorization() -> str:
+    return authorization_var.get()

@@ -13,8 +13,10 @@ from collections.abc import Callable
 import grpc
 
 from gaas.runtime.context import (
+    AUTHORIZATION_HEADER,
     REQUEST_ID_HEADER,
     TENANT_HEADER,
+    authorization_var,
     new_request_id,
     request_id_var,
     tenant_var,
@@ -56,6 +58,7 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
             _metadata_value(md, REQUEST_ID_HEADER) or _metadata_value(md, "x-request-id") or new_request_id()
         )
         tenant_var.set(_metadata_value(md, TENANT_HEADER) if self._trust_tenant else "")
+        authorization_var.set(_metadata_value(md, AUTHORIZATION_HEADER))
 
     def _done(self, method: str, started: float, exc: BaseException | None, context) -> None:
         self._metrics.rpcs.labels(method, _status_of(exc, context)).inc()

@@ -1,4 +1,4 @@
-"""Control plane service: worker registry (Redis leases) and model catalogue (SQL).
+"""Control plane service: worker registry (Redis leases), model catalogue, tenants and API keys (SQL).
 
 Settings come from GAAS_* variables (see --help); `gaas up` sets them from the topology.
 """
@@ -18,6 +18,7 @@ from services.control.catalog import ModelCatalog
 from services.control.config import ControlConfig
 from services.control.registry import WorkerRegistry
 from services.control.servicer import ControlServicer
+from services.control.tenants import TenantStore
 
 log = logging.getLogger("gaas.control")
 
@@ -44,8 +45,11 @@ async def serve(cfg: ControlConfig) -> None:
         spec = deployspec.load(Path(cfg.deploy_file))
         await catalog.apply(spec)
         log.info("applied %s: models %s", cfg.deploy_file, ", ".join(spec.names()))
+    tenants = TenantStore(db)
+    await tenants.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
-    rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(registry, catalog), "gaas.v1.Control")
+    servicer = ControlServicer(registry, catalog, tenants)
+    rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
     await rt.start()
     await rt.set_serving(True)
     try:

@@ -6,10 +6,12 @@ import logging
 
 import grpc
 
+from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
 from services.control.catalog import ModelCatalog
 from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerId, WorkerRecord, WorkerRegistry
+from services.control.tenants import AlreadyExists, ApiKey, NotFound, Tenant, TenantError, TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +39,37 @@ def _lease(r: WorkerRecord, ttl: int) -> pb.Lease:
     return pb.Lease(worker_id=r.worker_id, expires_unix_ms=r.lease_expires_ms, ttl_seconds=ttl)
 
 
+def tenant_to_pb(t: Tenant) -> pb.Tenant:
+    return pb.Tenant(name=t.name, tier=TIER_TO_PB[t.tier], created_unix_ms=t.created_ms)
+
+
+def key_to_pb(k: ApiKey) -> pb.ApiKey:
+    return pb.ApiKey(
+        key_id=k.key_id, tenant=k.tenant, prefix=k.prefix, created_unix_ms=k.created_ms, revoked_unix_ms=k.revoked_ms
+    )
+
+
 def _valid_address(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, registry: WorkerRegistry, catalog: ModelCatalog) -> None:
+    def __init__(self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore) -> None:
         self._registry = registry
         self._catalog = catalog
+        self._tenants = tenants
+
+    async def _tenant_call(self, context, coro):
+        """Tenant-store calls, with its errors mapped to status codes."""
+        try:
+            return await coro
+        except AlreadyExists as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except NotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except TenantError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.Lease:
         w = request.worker
@@ -110,3 +134,32 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 for m in models
             ]
         )
+
+    async def CreateTenant(self, request: pb.CreateTenantRequest, context) -> pb.Tenant:
+        tier = TIER_FROM_PB.get(request.tier, "bronze")
+        tenant = await self._tenant_call(context, self._tenants.create_tenant(request.name, tier))
+        log.info("created tenant %s (%s)", tenant.name, tenant.tier)
+        return tenant_to_pb(tenant)
+
+    async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsResponse:
+        return pb.ListTenantsResponse(tenants=[tenant_to_pb(t) for t in await self._tenants.list_tenants()])
+
+    async def CreateApiKey(self, request: pb.CreateApiKeyRequest, context) -> pb.CreateApiKeyResponse:
+        key, secret = await self._tenant_call(context, self._tenants.create_key(request.tenant))
+        log.info("created API key %s for tenant %s", key.key_id, key.tenant)
+        return pb.CreateApiKeyResponse(key=key_to_pb(key), api_key=secret)
+
+    async def ListApiKeys(self, request: pb.ListApiKeysRequest, context) -> pb.ListApiKeysResponse:
+        return pb.ListApiKeysResponse(keys=[key_to_pb(k) for k in await self._tenants.list_keys(request.tenant)])
+
+    async def RevokeApiKey(self, request: pb.RevokeApiKeyRequest, context) -> pb.ApiKey:
+        key = await self._tenant_call(context, self._tenants.revoke_key(request.key_id))
+        log.info("revoked API key %s of tenant %s", key.key_id, key.tenant)
+        return key_to_pb(key)
+
+    async def Authenticate(self, request: pb.AuthenticateRequest, context) -> pb.AuthenticateResponse:
+        found = await self._tenants.authenticate(request.api_key) if request.api_key else None
+        if found is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked API key")
+        tenant, key = found
+        return pb.AuthenticateResponse(tenant=tenant_to_pb(tenant), key_id=key.key_id, cache_salt=tenant.cache_salt)

@@ -29,6 +29,10 @@ class RouterConfig:
     eject_seconds: float
     # Longest a generation may stream when the client set no deadline.
     max_stream_seconds: float
+    # Seconds an API key lookup is reused (a revoked key stops working within this).
+    auth_cache_seconds: float
+    # Largest OpenAI-API request body accepted.
+    max_body_bytes: int
     grace_seconds: float
 
     @classmethod
@@ -41,4 +45,6 @@ class RouterConfig:
             retries=env_int(env, "GAAS_ROUTER_RETRIES", 2),
             eject_seconds=env_float(env, "GAAS_EJECT_SECONDS", 5.0),
             max_stream_seconds=env_float(env, "GAAS_MAX_STREAM_SECONDS", 600.0),
+            auth_cache_seconds=env_float(env, "GAAS_AUTH_CACHE_SECONDS", 2.0),
+            max_body_bytes=env_int(env, "GAAS_MAX_BODY_BYTES", 1 << 20),
         )

@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.v1 import control_pb2_grpc, inference_pb2_grpc, worker_pb2_grpc
+from gaas.v1 import control_pb2_grpc, inference_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
+from services.router.auth import Authenticator
 from services.router.config import RouterConfig
+from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import MeshDirectory
+from services.router.dispatch import Dispatcher
+from services.router.openai_servicer import OpenAIServicer
 from services.router.picker import make_picker
-from services.router.servicer import InferenceServicer, control_fetcher
+from services.router.servicer import InferenceServicer
 
 HELP_ENV = """environment:
   GAAS_INSTANCE        replica name (router-0)
@@ -23,6 +27,8 @@ HELP_ENV = """environment:
   GAAS_REGISTRY_TTL    seconds the worker list is cached (1)
   GAAS_ROUTER_RETRIES  other workers tried before the first token (2)
   GAAS_EJECT_SECONDS   seconds a failed worker is skipped (5)
+  GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
+  GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB)
   GAAS_METRICS_PORT    /metrics port (-1: none)
 """
 
@@ -32,17 +38,21 @@ async def serve(cfg: RouterConfig) -> None:
     rt = ServiceRuntime(options_for("router", cfg, trust_tenant=False))
     rt.install_signal_handlers()
     channel = rt.channel(cfg.outbound)
-    directory = MeshDirectory(
-        control_fetcher(control_pb2_grpc.ControlStub(channel)), cfg.registry_ttl_seconds, cfg.eject_seconds
-    )
-    servicer = InferenceServicer(
-        directory,
+    control = control_pb2_grpc.ControlStub(channel)
+    dispatcher = Dispatcher(
+        MeshDirectory(control_fetcher(control), cfg.registry_ttl_seconds, cfg.eject_seconds),
         make_picker(cfg.picker),
         worker_pb2_grpc.WorkerStub(channel),
         retries=cfg.retries,
         max_stream_seconds=cfg.max_stream_seconds,
     )
-    rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
+    auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds)
+    rt.add_service(
+        inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(dispatcher, auth), "gaas.v1.Inference"
+    )
+    rt.add_service(
+        openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes), "gaas.v1.OpenAI"
+    )
     await rt.start()
     await rt.set_serving(True)
     try:

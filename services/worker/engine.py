@@ -46,10 +46,13 @@ class EngineFailed(EngineError):
 class GenerationRequest:
     # Id the engine request carries (the router's request id).
     request_id: str
-    # Exactly one of prompt / prompt_token_ids is non-empty.
+    # Exactly one of prompt / prompt_token_ids / messages is non-empty.
     prompt: str
     prompt_token_ids: list[int]
+    # Most tokens to generate; 0: the rest of the context (chat messages only).
     max_tokens: int
+    # (role, content) pairs, rendered with the model's chat template.
+    messages: list[tuple[str, str]] = field(default_factory=list)
     # vLLM sampling fields that were set (temperature, top_p, ...); unset ones keep defaults.
     sampling: dict[str, float | int] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
@@ -194,14 +197,25 @@ class VllmEngine(Engine):
         )
         return cls(llm, info, tracker, gpu_index)
 
-    def _sampling(self, r: GenerationRequest):
+    def _render_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        """Token ids of the conversation in the model's chat template, the assistant's turn opened."""
+        tok = self._llm.get_tokenizer()
+        try:
+            text = tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja errors: the template refused the conversation
+            raise InvalidRequest(f"the model's chat template rejected the messages: {exc}") from exc
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _sampling(self, r: GenerationRequest, max_tokens: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         try:
             return SamplingParams(
                 n=1,
-                max_tokens=r.max_tokens,
+                max_tokens=max_tokens,
                 stop=r.stop or None,
                 output_kind=RequestOutputKind.DELTA,
                 **r.sampling,
@@ -212,8 +226,19 @@ class VllmEngine(Engine):
     async def generate(self, r: GenerationRequest) -> AsyncIterator[Delta]:
         if self._closed or self._llm.errored:
             raise EngineUnavailable("the engine is not running")
-        params = self._sampling(r)
-        prompt: dict = {"prompt_token_ids": r.prompt_token_ids} if r.prompt_token_ids else {"prompt": r.prompt}
+        token_ids = r.prompt_token_ids
+        if r.messages:
+            token_ids = await asyncio.to_thread(self._render_chat, r.messages)
+        max_tokens = r.max_tokens
+        if not max_tokens:
+            max_tokens = self.info.max_model_len - len(token_ids)
+            if max_tokens < 1:
+                raise InvalidRequest(
+                    f"the conversation is {len(token_ids)} tokens: no room left in the model's context of "
+                    f"{self.info.max_model_len} tokens"
+                )
+        params = self._sampling(r, max_tokens)
+        prompt: dict = {"prompt_token_ids": token_ids} if token_ids else {"prompt": r.prompt}
         if r.cache_salt:
             prompt["cache_salt"] = r.cache_salt
         from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMServerError

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from gaas import genrequest
+from gaas.runtime.context import current_tenant
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.engine import (
     ABORT,
@@ -61,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt=r.prompt,
                 prompt_token_ids=list(r.prompt_token_ids),
                 max_tokens=max_tokens,
+                messages=[(m.role, m.content) for m in r.messages],
                 sampling=genrequest.sampling_dict(r.sampling),
                 stop=list(r.stop),
                 priority=genrequest.VLLM_PRIORITY[r.priority],
@@ -85,6 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     chunk.usage.cached_tokens = d.cached_tokens
                     chunk.usage.completion_tokens = d.completion_tokens
                     chunk.worker_id = self._worker_id
+                    chunk.tenant = current_tenant()
                     chunk.model = info.model
                     chunk.model_version = info.model_version
                     chunk.timings.queue_ms = d.queue_ms

@@ -1,14 +1,20 @@
 """The router's servicer over a real gRPC server, with the control plane and the workers faked
-behind their interfaces: picking, retrying before the first token, never after, error codes."""
+behind their interfaces: authentication, picking, retrying before the first token, never after,
+error codes."""
 
 import grpc
 import pytest
 
 from gaas.runtime.server import ServerOptions, ServiceRuntime
 from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.router.auth import Authenticator, Principal
 from services.router.directory import MeshDirectory, ModelEntry
+from services.router.dispatch import Dispatcher
 from services.router.picker import Candidate, RoundRobinPicker, WorkerId
 from services.router.servicer import InferenceServicer
+
+KEYS = {"key-acme": Principal("acme", "gold", "key_1", "salt-acme")}
+AUTH = (("authorization", "Bearer key-acme"),)
 
 
 def rpc_error(code, details="boom"):
@@ -37,10 +43,14 @@ class FakeWorkers:
     def __init__(self, scripts):
         self.scripts = scripts
         self.calls = []  # (address, request)
+        self.tenants = []
 
     def Generate(self, request, timeout=None, metadata=()):
+        from gaas.runtime.context import current_tenant
+
         address = dict(metadata)["x-gaas-worker"]
         self.calls.append((address, request))
+        self.tenants.append(current_tenant())  # what the channel's interceptor would send on
         return FakeCall(self.scripts[address], request)
 
 
@@ -62,20 +72,22 @@ async def serve(scripts, workers=("w0", "w1"), retries=2):
     async def fetch():
         return models, cands
 
+    async def lookup(key):
+        return KEYS.get(key)
+
     fake = FakeWorkers(scripts)
-    servicer = InferenceServicer(
-        MeshDirectory(fetch, 1.0, 5.0), RoundRobinPicker(), fake, retries=retries, max_stream_seconds=30
-    )
+    dispatcher = Dispatcher(MeshDirectory(fetch, 1.0, 5.0), RoundRobinPicker(), fake, retries=retries, max_stream_seconds=30)
+    servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0))
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, trust_tenant=False))
     rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
     await rt.start()
     return rt, fake
 
 
-async def collect(rt, **req):
+async def collect(rt, metadata=AUTH, **req):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
         stub = inference_pb2_grpc.InferenceStub(ch)
-        return [c async for c in stub.Generate(inference_pb2.GenerateRequest(**req), timeout=5)]
+        return [c async for c in stub.Generate(inference_pb2.GenerateRequest(**req), timeout=5, metadata=metadata)]
 
 
 async def test_streams_and_alternates_workers():
@@ -90,6 +102,32 @@ async def test_streams_and_alternates_workers():
     assert [a for a, _ in fake.calls] == ["w0", "w1"]
     forwarded = fake.calls[0][1]
     assert forwarded.request_id == "req-1" and forwarded.request.model == "tiny"  # default model filled in
+    assert forwarded.cache_salt == "salt-acme"
+    assert first[-1].tenant == "acme" and fake.tenants == ["acme", "acme"]
+
+
+@pytest.mark.parametrize(
+    "metadata, message",
+    [((), "missing API key"), ((("authorization", "Bearer nope"),), "unknown or was revoked")],
+)
+async def test_requests_need_a_known_key(metadata, message):
+    rt, fake = await serve({"w0": OK, "w1": OK})
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(rt, metadata=metadata, prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and message in err.value.details()
+    assert fake.calls == []
+
+
+async def test_a_forged_tenant_header_is_not_believed():
+    rt, fake = await serve({"w0": OK, "w1": OK})
+    try:
+        chunks = await collect(rt, metadata=AUTH + (("x-gaas-tenant", "victim"),), prompt="hi")
+    finally:
+        await rt.shutdown()
+    assert chunks[-1].tenant == "acme" and fake.tenants == ["acme"]
 
 
 async def test_retries_on_another_worker_before_the_first_token():

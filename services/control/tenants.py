@@ -1,0 +1,151 @@
+"""Tenants and their API keys, in SQL. A key is a random secret shown once; only its SHA-256 is
+stored (the secret has 256 bits of entropy, so a fast hash is the right tool, as for session
+tokens). Lookups go by hash, so no secret is ever compared in a loop."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from gaas.runtime.sql import Database
+from gaas.tenancy import TIERS
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+KEY_PREFIX = "gaas_"
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS tenants (
+        name TEXT PRIMARY KEY,
+        tier TEXT NOT NULL,
+        cache_salt TEXT NOT NULL,
+        created_ms BIGINT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS api_keys (
+        key_id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL REFERENCES tenants(name),
+        key_hash TEXT NOT NULL UNIQUE,
+        prefix TEXT NOT NULL,
+        created_ms BIGINT NOT NULL,
+        revoked_ms BIGINT NOT NULL DEFAULT 0
+    )""",
+]
+
+
+class TenantError(ValueError):
+    """A tenant or key request that cannot be done as asked; str() says why."""
+
+
+class NotFound(TenantError):
+    pass
+
+
+class AlreadyExists(TenantError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    # bronze, silver or gold.
+    tier: str
+    # Secret salt of the tenant's prefix-cache keys.
+    cache_salt: str
+    created_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    key_id: str
+    tenant: str
+    # First characters of the secret, for recognising it.
+    prefix: str
+    created_ms: int
+    revoked_ms: int
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class TenantStore:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def init_schema(self) -> None:
+        for statement in SCHEMA:
+            await self._db.execute(statement)
+
+    async def create_tenant(self, name: str, tier: str) -> Tenant:
+        if not NAME_RE.match(name):
+            raise TenantError(f"tenant name {name!r} must be 1-63 lower-case letters, digits, '-' or '_'")
+        if tier not in TIERS:
+            raise TenantError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        if await self.get_tenant(name) is not None:
+            raise AlreadyExists(f"tenant {name!r} already exists")
+        tenant = Tenant(name, tier, secrets.token_hex(16), _now_ms())
+        await self._db.execute(
+            "INSERT INTO tenants (name, tier, cache_salt, created_ms) VALUES (?, ?, ?, ?)",
+            (tenant.name, tenant.tier, tenant.cache_salt, tenant.created_ms),
+        )
+        return tenant
+
+    async def get_tenant(self, name: str) -> Tenant | None:
+        rows = await self._db.execute("SELECT name, tier, cache_salt, created_ms FROM tenants WHERE name = ?", (name,))
+        return Tenant(*rows[0][:3], int(rows[0][3])) if rows else None
+
+    async def list_tenants(self) -> list[Tenant]:
+        rows = await self._db.execute("SELECT name, tier, cache_salt, created_ms FROM tenants ORDER BY name")
+        return [Tenant(n, t, s, int(c)) for n, t, s, c in rows]
+
+    async def create_key(self, tenant: str) -> tuple[ApiKey, str]:
+        """A new key for tenant: (its record, the secret). The secret is not kept."""
+        if await self.get_tenant(tenant) is None:
+            raise NotFound(f"tenant {tenant!r} does not exist; create it first (gaas tenant create)")
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = ApiKey("key_" + secrets.token_hex(6), tenant, secret[:9], _now_ms(), 0)
+        await self._db.execute(
+            "INSERT INTO api_keys (key_id, tenant, key_hash, prefix, created_ms, revoked_ms) VALUES (?, ?, ?, ?, ?, 0)",
+            (key.key_id, key.tenant, hash_key(secret), key.prefix, key.created_ms),
+        )
+        return key, secret
+
+    async def list_keys(self, tenant: str = "") -> list[ApiKey]:
+        query = "SELECT key_id, tenant, prefix, created_ms, revoked_ms FROM api_keys"
+        params: tuple = ()
+        if tenant:
+            query += " WHERE tenant = ?"
+            params = (tenant,)
+        rows = await self._db.execute(query + " ORDER BY created_ms, key_id", params)
+        return [ApiKey(k, t, p, int(c), int(r)) for k, t, p, c, r in rows]
+
+    async def revoke_key(self, key_id: str) -> ApiKey:
+        rows = await self._db.execute(
+            "SELECT key_id, tenant, prefix, created_ms, revoked_ms FROM api_keys WHERE key_id = ?", (key_id,)
+        )
+        if not rows:
+            raise NotFound(f"no API key with id {key_id!r} (gaas key list shows them)")
+        key = ApiKey(rows[0][0], rows[0][1], rows[0][2], int(rows[0][3]), int(rows[0][4]))
+        if key.revoked_ms:
+            return key
+        now = _now_ms()
+        await self._db.execute("UPDATE api_keys SET revoked_ms = ? WHERE key_id = ?", (now, key_id))
+        return ApiKey(key.key_id, key.tenant, key.prefix, key.created_ms, now)
+
+    async def authenticate(self, secret: str) -> tuple[Tenant, ApiKey] | None:
+        """The tenant and key of a live secret; None for an unknown or revoked one."""
+        rows = await self._db.execute(
+            "SELECT k.key_id, k.prefix, k.created_ms, t.name, t.tier, t.cache_salt, t.created_ms"
+            " FROM api_keys k JOIN tenants t ON t.name = k.tenant WHERE k.key_hash = ? AND k.revoked_ms = 0",
+            (hash_key(secret),),
+        )
+        if not rows:
+            return None
+        key_id, prefix, key_created, name, tier, salt, tenant_created = rows[0]
+        return Tenant(name, tier, salt, int(tenant_created)), ApiKey(key_id, name, prefix, int(key_created), 0)

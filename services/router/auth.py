@@ -1,0 +1,75 @@
+"""Who is calling: the API key from the Authorization header, looked up in the control plane and
+cached briefly (a revoked key stops working within the cache's TTL, a few seconds)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gaas.runtime.context import TenantId
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    tenant: TenantId
+    # bronze, silver or gold.
+    tier: str
+    # Public id of the key used.
+    key_id: str
+    # The tenant's prefix-cache salt, set on every engine request.
+    cache_salt: str
+
+
+class Unauthenticated(Exception):
+    """No usable API key; str() tells the caller what to send."""
+
+
+def bearer_key(authorization: str) -> str:
+    """The key of an 'Authorization: Bearer <key>' value."""
+    if not authorization:
+        raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <your key>'")
+    scheme, _, key = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthenticated("the Authorization header must be 'Bearer <your key>'")
+    return key.strip()
+
+
+class Authenticator:
+    """lookup(key) returns the Principal of a live key, or None for an unknown or revoked one;
+    answers are reused for ttl seconds (misses for negative_ttl)."""
+
+    def __init__(
+        self,
+        lookup: Callable[[str], Awaitable[Principal | None]],
+        ttl_seconds: float,
+        negative_ttl_seconds: float = 1.0,
+        max_entries: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._lookup = lookup
+        self._ttl = ttl_seconds
+        self._negative_ttl = negative_ttl_seconds
+        self._max = max_entries
+        self._clock = clock
+        # sha256(key) -> (expires, principal or None): the cache never holds a key in plain text.
+        self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
+
+    async def authenticate(self, authorization: str) -> Principal:
+        key = bearer_key(authorization)
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        now = self._clock()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[0] > now:
+            principal = hit[1]
+        else:
+            principal = await self._lookup(key)
+            self._cache[digest] = (now + (self._ttl if principal else self._negative_ttl), principal)
+            self._cache.move_to_end(digest)
+            while len(self._cache) > self._max:
+                self._cache.popitem(last=False)
+        if principal is None:
+            raise Unauthenticated("invalid API key: it is unknown or was revoked")
+        return principal

@@ -1,0 +1,57 @@
+"""The router's view of the control plane: adapters that turn control's gRPC answers into the
+plain callables the directory and the authenticator take."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from gaas.runtime.context import TenantId
+from gaas.tenancy import TIER_FROM_PB
+from gaas.v1 import control_pb2, control_pb2_grpc
+from services.router.auth import Principal
+from services.router.directory import ModelEntry
+from services.router.picker import Candidate, WorkerId
+
+CONTROL_TIMEOUT = 2.0
+
+
+def control_fetcher(stub: control_pb2_grpc.ControlStub):
+    """fetch() for MeshDirectory: the deployed models and the serving workers."""
+
+    async def fetch() -> tuple[list[ModelEntry], list[Candidate]]:
+        models_resp, workers_resp = await asyncio.gather(
+            stub.ListModels(control_pb2.ListRegisteredModelsRequest(), timeout=CONTROL_TIMEOUT),
+            stub.ListWorkers(control_pb2.ListWorkersRequest(), timeout=CONTROL_TIMEOUT),
+        )
+        models = [ModelEntry(m.name, m.version, m.max_model_len, m.is_default) for m in models_resp.models]
+        workers = [
+            Candidate(WorkerId(w.worker_id), w.address, w.model, w.model_version, w.max_model_len)
+            for w in workers_resp.workers
+            if w.state == control_pb2.WORKER_STATE_SERVING
+        ]
+        return models, workers
+
+    return fetch
+
+
+def key_lookup(stub: control_pb2_grpc.ControlStub):
+    """lookup(key) for Authenticator: the key's Principal, None when control does not know it.
+    Other control failures raise grpc.aio.AioRpcError (the caller answers UNAVAILABLE)."""
+
+    async def lookup(api_key: str) -> Principal | None:
+        try:
+            resp = await stub.Authenticate(control_pb2.AuthenticateRequest(api_key=api_key), timeout=CONTROL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return None
+            raise
+        return Principal(
+            tenant=TenantId(resp.tenant.name),
+            tier=TIER_FROM_PB.get(resp.tenant.tier, "bronze"),
+            key_id=resp.key_id,
+            cache_salt=resp.cache_salt,
+        )
+
+    return lookup

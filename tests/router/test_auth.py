@@ -1,0 +1,72 @@
+import pytest
+
+from services.router.auth import Authenticator, Principal, Unauthenticated, bearer_key
+
+ACME = Principal("acme", "gold", "key_1", "salt")
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize(
+    "header, key_or_error",
+    [
+        ("Bearer abc", "abc"),
+        ("bearer  abc ", "abc"),
+        ("", "missing API key"),
+        ("Basic abc", "must be 'Bearer"),
+        ("Bearer ", "must be 'Bearer"),
+    ],
+)
+def test_bearer(header, key_or_error):
+    if key_or_error in ("abc",):
+        assert bearer_key(header) == key_or_error
+    else:
+        with pytest.raises(Unauthenticated, match=key_or_error):
+            bearer_key(header)
+
+
+async def test_cache_and_revocation_within_ttl():
+    keys = {"good": ACME}
+    calls = []
+
+    async def lookup(key):
+        calls.append(key)
+        return keys.get(key)
+
+    clock = Clock()
+    auth = Authenticator(lookup, ttl_seconds=2, negative_ttl_seconds=1, clock=clock)
+    assert await auth.authenticate("Bearer good") == ACME
+    assert await auth.authenticate("Bearer good") == ACME
+    assert calls == ["good"]  # cached
+    del keys["good"]  # revoked in control
+    clock.now = 1.9
+    assert await auth.authenticate("Bearer good") == ACME  # still cached
+    clock.now = 2.1
+    with pytest.raises(Unauthenticated, match="unknown or was revoked"):
+        await auth.authenticate("Bearer good")
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate("Bearer good")
+    assert calls == ["good", "good"]  # the miss is cached too, briefly
+
+
+async def test_cache_is_bounded():
+    async def lookup(key):
+        return ACME
+
+    auth = Authenticator(lookup, ttl_seconds=60, max_entries=3)
+    for i in range(10):
+        await auth.authenticate(f"Bearer k{i}")
+    assert len(auth._cache) == 3
+
+
+async def test_control_failures_propagate():
+    async def lookup(key):
+        raise ConnectionError("control down")
+
+    with pytest.raises(ConnectionError):
+        await Authenticator(lookup, 2).authenticate("Bearer k")
