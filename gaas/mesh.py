@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from gaas import deployspec, envoyconf, probe, protogen
 from gaas.model.build import build_model, is_built
+from gaas.runtime.devices import list_gpus
 from gaas.topology import Instance, Topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,13 +43,33 @@ class MeshError(RuntimeError):
     """The mesh could not start; the message says which piece and where its log is."""
 
 
-def _parent_death_signal() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    """What the child runs before exec: get SIGTERM when the parent dies (Linux's parent-death
+    signal), and keep to the given CPUs."""
+
+    def setup() -> None:
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def worker_cpus(index: int) -> tuple[int, set[int] | None]:
+    """(core the worker's engine computes on, CPUs for the rest of its processes).
+
+    The engine's model runner is pinned to one core (one worker per core). Its front end (gRPC,
+    tokenizing, streaming) and vLLM's scheduler process keep off that core when there is another:
+    sharing it with the busy runner delays every streamed token by tens of milliseconds.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    others = set(cores) - {core}
+    return core, others or None
 
 
 @dataclass(slots=True)
@@ -128,6 +149,8 @@ class Mesh:
         self.children: list[Child] = []
         self.log_dir = self.run_dir / "logs"
         self.spec = deployspec.load(self.deploy_file)
+        # GPUs NVML sees: workers get one each; none means CPU workers, one per core.
+        self.gpus = list_gpus()
         self._stopping = False
 
     # ----------------------------------------------------------------- start
@@ -177,7 +200,7 @@ class Mesh:
                 raise MeshError(f"Redis did not start; see {self.children[-1].log}:\n{self.children[-1].tail()}")
             time.sleep(0.1)
 
-    def _spawn(self, name: str, kind: str, cmd: list[str], env: dict[str, str]) -> Child:
+    def _spawn(self, name: str, kind: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
@@ -189,7 +212,7 @@ class Mesh:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: signalled as a whole at the end
-                preexec_fn=_parent_death_signal,
+                preexec_fn=_child_setup(cpus),
             )
         child = Child(name, kind, proc, log)
         self.children.append(child)
@@ -222,21 +245,18 @@ class Mesh:
                 GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
                 GAAS_ENFORCE_EAGER=str(bool(inst.options["enforce_eager"])).lower(),
             )
-            from gaas.runtime.devices import list_gpus
-
-            gpus = list_gpus()
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(gpus[inst.index % len(gpus)].index)
+            if self.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[inst.index % len(self.gpus)].index)
             else:
-                # One worker per core: pin its threads there instead of letting them fight.
-                cores = sorted(os.sched_getaffinity(0))
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[inst.index % len(cores)])
+                # One worker per core: its engine computes there (see worker_cpus).
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(worker_cpus(inst.index)[0])
         env.update(self.extra_env)
         return env
 
     def _spawn_service(self, inst: Instance) -> None:
         cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]
-        self._spawn(inst.name, inst.service, cmd, self.service_env(inst))
+        cpus = worker_cpus(inst.index)[1] if inst.service == "worker" and not self.gpus else None
+        self._spawn(inst.name, inst.service, cmd, self.service_env(inst), cpus)
 
     def _spawn_envoy(self, name: str, config: Path) -> None:
         cmd = [

@@ -30,6 +30,8 @@ from tests.meshutil import gaas, generate, http, wait_for_lines, worker_addresse
 
 pytestmark = pytest.mark.mesh
 
+# Tests that count tokens decode greedily: a random sample could pick the end-of-text token early.
+GREEDY = common_pb2.SamplingParams(temperature=0)
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # several 32-token blocks
 
 
@@ -47,7 +49,7 @@ def test_ready_report_and_status(mesh):
 
 
 def test_grpc_generation_streams_tokens_through_the_ingress(mesh):
-    chunks = generate(mesh, prompt="Once upon a time", max_tokens=12, sampling=common_pb2.SamplingParams(temperature=0))
+    chunks = generate(mesh, prompt="Once upon a time", max_tokens=12, sampling=GREEDY)
     assert len(chunks) >= 2, "tokens should arrive as a stream, not one message"
     final = chunks[-1]
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -58,12 +60,12 @@ def test_grpc_generation_streams_tokens_through_the_ingress(mesh):
     assert final.timings.ttft_ms > 0 and final.timings.engine_ms >= final.timings.ttft_ms
     assert all(c.request_id == final.request_id for c in chunks) and final.request_id
     # Greedy decoding is deterministic: the same prompt gives the same text on any worker.
-    again = generate(mesh, prompt="Once upon a time", max_tokens=12, sampling=common_pb2.SamplingParams(temperature=0))
+    again = generate(mesh, prompt="Once upon a time", max_tokens=12, sampling=GREEDY)
     assert "".join(c.text for c in again) == "".join(c.text for c in chunks)
 
 
 def test_token_id_prompts_and_stop_strings(mesh):
-    chunks = generate(mesh, prompt_token_ids=[1, 50, 60, 70], max_tokens=5)
+    chunks = generate(mesh, prompt_token_ids=[1, 50, 60, 70], max_tokens=5, sampling=GREEDY)
     assert chunks[-1].usage.prompt_tokens == 4
     assert chunks[-1].usage.completion_tokens == 5
 
@@ -81,7 +83,8 @@ def test_prefix_cache_hit_is_reported(mesh):
 
 
 def test_http_json_through_the_ingress(mesh):
-    status, body = http(mesh, "/v1/generate", json.dumps({"prompt": "Once upon a time", "max_tokens": 6}).encode())
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "sampling": {"temperature": 0}}
+    status, body = http(mesh, "/v1/generate", json.dumps(body).encode())
     assert status == 200, body
     lines = [json.loads(line) for line in body.strip().splitlines()]
     assert len(lines) >= 2
@@ -176,11 +179,11 @@ def test_workers_hold_leases_in_redis(mesh):
 
 
 def test_cli_generate_prints_text_and_stats(mesh):
-    r = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "8")
+    r = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert "TTFT" in r.stderr and "8 tokens" in r.stderr and "tokens/s" in r.stderr
     assert r.stdout.strip()
-    j = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "4", "--json")
+    j = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "4", "--temperature", "0", "--json")
     summary = json.loads(j.stdout)
     assert summary["tokens"] == 4 and summary["usage"]["completion_tokens"] == 4 and summary["ttft_ms"] > 0
     bad = gaas(mesh, "generate", "x", "--model", "nope")

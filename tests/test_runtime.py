@@ -127,3 +127,33 @@ async def test_runtime_channels_carry_the_request_id_on_every_call_kind():
         await rt.shutdown()
     assert unary.worker_id == "req-propagated"
     assert streamed == ["req-propagated"]
+
+
+async def test_tracing_instruments_servers_and_channels_only_when_configured():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gaas.runtime import telemetry
+
+    off = telemetry.make_tracer_provider("t", "t-0")  # no OTEL_EXPORTER_OTLP_ENDPOINT in tests
+    assert isinstance(off, trace.NoOpTracerProvider)
+    assert telemetry.server_interceptors(off) == [] and telemetry.client_interceptors(off) == []
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors(provider))
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(EchoContext(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", interceptors=telemetry.client_interceptors(provider)
+        ) as ch:
+            await kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.GetStatsRequest(), timeout=2)
+    finally:
+        await server.stop(0)
+    kinds = sorted(s.kind.name for s in spans.get_finished_spans())
+    assert kinds == ["CLIENT", "SERVER"]

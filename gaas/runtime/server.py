@@ -76,7 +76,7 @@ class ServiceRuntime:
         self.server = grpc.aio.server(
             interceptors=[
                 ServerContextInterceptor(self.metrics, trust_tenant=opts.trust_tenant),
-                telemetry.server_interceptor(self.tracer_provider),
+                *telemetry.server_interceptors(self.tracer_provider),
             ],
             # Without this, a second server silently shares a port already in use.
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],

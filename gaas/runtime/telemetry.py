@@ -1,7 +1,9 @@
-"""OpenTelemetry tracing for gRPC servers and clients; exporting is off unless configured.
+"""OpenTelemetry tracing for gRPC servers and clients; off unless configured.
 
-Set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4317) to export spans over OTLP/gRPC.
-Without it the tracer provider is a no-op, so instrumentation costs next to nothing.
+Set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4317) to export spans over OTLP/gRPC:
+every service then instruments its server and its client channels. Without it no interceptor is
+installed at all: nothing would be exported, and the instrumentation would still cost time on
+every streamed message (and log spurious context errors when a client cancels a stream).
 """
 
 from __future__ import annotations
@@ -31,13 +33,21 @@ def make_tracer_provider(service: str, instance: str) -> trace.TracerProvider:
     return provider
 
 
-def server_interceptor(provider: trace.TracerProvider):
+def enabled(provider: trace.TracerProvider) -> bool:
+    return not isinstance(provider, trace.NoOpTracerProvider)
+
+
+def server_interceptors(provider: trace.TracerProvider) -> list:
+    if not enabled(provider):
+        return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return aio_server_interceptor(tracer_provider=provider)
+    return [aio_server_interceptor(tracer_provider=provider)]
 
 
 def client_interceptors(provider: trace.TracerProvider) -> list:
+    if not enabled(provider):
+        return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
     return list(aio_client_interceptors(tracer_provider=provider))

@@ -79,8 +79,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                 finish = openai_api.finish_reason(c) if c.finish_reason else None
                 if c.finish_reason:
                     final = c
-                if not c.text and finish is None and started:
-                    continue
+                # One event per engine step, even when its text is empty (a character still being
+                # completed byte by byte): clients see the pace of generation as it is.
                 piece = fmt.chunk(c.text, finish, parsed.include_usage, first=not started)
                 yield httpbody_pb2.HttpBody(content_type=SSE, data=openai_api.sse(piece))
                 started = True
