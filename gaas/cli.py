@@ -220,7 +220,7 @@ def _wait_ready(mesh, stop: threading.Event, timeout: float):
     threading.Thread(target=waiter, daemon=True).start()
     while not stop_waiting.wait(0.2):
         if stop.is_set():
-            mesh._stopping = True
+            mesh.interrupt()
             return None
     if "error" in result:
         raise result["error"]

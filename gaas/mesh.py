@@ -303,13 +303,18 @@ class Mesh:
                 waiting.append(f"worker registration ({len(registered)}/{want_workers})")
             now = time.monotonic()
             if now > deadline:
-                logs = ", ".join(str(self.log_dir / f"{w.split(' ')[0]}.log") for w in waiting[:3])
+                names = [i.name for i in self.topo.instances if i.name in waiting] or [w.name for w in self.topo.of("worker")]
+                logs = ", ".join(str(self.log_dir / f"{n}.log") for n in names[:3])
                 raise MeshError(f"not ready after {timeout:.0f} s: waiting for {', '.join(waiting)}; see {logs}")
             if now - last_note >= 5:
                 hint = " (vLLM loads the model: ~20-40 s per worker on a CPU)" if any("worker" in w for w in waiting) else ""
                 self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
                 last_note = now
             time.sleep(0.5)
+
+    def interrupt(self) -> None:
+        """Give up starting: children exiting from now on are expected (stop() follows)."""
+        self._stopping = True
 
     def _check_children(self) -> None:
         for c in self.children:

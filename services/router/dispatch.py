@@ -18,7 +18,7 @@ from gaas import genrequest
 from gaas.runtime.context import WORKER_HEADER
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.auth import Principal
-from services.router.directory import MeshDirectory, ModelEntry, Snapshot, UnknownModel
+from services.router.directory import MeshDirectory, ModelEntry, UnknownModel
 from services.router.picker import NoWorkerAvailable, Picker, WorkerId
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,13 @@ class Dispatcher:
             log.warning("control plane unreachable: %s %s", exc.code().name, exc.details())
             raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the control plane is unreachable; retry shortly") from None
 
-    async def snapshot(self) -> Snapshot:
-        return await self._ask(self._directory.snapshot)
+    async def models(self) -> list[tuple[ModelEntry, int]]:
+        """The deployed models, each with how many serving workers it has now."""
+        snap = await self._ask(self._directory.snapshot)
+        ready: dict[str, int] = {}
+        for w in snap.workers:
+            ready[w.model] = ready.get(w.model, 0) + 1
+        return [(m, ready.get(m.name, 0)) for m in snap.models]
 
     async def resolve_model(self, name: str) -> ModelEntry:
         return await self._ask(self._directory.resolve_model, name)

@@ -29,14 +29,11 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         await admit(context, self._auth)
         try:
-            snap = await self._dispatcher.snapshot()
+            models = await self._dispatcher.models()
         except DispatchError as exc:
             await context.abort(exc.code, exc.message)
-        ready: dict[str, int] = {}
-        for w in snap.workers:
-            ready[w.model] = ready.get(w.model, 0) + 1
-        models = [(m.name, ready.get(m.name, 0), m.max_model_len) for m in snap.models]
-        return httpbody_pb2.HttpBody(content_type=JSON, data=openai_api.dumps(openai_api.models_list(models)))
+        listed = [(m.name, n, m.max_model_len) for m, n in models]
+        return httpbody_pb2.HttpBody(content_type=JSON, data=openai_api.dumps(openai_api.models_list(listed)))
 
     async def Completions(self, request: httpbody_pb2.HttpBody, context):
         async for body in self._serve(request, context, "completion"):

@@ -51,17 +51,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context) -> inference_pb2.ListModelsResponse:
         await admit(context, self._auth)
         try:
-            snap = await self._dispatcher.snapshot()
+            models = await self._dispatcher.models()
         except DispatchError as exc:
             await context.abort(exc.code, exc.message)
-        ready: dict[str, int] = {}
-        for w in snap.workers:
-            ready[w.model] = ready.get(w.model, 0) + 1
         return inference_pb2.ListModelsResponse(
             models=[
-                inference_pb2.ModelInfo(
-                    name=m.name, version=m.version, ready_workers=ready.get(m.name, 0), max_model_len=m.max_model_len
-                )
-                for m in snap.models
+                inference_pb2.ModelInfo(name=m.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len)
+                for m, n in models
             ]
         )

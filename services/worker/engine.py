@@ -151,6 +151,11 @@ class VllmEngine(Engine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if s.model_path.startswith("/") and not os.path.isfile(os.path.join(s.model_path, "config.json")):
+            raise FileNotFoundError(
+                f"no model at {s.model_path} (no config.json): build it with `gaas model build` or fix the "
+                "model's source in the deployment file"
+            )
         on_gpu = current_platform.device_type == "cuda"
         if not on_gpu:
             # vLLM on the CPU otherwise reserves most of the RAM for its cache.

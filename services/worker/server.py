@@ -61,8 +61,13 @@ async def serve(cfg: WorkerConfig) -> None:
     if not engine_task.done():
         # The engine is built in a thread that cannot be interrupted; exit once it is up.
         log.info("stop requested while the engine loads; exiting when it is up")
-    engine = await engine_task
     stop_wait.cancel()
+    try:
+        engine = await engine_task
+    except Exception as exc:
+        log.error("the engine failed to start: %s: %s", type(exc).__name__, exc, exc_info=True)
+        await rt.shutdown()
+        raise SystemExit(1) from None
     servicer.engine = engine
     rt.on_stop(engine.shutdown)  # runs last
     channel = None
