@@ -9,7 +9,7 @@ import time
 import grpc
 from google.api import httpbody_pb2
 
-from gaas.runtime.context import current_request_id, request_id_var
+from gaas.runtime.context import current_request_id
 from gaas.v1 import openai_pb2_grpc
 from services.router import openai_api
 from services.router.auth import Authenticator
@@ -47,7 +47,6 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         arrived = time.perf_counter()
         principal = await admit(context, self._auth)
         request_id = current_request_id()
-        request_id_var.set(request_id)
         try:
             body = openai_api.parse_json(http.data, self._max_body)
             parsed = openai_api.parse_chat(body) if kind == "chat" else openai_api.parse_completion(body)
