@@ -1,18 +1,21 @@
-"""make bench: streamed latency through GaaS's ingress against vLLM's own OpenAI server.
+"""make bench: GaaS's serving figures beside vLLM's own OpenAI server, measured with vLLM's own load
+tester, `vllm bench serve` (the tool people point at vLLM-compatible endpoints).
 
 Starts, side by side on free ports:
   - the GaaS mesh (`gaas up`'s machinery: Redis, services, Envoys) with one worker pinned to a core;
   - vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server) on the same model, its
-    model runner pinned to the same core, with the same cache size, block size and eager mode:
-    once as it comes, once with its engine processes placed as gaas places a worker's (scheduler
-    beside the runner, API server on the other cores), to tell placement from architecture.
-Then sends the same prompts, one at a time, with the official `openai` client (streaming
-completions), alternating between the two in rounds so drift hits both alike; also through
-GaaS's native gRPC API. Then a concurrent run for aggregate throughput. Prints a table and writes
-JSON (bench/results/openai_latency.json).
+    model runner pinned to the same core, with the same cache size, block size and eager mode, and
+    its engine processes placed as gaas places a worker's (scheduler beside the runner, API server
+    on the other cores) so the comparison is of the architecture, not of placement. --with-stock
+    adds the server as it comes.
+Then, for each target and for the `openai` (/v1/completions) and `openai-chat` backends, runs
+`vllm bench serve` on the random dataset (greedy, ignore_eos): one request at a time, in rounds
+that alternate between the targets so drift hits all alike, then --concurrency streams at once.
+GaaS's native gRPC API is measured with the gaas client in the same way (vllm bench speaks HTTP
+only). Prints a table and writes bench/results/serving.json; every run must have zero failures.
 
-TTFT: request sent -> first streamed token. ITL: gaps between streamed tokens (chunks). Requests
-decode greedily, so both servers generate the same tokens.
+TTFT: request sent -> first streamed token. TPOT: time per output token after the first. ITL:
+gaps between streamed chunks.
 """
 
 from __future__ import annotations
@@ -54,27 +57,6 @@ def prompts(n: int) -> list[str]:
 
 
 # ------------------------------------------------------------------ clients
-
-
-def openai_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
-    """(ttft_s, gaps between streamed chunks in s, tokens) of one streamed completion."""
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    stream = client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        # A chunk per engine step on both servers (its text may be empty while a multi-byte
-        # character is being completed; under load one chunk may carry several tokens).
-        if chunk.choices:
-            stamps.append(time.perf_counter())
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
-    if not stamps:
-        return float("nan"), [], 0
-    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], tokens
 
 
 def grpc_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
@@ -200,18 +182,42 @@ def stop_group(proc: subprocess.Popen | None) -> None:
 # ------------------------------------------------------------------ main
 
 
+def merge_detailed(runs: list[dict]) -> dict:
+    """One summary of several `vllm bench serve --save-detailed` runs (their requests pooled)."""
+    reqs = [
+        (ttft, gaps, n)
+        for r in runs
+        for ttft, gaps, n, err in zip(r["ttfts"], r["itls"], r["output_lens"], r["errors"])
+        if not err
+    ]
+    ttfts = [t for t, _, _ in reqs]
+    itls = [g for _, gaps, _ in reqs for g in gaps]
+    tpots = [sum(gaps) / (n - 1) for _, gaps, n in reqs if n > 1]
+    duration = sum(r["duration"] for r in runs)
+    ms = lambda v: round(v * 1000, 2)  # noqa: E731
+    return {
+        "completed": sum(r["completed"] for r in runs),
+        "failed": sum(r.get("failed", 0) for r in runs),
+        "ttft_p50_ms": ms(pct(ttfts, 0.5)), "ttft_p99_ms": ms(pct(ttfts, 0.99)),
+        "tpot_p50_ms": ms(pct(tpots, 0.5)), "tpot_p99_ms": ms(pct(tpots, 0.99)),
+        "itl_p50_ms": ms(pct(itls, 0.5)), "itl_p99_ms": ms(pct(itls, 0.99)),
+        "output_tokens_per_s": round(sum(n for _, _, n in reqs) / duration, 1) if duration else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=100, help="sequential requests per target (100)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds the requests are split into, alternating targets (5)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request (32)")
+    ap.add_argument("--requests", type=int, default=80, help="one-at-a-time requests per target and backend (80)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds they are split into, alternating targets (4)")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset, 128)")
+    ap.add_argument("--output-len", type=int, default=32, help="tokens generated per request (32)")
     ap.add_argument("--concurrency", type=int, default=8, help="streams at once in the throughput run (8; 0 skips it)")
     ap.add_argument("--skip-vllm", action="store_true", help="measure GaaS only")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "openai_latency.json"))
+    ap.add_argument("--with-stock", action="store_true", help="also measure vLLM's server as it comes (no pinning)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args(argv)
 
-    import openai
-
+    from bench.vllm_bench import run as vllm_bench
     from gaas import topology
     from gaas.admin import Admin
     from gaas.client import GaasClient
@@ -226,18 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
     core = sorted(os.sched_getaffinity(0))[0]  # where gaas pins worker-0
     vllm_procs: list[subprocess.Popen] = []
-    results: dict = {}
+    results: dict = {"serving": {}, "grpc": {}}
     try:
         say(f"starting the GaaS mesh (logs in {run_dir / 'logs'})")
         mesh.start()
         mesh.wait_ready(300)
         with Admin(topo.of("control")[0].inbound) as admin:
             key, _ = admin.ensure_demo_key(run_dir)
-        targets = {"gaas /v1 (openai client)": openai.OpenAI(base_url=f"http://{topo.ingress}/v1", api_key=key,
-                                                              max_retries=0)}
-        gaas_grpc = GaasClient(topo.ingress, api_key=key)
+        targets = {"gaas ingress": (f"http://{topo.ingress}", key)}
         if not args.skip_vllm:
-            for variant in ("stock", "pinned"):
+            for variant in ("pinned", "stock") if args.with_stock else ("pinned",):
                 port = free_port()
                 log = run_dir / "logs" / f"vllm-openai-server-{variant}.log"
                 say(f"starting vLLM's OpenAI server ({variant}) on 127.0.0.1:{port}, model runner on core {core} "
@@ -245,42 +249,55 @@ def main(argv: list[str] | None = None) -> int:
                 proc = start_vllm_server(Path(model.source), model.name, port, core, log)
                 vllm_procs.append(proc)
                 wait_http(f"http://127.0.0.1:{port}/health", proc, 300, log)
-                name = "vllm openai server (openai client)"
                 if variant == "pinned":
-                    # The same placement gaas gives its workers: engine processes beside the runner,
+                    # The placement gaas gives its workers: engine processes beside the runner,
                     # the API server on the other cores.
                     pin_descendants(proc.pid, {core})
                     others = set(os.sched_getaffinity(0)) - {core}
                     if others:
                         os.sched_setaffinity(proc.pid, others)
-                    name = "vllm openai server, gaas's pinning"
-                targets[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+                name = "vllm server, gaas's placement" if variant == "pinned" else "vllm server, as it comes"
+                targets[name] = (f"http://127.0.0.1:{port}", None)
 
-        runners = {name: (lambda p, c=c: openai_stream(c, model.name, p, args.max_tokens)) for name, c in targets.items()}
-        runners["gaas gRPC (gaas client)"] = lambda p: grpc_stream(gaas_grpc, model.name, p, args.max_tokens)
-        series = {name: Series(name) for name in runners}
+        def bench(target: str, backend: str, prompts_n: int, concurrency: int) -> dict:
+            url, api_key = targets[target]
+            settle()
+            return vllm_bench(url, model.name, model.source, backend=backend, api_key=api_key, num_prompts=prompts_n,
+                              input_len=args.input_len, output_len=args.output_len, max_concurrency=concurrency,
+                              extra=["--save-detailed"])
 
         say("warming up")
-        for fn in runners.values():
-            for p in prompts(5):
-                fn(p)
-        ps = prompts(args.requests)
-        per_round = max(1, len(ps) // args.rounds)
-        for r in range(0, len(ps), per_round):
-            say(f"sequential requests {r + 1}-{min(r + per_round, len(ps))} of {len(ps)} on each target")
-            for name, fn in runners.items():
-                settle()
-                for p in ps[r:r + per_round]:
-                    series[name].add(fn(p))
-        results["sequential"] = {name: s.summary() for name, s in series.items()}
+        for target in targets:
+            bench(target, "openai", 4, 1)
+        per_round = max(1, args.requests // args.rounds)
+        for backend in ("openai", "openai-chat"):
+            runs: dict[str, list[dict]] = {t: [] for t in targets}
+            for r in range(args.rounds):
+                for target in targets:
+                    say(f"vllm bench serve --backend {backend}: round {r + 1}/{args.rounds}, {per_round} requests one "
+                        f"at a time on {target}")
+                    runs[target].append(bench(target, backend, per_round, 1))
+            for target, rs in runs.items():
+                results["serving"][f"{target} | {backend} | 1"] = merge_detailed(rs)
+            if args.concurrency > 0:
+                for target in targets:
+                    say(f"vllm bench serve --backend {backend}: {args.concurrency} streams at once on {target}")
+                    r = bench(target, backend, args.concurrency * 8, args.concurrency)
+                    results["serving"][f"{target} | {backend} | {args.concurrency}"] = merge_detailed([r])
 
+        say("gaas native gRPC API, gaas client")
+        gaas_grpc = GaasClient(topo.ingress, api_key=key)
+        fn = lambda p: grpc_stream(gaas_grpc, model.name, p, args.output_len)  # noqa: E731
+        for p in prompts(5):
+            fn(p)
+        series = Series("gaas gRPC")
+        for p in prompts(args.requests):
+            series.add(fn(p))
+        results["grpc"]["sequential"] = series.summary()
         if args.concurrency > 0:
-            results["concurrent"] = {}
-            for name, fn in runners.items():
-                settle()
-                say(f"throughput: {args.concurrency} concurrent streams on {name}")
-                results["concurrent"][name] = concurrent_throughput(fn, args.concurrency * 8, args.concurrency,
-                                                                    args.max_tokens)
+            settle()
+            results["grpc"]["concurrent"] = concurrent_throughput(fn, args.concurrency * 8, args.concurrency,
+                                                                  args.output_len)
         gaas_grpc.close()
     finally:
         for proc in vllm_procs:
@@ -289,26 +306,35 @@ def main(argv: list[str] | None = None) -> int:
         mesh.stop()
 
     results["setup"] = {
-        "model": model.name, "model_dir": model.source, "max_tokens": args.max_tokens, "worker_core": core,
-        "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": model.name, "model_dir": model.source, "input_len": args.input_len, "output_len": args.output_len,
+        "worker_core": core, "cpus": os.cpu_count(), "machine": platform.machine(),
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tool": "vllm bench serve",
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
-    print(f"\nStreamed completions, {model.name}, {args.max_tokens} tokens each, one request at a time "
-          f"(worker and vLLM server pinned to core {core})\n")
-    print(f"{'target':<38} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}   (ms)")
-    for name, s in results["sequential"].items():
-        print(f"{name:<38} {s['requests']:>5} {s['ttft_p50_ms']:>9} {s['ttft_p99_ms']:>9} {s['itl_p50_ms']:>8} "
-              f"{s['itl_p99_ms']:>8}")
-    if "concurrent" in results:
-        print(f"\n{'target':<38} {'streams':>7} {'tokens':>7} {'tokens/s':>9}")
-        for name, c in results["concurrent"].items():
-            print(f"{name:<38} {c['concurrency']:>7} {c['tokens']:>7} {c['tokens_per_s']:>9}")
-    print(f"\nwritten: {out}")
-    return 0
+    print(f"\nvllm bench serve, random dataset, {model.name}, {args.input_len} prompt + {args.output_len} output tokens, "
+          f"greedy (worker and vLLM server pinned to core {core})\n")
+    head = f"{'target':<32} {'backend':<12} {'conc':>4} {'ok':>4} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} " \
+           f"{'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'tok/s':>7}"
+    print(head + "   (ms)")
+    for name, s in results["serving"].items():
+        target, backend, conc = name.split(" | ")
+        print(f"{target:<32} {backend:<12} {conc:>4} {s['completed']:>4} {s['failed']:>4} {s['ttft_p50_ms']:>9} "
+              f"{s['ttft_p99_ms']:>9} {s['tpot_p50_ms']:>9} {s['itl_p50_ms']:>8} {s['itl_p99_ms']:>8} "
+              f"{s['output_tokens_per_s']:>7}")
+    g = results["grpc"]["sequential"]
+    line = f"{'gaas gRPC (gaas client)':<32} {'native':<12} {1:>4} {g['requests']:>4} {0:>4} {g['ttft_p50_ms']:>9} " \
+           f"{g['ttft_p99_ms']:>9} {'':>9} {g['itl_p50_ms']:>8} {g['itl_p99_ms']:>8}"
+    print(line)
+    if "concurrent" in results["grpc"]:
+        c = results["grpc"]["concurrent"]
+        print(f"{'gaas gRPC (gaas client)':<32} {'native':<12} {c['concurrency']:>4} {c['requests']:>4} {0:>4} "
+              f"{'':>9} {'':>9} {'':>9} {'':>8} {'':>8} {c['tokens_per_s']:>7}")
+    failed = sum(s["failed"] for s in results["serving"].values())
+    print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

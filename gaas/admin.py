@@ -8,7 +8,9 @@ from pathlib import Path
 
 import grpc
 
-from gaas.client import GaasError
+from gaas import errors
+from gaas.errors import GaasError
+from gaas.runtime.status import from_rpc
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
@@ -43,14 +45,14 @@ class Admin:
         try:
             return getattr(self._stub, method)(request, timeout=TIMEOUT)
         except grpc.RpcError as exc:
-            err = GaasError.from_rpc(exc)
+            err = from_rpc(exc)
             if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                raise GaasError(err.code, f"the control plane at {self.address} does not answer: is the mesh up?") from None
+                raise errors.Unavailable(f"the control plane at {self.address} does not answer: is the mesh up?") from None
             raise err from None
 
     def create_tenant(self, name: str, tier: str) -> dict:
         if tier not in TIER_TO_PB:
-            raise GaasError("INVALID_ARGUMENT", f"tier must be one of {', '.join(TIER_TO_PB)}")
+            raise errors.InvalidArgument(f"tier must be one of {', '.join(TIER_TO_PB)}", param="tier")
         return _tenant(self._call("CreateTenant", pb.CreateTenantRequest(name=name, tier=TIER_TO_PB[tier])))
 
     def list_tenants(self) -> list[dict]:

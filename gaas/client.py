@@ -5,7 +5,8 @@
         for chunk in client.generate("Once upon a time", max_tokens=32):
             print(chunk.text, end="", flush=True)
 
-Errors are GaasError, carrying the gRPC status code name and the service's message.
+Errors are gaas.errors.GaasError subclasses (NotFound, InvalidArgument, Unavailable...), carrying
+the gRPC status code name (code), the service's message, and the request field at fault (param).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from gaas.errors import GaasError  # noqa: F401 - the SDK's error type, importable from here
+from gaas.runtime.status import from_rpc
 from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 PRIORITIES = {
@@ -21,21 +24,6 @@ PRIORITIES = {
     "normal": common_pb2.PRIORITY_NORMAL,
     "high": common_pb2.PRIORITY_HIGH,
 }
-
-
-class GaasError(Exception):
-    """A call failed. code: the gRPC status name (e.g. NOT_FOUND); message: what to do about it."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-    @classmethod
-    def from_rpc(cls, exc: grpc.RpcError) -> "GaasError":
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        return cls(code.name if code else "UNKNOWN", details or "")
 
 
 class GenerateStream:
@@ -50,7 +38,7 @@ class GenerateStream:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 return
-            raise GaasError.from_rpc(exc) from None
+            raise from_rpc(exc) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -77,15 +65,18 @@ class GaasClient:
         priority: str = "normal",
         session_id: str = "",
         request_id: str = "",
+        n: int = 1,
+        logprobs: int | None = None,
         timeout: float | None = None,
+        **sampling_fields,
     ) -> GenerateStream:
-        """Start a generation; prompt is text or a list of token ids."""
+        """Start a generation; prompt is text or a list of token ids. Other keyword arguments are
+        gaas.v1.SamplingParams fields (min_p=0.1, ignore_eos=True, stop_token_ids=[...], ...).
+        With n > 1 the choices' chunks interleave; chunk.index tells them apart."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
-        sampling = common_pb2.SamplingParams()
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
-            if value is not None:
-                setattr(sampling, name, value)
+        fields = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, **sampling_fields}
+        sampling = common_pb2.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
         req = inference_pb2.GenerateRequest(
             model=model,
             max_tokens=max_tokens,
@@ -94,7 +85,10 @@ class GaasClient:
             priority=PRIORITIES[priority],
             session_id=session_id,
             request_id=request_id,
+            n=n,
         )
+        if logprobs is not None:
+            req.logprobs = logprobs
         if isinstance(prompt, str):
             req.prompt = prompt
         else:
@@ -105,7 +99,7 @@ class GaasClient:
         try:
             resp = self._stub.ListModels(inference_pb2.ListModelsRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise GaasError.from_rpc(exc) from None
+            raise from_rpc(exc) from None
         return list(resp.models)
 
     def close(self) -> None:

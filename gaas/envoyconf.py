@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from gaas.runtime.context import TENANT_HEADER, WORKER_HEADER
+from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
 from gaas.topology import GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, Topology
 
 HTTP2 = {
@@ -45,6 +45,8 @@ ACCESS_LOG_FORMAT = {
     "upstream": "%UPSTREAM_HOST%",
     "request_id": "%REQ(X-GAAS-REQUEST-ID)%",
     "envoy_request_id": "%REQ(X-REQUEST-ID)%",
+    # Who the router said the request is for (empty at the ingress: clients cannot say it).
+    "tenant": "%REQ(X-GAAS-TENANT)%",
 }
 
 
@@ -206,6 +208,34 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
 
 
 OPENAI_ERRORS_LUA = Path(__file__).resolve().parent.parent / "envoy" / "openai_errors.lua"
+# Services a generic gRPC client may reach at the ingress besides the router's two APIs: health
+# and server reflection (grpcurl's list/describe), both answered by the router, which serves
+# nothing internal.
+PUBLIC_GRPC_EXTRAS = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+)
+
+
+def openai_errors_lua() -> str:
+    """The ingress's Lua error filter, its tables generated from gaas.errors.STATUS_TABLE."""
+    import grpc
+
+    from gaas.errors import HTTP_ONLY_TYPES, STATUS_TABLE
+
+    def lua_table(pairs) -> str:
+        return "{" + ", ".join(f'[{k}] = "{v}"' for k, v in pairs) + "}"
+
+    codes = [(grpc.StatusCode[name].value[0], info) for name, info in STATUS_TABLE.items()]
+    http_types = {info.http_status: info.openai_type for _, info in codes} | HTTP_ONLY_TYPES
+    header = (
+        "-- Generated from gaas/errors.py by gaas/envoyconf.py.\n"
+        f"local GRPC_CODES = {lua_table((c, i.openai_code) for c, i in codes)}\n"
+        f"local TYPES = {lua_table((c, i.openai_type) for c, i in codes)}\n"
+        f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n\n"
+    )
+    return header + OPENAI_ERRORS_LUA.read_text()
 # Largest HTTP body the ingress buffers for transcoding; the router sets its own, smaller limit.
 MAX_HTTP_BODY = 8 << 20
 
@@ -217,7 +247,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
         "name": "envoy.filters.http.lua",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-            "default_source_code": {"filename": str(OPENAI_ERRORS_LUA)},
+            "default_source_code": {"inline_string": openai_errors_lua()},
         },
     }
     transcoder = {
@@ -235,12 +265,15 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
                 # One JSON object per line for server streams, so HTTP clients can read as they go.
                 "stream_newline_delimited": True,
             },
-            "request_validation_options": {"reject_unknown_method": True, "reject_unknown_query_parameters": True},
+            "request_validation_options": {"reject_unknown_method": True},
+            # Clients add query parameters of their own (api-version=...); vLLM ignores them too.
+            "ignore_unknown_query_parameters": True,
         },
     }
     routes = [
         _grpc_route(f"/{GRPC_SERVICE['router']}/", "router"),
         _grpc_route(f"/{OPENAI_SERVICE}/", "router"),
+        *(_grpc_route(f"/{name}/", "router") for name in PUBLIC_GRPC_EXTRAS),
         # After transcoding the path is the gRPC one; anything else is not ours.
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]
@@ -250,8 +283,13 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
         # On responses filters run in reverse: the transcoder's output reaches the Lua filter.
         [openai_errors, transcoder],
         log_dir / "envoy-ingress-access.log",
-        # Only the router may say who the tenant is or which worker serves; never a client.
-        vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER]},
+        # Only the router may say who the tenant is, which worker serves, or what GaaS's own
+        # request id is; never a client.
+        vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER]},
+        # The client's x-request-id is kept (not replaced by Envoy's) and echoed in the response,
+        # as vLLM's server echoes it; GaaS keys everything internal on its own id.
+        preserve_external_request_id=True,
+        always_set_request_id_in_response=True,
     )
     listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm)]
     clusters = [

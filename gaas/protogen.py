@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 OUT_DIR = ROOT  # protos/gaas/v1/x.proto -> gaas/v1/x_pb2.py
 DESCRIPTOR_SET = ROOT / "build" / "gaas.pb"
+EXTRA_DESCRIPTORS = ["google/rpc/error_details.proto"]
 
 
 def _include_dirs() -> list[str]:
@@ -48,19 +49,14 @@ def generate(force: bool = False) -> bool:
     protos = [str(p.relative_to(PROTO_DIR)) for p in _protos()]
     DESCRIPTOR_SET.parent.mkdir(parents=True, exist_ok=True)
     includes = [f"-I{d}" for d in _include_dirs()]
-    args = [
-        "protoc",
-        *includes,
-        f"--python_out={OUT_DIR}",
-        f"--grpc_python_out={OUT_DIR}",
-        f"--pyi_out={OUT_DIR}",
-        "--include_imports",
-        f"--descriptor_set_out={DESCRIPTOR_SET}",
-        *protos,
-    ]
-    rc = protoc.main(args)
-    if rc != 0:
-        raise RuntimeError(f"protoc failed with exit code {rc}: {' '.join(args)}")
+    python = ["protoc", *includes, f"--python_out={OUT_DIR}", f"--grpc_python_out={OUT_DIR}", f"--pyi_out={OUT_DIR}"]
+    # Envoy's descriptor set also holds google.rpc's error details, so the transcoder can render
+    # the ErrorInfo / RetryInfo that statuses carry (gaas.runtime.status) into the HTTP body.
+    descriptors = ["protoc", *includes, "--include_imports", f"--descriptor_set_out={DESCRIPTOR_SET}", *EXTRA_DESCRIPTORS]
+    for args in (python + protos, descriptors + protos):
+        rc = protoc.main(args)
+        if rc != 0:
+            raise RuntimeError(f"protoc failed with exit code {rc}: {' '.join(args)}")
     init = OUT_DIR / "gaas" / "v1" / "__init__.py"
     if not init.exists():
         init.write_text('"""Generated gRPC modules of the gaas.v1 API (see protos/). Do not edit."""\n')

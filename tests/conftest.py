@@ -40,6 +40,14 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A freshly built gaas-tiny model directory (weights, tokenizer, chat template)."""
+    from gaas.model.build import build_model
+
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private, throw-away Redis for the session."""
     from gaas.mesh import redis_answers, redis_server_command
@@ -87,9 +95,15 @@ class RunningMesh:
 
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory) -> RunningMesh:
-    """The whole mesh, started by `gaas up` exactly as a user would (with its own Redis)."""
+    """The whole mesh, started by `gaas up` exactly as a user would (with its own Redis).
+
+    GAAS_TEST_MESH=<run dir> points the tests at a mesh already running from that directory
+    instead (for working on the tests; run them with -m "not destructive" then)."""
     from gaas.mesh import free_port_base
 
+    if existing := os.environ.get("GAAS_TEST_MESH"):
+        yield _attach(Path(existing))
+        return
     run_dir = tmp_path_factory.mktemp("mesh")
     base = free_port_base(span=200, start=31000)
     ingress_port = base + 190
@@ -119,6 +133,18 @@ def mesh(tmp_path_factory) -> RunningMesh:
     if proc.poll() is None:
         m.stop()
     out.close()
+
+
+def _attach(run_dir: Path) -> RunningMesh:
+    from gaas import probe, topology
+
+    state = json.loads((run_dir / "mesh.json").read_text())
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=state["port_base"],
+                         ingress_port=state["ingress_port"], workers=state["workers"])
+    ready = probe.probe(topo, timeout=2.0).to_dict()
+    ingress = f"{state['host']}:{state['ingress_port']}"
+    key = (run_dir / "demo-key").read_text().strip()
+    return RunningMesh(None, run_dir, ingress, state["port_base"], ready, state["children"], run_dir / "up.out", key)
 
 
 def process_alive(pid: int) -> bool:

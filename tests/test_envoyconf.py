@@ -80,9 +80,15 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     _, configs, _ = rendered
     listener = configs["ingress-0"]["static_resources"]["listeners"][0]
     vhost = _routes(listener)
-    assert set(vhost["request_headers_to_remove"]) == {"x-gaas-tenant", "x-gaas-worker"}
+    assert set(vhost["request_headers_to_remove"]) == {"x-gaas-tenant", "x-gaas-worker", "x-gaas-request-id"}
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     assert hcm["codec_type"] == "AUTO"
+    # The client's x-request-id survives and comes back in the response.
+    assert hcm["preserve_external_request_id"] and hcm["always_set_request_id_in_response"]
+    # Only the router's public services (and health, reflection) are routed; nothing internal.
+    prefixes = {r["match"]["prefix"] for r in vhost["routes"] if "route" in r}
+    assert prefixes == {"/gaas.v1.Inference/", "/gaas.v1.OpenAI/", "/grpc.health.v1.Health/",
+                        "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/"}
     filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
     transcoder = filters["envoy.filters.http.grpc_json_transcoder"]
     assert transcoder["services"] == ["gaas.v1.Inference", "gaas.v1.OpenAI"]
@@ -90,4 +96,7 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     # The Lua filter comes first, so on the way back it sees the transcoder's answers.
     names = [f["name"] for f in hcm["http_filters"]]
     assert names.index("envoy.filters.http.lua") < names.index("envoy.filters.http.grpc_json_transcoder")
-    assert Path(filters["envoy.filters.http.lua"]["default_source_code"]["filename"]).is_file()
+    lua = filters["envoy.filters.http.lua"]["default_source_code"]["inline_string"]
+    # Its tables come from gaas/errors.py: a status shows the same in a stream's error event and at the edge.
+    assert '[3] = "invalid_request_error"' in lua and '[8] = "rate_limit_exceeded"' in lua
+    assert "function envoy_on_response" in lua

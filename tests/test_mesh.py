@@ -64,10 +64,35 @@ def test_grpc_generation_streams_tokens_through_the_ingress(mesh):
     assert "".join(c.text for c in again) == "".join(c.text for c in chunks)
 
 
-def test_token_id_prompts_and_stop_strings(mesh):
+def test_token_id_prompts(mesh):
     chunks = generate(mesh, prompt_token_ids=[1, 50, 60, 70], max_tokens=5, sampling=GREEDY)
     assert chunks[-1].usage.prompt_tokens == 4
     assert chunks[-1].usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_stop_strings_end_the_text(mesh, keep):
+    """Greedy decoding is deterministic: a stop string taken from the middle of the full text must
+    cut it at its first occurrence (kept in the text only when asked)."""
+    full = "".join(c.text for c in generate(mesh, prompt="Once upon a time", max_tokens=16, sampling=GREEDY))
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3, full
+    sampling = common_pb2.SamplingParams(temperature=0, include_stop_str_in_output=keep)
+    chunks = generate(mesh, prompt="Once upon a time", max_tokens=16, sampling=sampling, stop=[stop])
+    text = "".join(c.text for c in chunks)
+    cut = full.find(stop)
+    assert text == (full[: cut + len(stop)] if keep else full[:cut])
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP and chunks[-1].stop_reason == stop
+
+
+def test_n_choices_and_logprobs_on_the_native_api(mesh):
+    chunks = generate(mesh, prompt="Once upon a time", max_tokens=4, n=3, logprobs=2, sampling=common_pb2.SamplingParams(seed=1))
+    by_choice = {i: [c for c in chunks if c.index == i] for i in range(3)}
+    assert all(sum(len(c.token_ids) for c in cs) == 4 for cs in by_choice.values())
+    assert all(cs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH for cs in by_choice.values())
+    assert chunks[-1].usage.completion_tokens == 12 and [c.HasField("usage") for c in chunks].count(True) == 1
+    entries = [e for c in chunks for e in c.logprobs]
+    assert len(entries) == 12 and all(e.logprob <= 0 and len(e.top) >= 2 for e in entries)
 
 
 def test_round_robin_uses_every_worker(mesh):
@@ -102,7 +127,7 @@ def test_http_json_through_the_ingress(mesh):
         (b'{"prompt": "x", "model": "gpt-9"}', 404, "model 'gpt-9' does not exist"),
         (b'{"prompt": ""}', 400, "exactly one of prompt"),
         (b'{"prompt": "x", "max_tokens": 999999}', 400, "context of 2048"),
-        (b'{"prompt": "x", "sampling": {"temperature": -3}}', 400, "temperature must be between"),
+        (b'{"prompt": "x", "sampling": {"temperature": -3}}', 400, "'temperature' must be at least 0"),
         (b'{"prompt": ', 400, ""),
         (b'{"prompt": 5}', 400, ""),
     ],
@@ -204,19 +229,27 @@ def test_services_expose_metrics(mesh):
     assert "gaas_worker_grpc_requests_total" in body and "vllm:" in body  # vLLM's own metrics too
 
 
-def test_access_logs_show_the_path(mesh):
-    final = generate(mesh, prompt="trace me", max_tokens=2, request_id="req-trace-me")[-1]
+def test_access_logs_show_the_path_under_gaas_own_id(mesh):
+    final = generate(mesh, metadata=mesh.auth + (("x-request-id", "client-trace-me"),), prompt="trace me",
+                     max_tokens=2, request_id="client-body-id")[-1]
+    rid = final.request_id
+    assert rid.startswith("req-") and "client" not in rid, "GaaS names requests itself"
     logs = mesh.run_dir / "logs"
-    wait_for_lines(logs / "envoy-ingress-access.log", "/gaas.v1.Inference/Generate")
-    router_sidecar = wait_for_lines(logs / "envoy-router-0-access.log", "req-trace-me", "/gaas.v1.Worker/Generate")
-    wait_for_lines(logs / f"envoy-{final.worker_id}-access.log", "req-trace-me")
+    wait_for_lines(logs / "envoy-ingress-access.log", "/gaas.v1.Inference/Generate", "client-trace-me")
+    router_sidecar = wait_for_lines(logs / "envoy-router-0-access.log", rid, "/gaas.v1.Worker/Generate")
+    wait_for_lines(logs / f"envoy-{final.worker_id}-access.log", rid)
     assert "Health/Check" not in router_sidecar  # health checks are filtered out
+    # The router's log names both ids, so a client's id leads to GaaS's.
+    line = wait_for_lines(logs / "router-0.log", rid, "client-trace-me")
+    assert any(json.loads(x).get("client_request_id") == "client-trace-me" for x in line.splitlines() if rid in x)
 
 
 @pytest.mark.destructive
 def test_a_dead_worker_is_routed_around(mesh):
-    pid = mesh.children["worker-1"]
-    os.killpg(pid, signal.SIGKILL)
+    try:
+        os.killpg(mesh.children["worker-1"], signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # an earlier destructive test already took it down
     # Until its lease lapses the router may still pick it: the stream is retried on worker-0.
     for i in range(4):
         chunks = generate(mesh, prompt=f"still there {i}", max_tokens=2)

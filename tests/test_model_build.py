@@ -6,8 +6,8 @@ from gaas.model.build import BOS, EOS, MARKER_FILE, PRESETS, build_model, get_pr
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_model):
+    return tiny_model
 
 
 def test_builds_a_loadable_hf_directory(tiny):

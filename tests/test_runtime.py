@@ -7,26 +7,32 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gaas.runtime.context import current_request_id, current_tenant, request_id_var
+from gaas import errors
+from gaas.runtime import status
+from gaas.runtime.context import client_request_id_var, current_request_id, current_tenant, request_id_var
 from gaas.runtime.server import ServerOptions, ServiceRuntime
 from gaas.v1 import common_pb2, kvcache_pb2, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 class EchoContext(kvcache_pb2_grpc.KVCacheServicer):
-    """Answers GetStats with what the interceptor put in the context (request id length, tenant)."""
+    """GetStats records what the interceptor put in the context; Lookup raises what it is told to."""
 
     seen: list = []
+    raise_next: BaseException | None = None
 
     async def GetStats(self, request, context):
-        EchoContext.seen.append((current_request_id(), current_tenant()))
+        EchoContext.seen.append((current_request_id(), current_tenant(), client_request_id_var.get()))
         return kvcache_pb2.DirectoryStats()
 
+    async def Lookup(self, request, context):
+        raise EchoContext.raise_next
 
-async def start(trust_tenant=True, metrics=False):
+
+async def start(edge=False, metrics=False):
     rt = ServiceRuntime(
         ServerOptions(
             service="test", instance="test-0", port=0, metrics_port=0 if metrics else None,
-            drain_seconds=0, grace_seconds=1, trust_tenant=trust_tenant,
+            drain_seconds=0, grace_seconds=1, edge=edge,
         )
     )
     rt.add_service(kvcache_pb2_grpc.add_KVCacheServicer_to_server, EchoContext(), "gaas.v1.KVCache")
@@ -57,23 +63,81 @@ async def test_health_follows_the_lifecycle():
     assert stopped == ["NOT_SERVING"]
 
 
-@pytest.mark.parametrize("trust, expected_tenant", [(True, "acme"), (False, "")])
-async def test_interceptor_sets_request_context(trust, expected_tenant):
-    rt = await start(trust_tenant=trust)
+async def three_calls(rt):
     EchoContext.seen.clear()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+        stub = kvcache_pb2_grpc.KVCacheStub(ch)
+        md = (("x-gaas-request-id", "req-123"), ("x-gaas-tenant", "acme"))
+        await stub.GetStats(kvcache_pb2.GetStatsRequest(), metadata=md, timeout=2)
+        await stub.GetStats(kvcache_pb2.GetStatsRequest(), metadata=(("x-request-id", "client-1 " + "x" * 300),), timeout=2)
+        await stub.GetStats(kvcache_pb2.GetStatsRequest(), timeout=2)
+    return EchoContext.seen
+
+
+async def test_inside_the_mesh_the_interceptor_believes_gaas_metadata():
+    rt = await start(edge=False)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
-            stub = kvcache_pb2_grpc.KVCacheStub(ch)
-            md = (("x-gaas-request-id", "req-123"), ("x-gaas-tenant", "acme"))
-            await stub.GetStats(kvcache_pb2.GetStatsRequest(), metadata=md, timeout=2)
-            await stub.GetStats(kvcache_pb2.GetStatsRequest(), metadata=(("x-request-id", "envoy-1"),), timeout=2)
-            await stub.GetStats(kvcache_pb2.GetStatsRequest(), timeout=2)
+        (rid1, tenant1, _), (rid2, _, client2), (rid3, tenant3, _) = await three_calls(rt)
     finally:
         await rt.shutdown()
-    (rid1, tenant1), (rid2, _), (rid3, tenant3) = EchoContext.seen
-    assert (rid1, tenant1) == ("req-123", expected_tenant)
-    assert rid2 == "envoy-1"  # Envoy's id when the caller sent none
+    assert (rid1, tenant1) == ("req-123", "acme")
+    assert rid2 == client2 == "client-1" + "x" * 120  # Envoy's id when the caller sent none, cut and cleaned
     assert rid3.startswith("req-") and tenant3 == ""
+
+
+async def test_at_the_edge_no_caller_chooses_the_request_id_or_tenant():
+    rt = await start(edge=True)
+    try:
+        (rid1, tenant1, _), (rid2, _, client2), (rid3, _, _) = await three_calls(rt)
+    finally:
+        await rt.shutdown()
+    assert rid1.startswith("req-") and rid1 != "req-123" and tenant1 == ""
+    assert rid2.startswith("req-") and client2 == "client-1" + "x" * 120, "the client's id is kept for the logs only"
+    assert len({rid1, rid2, rid3}) == 3
+
+
+async def call_lookup(rt, raise_next):
+    EchoContext.raise_next = raise_next
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kvcache_pb2_grpc.KVCacheStub(ch).Lookup(kvcache_pb2.LookupRequest(), timeout=2)
+    return err.value
+
+
+async def test_domain_errors_become_their_status_with_details():
+    rt = await start()
+    try:
+        err = await call_lookup(rt, errors.ResourceExhausted("over quota", param="max_tokens", reason="quota", retry_after=1.5))
+        big = await call_lookup(rt, errors.InvalidArgument("x" * 100_000))
+    finally:
+        await rt.shutdown()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == "over quota"
+    back = status.from_rpc(err)
+    assert isinstance(back, errors.ResourceExhausted)
+    assert (back.param, back.reason, back.retry_after) == ("max_tokens", "quota", 1.5)
+    assert big.code() == grpc.StatusCode.INVALID_ARGUMENT and len(big.details()) <= errors.MAX_MESSAGE_CHARS
+
+
+async def test_unexpected_failures_are_internal_without_their_text():
+    rt = await start()
+    try:
+        err = await call_lookup(rt, KeyError("secret-table-name"))
+    finally:
+        await rt.shutdown()
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert "secret-table-name" not in err.details() and "internal error (request id req-" in err.details()
+
+
+async def test_a_malformed_message_is_invalid_argument_not_internal():
+    rt = await start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            raw = ch.unary_unary("/gaas.v1.KVCache/Lookup", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw(b"\xff\xff\xff", timeout=2)
+    finally:
+        await rt.shutdown()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid LookupRequest" in err.value.details()
 
 
 async def test_metrics_endpoint_counts_calls():
@@ -81,15 +145,16 @@ async def test_metrics_endpoint_counts_calls():
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
             await kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.GetStatsRequest(), timeout=2)
+            EchoContext.raise_next = errors.NotFound("no such thing")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await kvcache_pb2_grpc.KVCacheStub(ch).Lookup(kvcache_pb2.LookupRequest(), timeout=2)
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
         port = rt._metrics_server.port
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
     finally:
         await rt.shutdown()
     assert 'gaas_test_grpc_requests_total{code="OK",method="GetStats"} 1.0' in body
-    assert 'gaas_test_grpc_requests_total{code="UNIMPLEMENTED",method="Lookup"} 1.0' in body
+    assert 'gaas_test_grpc_requests_total{code="NOT_FOUND",method="Lookup"} 1.0' in body
     assert "process_resident_memory_bytes" in body
 
 
@@ -97,7 +162,7 @@ async def test_port_in_use_is_a_clear_error():
     rt = await start()
     other = ServiceRuntime(ServerOptions(service="test", instance="test-1", port=rt.port, drain_seconds=0))
     try:
-        with pytest.raises(Exception, match="port"):
+        with pytest.raises(OSError, match="the port is in use"):
             await other.start()
     finally:
         await rt.shutdown()

@@ -13,15 +13,27 @@ REQUEST_ID_HEADER = "x-gaas-request-id"
 TENANT_HEADER = "x-gaas-tenant"
 WORKER_HEADER = "x-gaas-worker"
 AUTHORIZATION_HEADER = "authorization"
+# The client's own request id (OpenAI clients and vLLM's benchmark send it); echoed by the ingress.
+CLIENT_REQUEST_ID_HEADER = "x-request-id"
+# Longest client request id kept (longer ones are cut); only printable ASCII survives.
+CLIENT_ID_MAX = 128
 
 request_id_var: ContextVar[str] = ContextVar("gaas_request_id", default="")
 tenant_var: ContextVar[str] = ContextVar("gaas_tenant", default="")
 # The caller's Authorization value, as sent ("Bearer <key>"); only the router reads it.
 authorization_var: ContextVar[str] = ContextVar("gaas_authorization", default="")
+# The id the client gave its request (x-request-id, or the request_id field): logged beside GaaS's
+# own id, never used in its place.
+client_request_id_var: ContextVar[str] = ContextVar("gaas_client_request_id", default="")
 
 
 def new_request_id() -> str:
     return "req-" + uuid.uuid4().hex
+
+
+def sanitize_client_id(value: str) -> str:
+    """A client-chosen id made safe to log: printable ASCII only, at most CLIENT_ID_MAX characters."""
+    return "".join(c for c in value[: CLIENT_ID_MAX * 4] if " " < c < "\x7f")[:CLIENT_ID_MAX]
 
 
 def current_request_id() -> str:

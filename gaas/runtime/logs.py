@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from gaas.runtime.context import request_id_var, tenant_var
+from gaas.runtime.context import client_request_id_var, request_id_var, tenant_var
 
 
 class JsonFormatter(logging.Formatter):
@@ -28,6 +28,8 @@ class JsonFormatter(logging.Formatter):
         }
         if rid := request_id_var.get():
             entry["request_id"] = rid
+        if cid := client_request_id_var.get():
+            entry["client_request_id"] = cid
         if tenant := tenant_var.get():
             entry["tenant"] = tenant
         if record.exc_info:

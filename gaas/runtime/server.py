@@ -48,8 +48,8 @@ class ServerOptions:
     grace_seconds: float = 10.0
     # Seconds between NOT_SERVING and closing the port, so health checkers notice first.
     drain_seconds: float = 1.0
-    # Whether x-gaas-tenant metadata from callers is believed (false for the edge, the router).
-    trust_tenant: bool = True
+    # Whether this is the mesh's edge (the router): it believes no x-gaas-* metadata from callers.
+    edge: bool = False
 
 
 def options_for(service: str, cfg, **extra) -> ServerOptions:
@@ -75,7 +75,7 @@ class ServiceRuntime:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             interceptors=[
-                ServerContextInterceptor(self.metrics, trust_tenant=opts.trust_tenant),
+                ServerContextInterceptor(self.metrics, edge=opts.edge),
                 *telemetry.server_interceptors(self.tracer_provider),
             ],
             # Without this, a second server silently shares a port already in use.

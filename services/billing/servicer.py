@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import grpc
-
+from gaas import errors
 from gaas.v1 import billing_pb2 as pb
 from gaas.v1 import billing_pb2_grpc
 from services.billing.ledger import Ledger
@@ -15,9 +14,9 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
 
     async def GetUsage(self, request: pb.GetUsageRequest, context) -> pb.UsageSummary:
         if not request.tenant:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant is required")
+            raise errors.InvalidArgument("tenant is required", param="tenant")
         if request.end_unix_ms and request.end_unix_ms <= request.start_unix_ms:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "end_unix_ms must be after start_unix_ms")
+            raise errors.InvalidArgument("end_unix_ms must be after start_unix_ms", param="end_unix_ms")
         t = await self._ledger.totals(request.tenant, request.start_unix_ms, request.end_unix_ms)
         return pb.UsageSummary(
             tenant=t.tenant,

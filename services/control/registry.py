@@ -11,6 +11,8 @@ from typing import NewType
 
 import redis.asyncio as aioredis
 
+from gaas import errors
+
 WorkerId = NewType("WorkerId", str)
 
 SERVING = "serving"
@@ -21,7 +23,7 @@ _KEY = "gaas:worker:{}"  # one JSON record per worker, expiring with its lease
 _INDEX = "gaas:workers"  # sorted set: worker id -> lease expiry (ms), for listing
 
 
-class LeaseExpired(LookupError):
+class LeaseExpired(errors.NotFound):
     """The worker has no live registration (never registered, deregistered, or lapsed)."""
 
 
@@ -47,6 +49,8 @@ class WorkerRecord:
     # Lease end and first registration, Unix ms.
     lease_expires_ms: int = 0
     registered_ms: int = 0
+    # Version of the engine (vLLM) the worker runs.
+    engine_version: str = ""
 
 
 def _now_ms() -> int:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-
+from gaas import errors
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
 from services.control.catalog import ModelCatalog
-from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerId, WorkerRecord, WorkerRegistry
-from services.control.tenants import AlreadyExists, ApiKey, NotFound, Tenant, TenantError, TenantStore
+from services.control.registry import DRAINING, SERVING, WorkerId, WorkerRecord, WorkerRegistry
+from services.control.tenants import ApiKey, Tenant, TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +31,7 @@ def worker_to_pb(r: WorkerRecord) -> pb.WorkerInfo:
         state=_STATE_TO_PB.get(r.state, pb.WORKER_STATE_UNSPECIFIED),
         lease_expires_unix_ms=r.lease_expires_ms,
         registered_unix_ms=r.registered_ms,
+        engine_version=r.engine_version,
     )
 
 
@@ -60,30 +60,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._catalog = catalog
         self._tenants = tenants
 
-    async def _tenant_call(self, context, coro):
-        """Tenant-store calls, with its errors mapped to status codes."""
-        try:
-            return await coro
-        except AlreadyExists as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except NotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except TenantError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.Lease:
         w = request.worker
         if not w.worker_id or not w.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker.worker_id and worker.model are required")
+            raise errors.InvalidArgument("worker.worker_id and worker.model are required")
         if not _valid_address(w.address):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"worker.address {w.address!r} must be host:port (its sidecar)"
-            )
+            raise errors.InvalidArgument(f"worker.address {errors.quote(w.address)} must be host:port (its sidecar)")
         known = {m.name for m in await self._catalog.list()}
         if w.model not in known:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"model {w.model!r} is not in the applied deployment (known: {', '.join(sorted(known)) or 'none'})",
+            raise errors.FailedPrecondition(
+                f"model {errors.quote(w.model)} is not in the applied deployment (known: {', '.join(sorted(known)) or 'none'})"
             )
         record = await self._registry.register(
             WorkerRecord(
@@ -96,6 +82,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 block_size=w.block_size,
                 max_model_len=w.max_model_len,
                 state=_STATE_FROM_PB.get(w.state, SERVING),
+                engine_version=w.engine_version,
             )
         )
         log.info("registered %s (%s at %s, %s)", record.worker_id, record.model, record.address, record.device)
@@ -103,11 +90,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Lease:
         if not request.worker_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id is required")
-        try:
-            record = await self._registry.renew(WorkerId(request.worker_id), _STATE_FROM_PB.get(request.state))
-        except LeaseExpired as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise errors.InvalidArgument("worker_id is required")
+        record = await self._registry.renew(WorkerId(request.worker_id), _STATE_FROM_PB.get(request.state))
         return _lease(record, self._registry.ttl_seconds)
 
     async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest, context) -> pb.DeregisterWorkerResponse:
@@ -137,7 +121,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def CreateTenant(self, request: pb.CreateTenantRequest, context) -> pb.Tenant:
         tier = TIER_FROM_PB.get(request.tier, "bronze")
-        tenant = await self._tenant_call(context, self._tenants.create_tenant(request.name, tier))
+        tenant = await self._tenants.create_tenant(request.name, tier)
         log.info("created tenant %s (%s)", tenant.name, tenant.tier)
         return tenant_to_pb(tenant)
 
@@ -145,7 +129,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return pb.ListTenantsResponse(tenants=[tenant_to_pb(t) for t in await self._tenants.list_tenants()])
 
     async def CreateApiKey(self, request: pb.CreateApiKeyRequest, context) -> pb.CreateApiKeyResponse:
-        key, secret = await self._tenant_call(context, self._tenants.create_key(request.tenant))
+        key, secret = await self._tenants.create_key(request.tenant)
         log.info("created API key %s for tenant %s", key.key_id, key.tenant)
         return pb.CreateApiKeyResponse(key=key_to_pb(key), api_key=secret)
 
@@ -153,13 +137,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return pb.ListApiKeysResponse(keys=[key_to_pb(k) for k in await self._tenants.list_keys(request.tenant)])
 
     async def RevokeApiKey(self, request: pb.RevokeApiKeyRequest, context) -> pb.ApiKey:
-        key = await self._tenant_call(context, self._tenants.revoke_key(request.key_id))
+        key = await self._tenants.revoke_key(request.key_id)
         log.info("revoked API key %s of tenant %s", key.key_id, key.tenant)
         return key_to_pb(key)
 
     async def Authenticate(self, request: pb.AuthenticateRequest, context) -> pb.AuthenticateResponse:
         found = await self._tenants.authenticate(request.api_key) if request.api_key else None
         if found is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked API key")
+            raise errors.Unauthenticated("unknown or revoked API key")
         tenant, key = found
         return pb.AuthenticateResponse(tenant=tenant_to_pb(tenant), key_id=key.key_id, cache_salt=tenant.cache_salt)

@@ -10,6 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from gaas import errors
 from gaas.runtime.sql import Database
 from gaas.tenancy import TIERS
 
@@ -34,15 +35,15 @@ SCHEMA = [
 ]
 
 
-class TenantError(ValueError):
+class TenantError(errors.InvalidArgument):
     """A tenant or key request that cannot be done as asked; str() says why."""
 
 
-class NotFound(TenantError):
+class NotFound(errors.NotFound):
     pass
 
 
-class AlreadyExists(TenantError):
+class AlreadyExists(errors.AlreadyExists):
     pass
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-
+from gaas import errors
 from gaas.v1 import kvcache_pb2 as pb
 from gaas.v1 import kvcache_pb2_grpc
 from services.kvcache.directory import BlockDirectory, WorkerId
@@ -23,7 +22,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         last = 0
         async for batch in request_iterator:
             if not batch.worker_id:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id is required on every batch")
+                raise errors.InvalidArgument("worker_id is required on every batch")
             worker = WorkerId(batch.worker_id)
             if batch.seq and batch.seq <= self._last_seq.get(worker, 0):
                 continue  # a re-sent batch

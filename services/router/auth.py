@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from gaas.errors import Unauthenticated
 from gaas.runtime.context import TenantId
 
 
@@ -21,10 +22,6 @@ class Principal:
     key_id: str
     # The tenant's prefix-cache salt, set on every engine request.
     cache_salt: str
-
-
-class Unauthenticated(Exception):
-    """No usable API key; str() tells the caller what to send."""
 
 
 def bearer_key(authorization: str) -> str:

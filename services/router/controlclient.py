@@ -4,8 +4,11 @@ plain callables the directory and the authenticator take."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
+
+from gaas import errors
 
 from gaas.runtime.context import TenantId
 from gaas.tenancy import TIER_FROM_PB
@@ -14,6 +17,8 @@ from services.router.auth import Principal
 from services.router.directory import ModelEntry
 from services.router.picker import Candidate, WorkerId
 
+log = logging.getLogger(__name__)
+
 CONTROL_TIMEOUT = 2.0
 
 
@@ -21,13 +26,17 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
     """fetch() for MeshDirectory: the deployed models and the serving workers."""
 
     async def fetch() -> tuple[list[ModelEntry], list[Candidate]]:
-        models_resp, workers_resp = await asyncio.gather(
-            stub.ListModels(control_pb2.ListRegisteredModelsRequest(), timeout=CONTROL_TIMEOUT),
-            stub.ListWorkers(control_pb2.ListWorkersRequest(), timeout=CONTROL_TIMEOUT),
-        )
-        models = [ModelEntry(m.name, m.version, m.max_model_len, m.is_default) for m in models_resp.models]
+        try:
+            models_resp, workers_resp = await asyncio.gather(
+                stub.ListModels(control_pb2.ListRegisteredModelsRequest(), timeout=CONTROL_TIMEOUT),
+                stub.ListWorkers(control_pb2.ListWorkersRequest(), timeout=CONTROL_TIMEOUT),
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("control plane unreachable: %s %s", exc.code().name, exc.details())
+            raise errors.Unavailable("the control plane is unreachable; retry shortly") from None
+        models = [ModelEntry(m.name, m.version, m.max_model_len, m.is_default, m.source) for m in models_resp.models]
         workers = [
-            Candidate(WorkerId(w.worker_id), w.address, w.model, w.model_version, w.max_model_len)
+            Candidate(WorkerId(w.worker_id), w.address, w.model, w.model_version, w.max_model_len, w.engine_version)
             for w in workers_resp.workers
             if w.state == control_pb2.WORKER_STATE_SERVING
         ]
@@ -38,7 +47,7 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
 
 def key_lookup(stub: control_pb2_grpc.ControlStub):
     """lookup(key) for Authenticator: the key's Principal, None when control does not know it.
-    Other control failures raise grpc.aio.AioRpcError (the caller answers UNAVAILABLE)."""
+    Other control failures are errors.Unavailable."""
 
     async def lookup(api_key: str) -> Principal | None:
         try:
@@ -46,7 +55,8 @@ def key_lookup(stub: control_pb2_grpc.ControlStub):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 return None
-            raise
+            log.warning("cannot check an API key, control unreachable: %s %s", exc.code().name, exc.details())
+            raise errors.Unavailable("cannot check the API key right now; retry shortly") from None
         return Principal(
             tenant=TenantId(resp.tenant.name),
             tier=TIER_FROM_PB.get(resp.tenant.tier, "bronze"),

@@ -8,7 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from services.router.picker import Candidate, NoWorkerAvailable, WorkerId
+from gaas import errors
+from services.router.picker import Candidate, WorkerId
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,10 +18,8 @@ class ModelEntry:
     version: str
     max_model_len: int
     is_default: bool
-
-
-class UnknownModel(LookupError):
-    """The requested model is not in the deployment; str() lists the ones that are."""
+    # Local directory of the weights and tokenizer (the router reads the tokenizer there).
+    source: str = ""
 
 
 @dataclass(slots=True)
@@ -66,26 +65,29 @@ class MeshDirectory:
         """The named model, or the default one when name is empty."""
         models = (await self.snapshot()).models
         if not models:
-            raise UnknownModel("no models are deployed; apply a deployment file to the control plane")
+            raise errors.NotFound("no models are deployed; apply a deployment file to the control plane", param="model")
         if not name:
             return next((m for m in models if m.is_default), models[0])
         for m in models:
             if m.name == name:
                 return m
-        raise UnknownModel(f"model {name!r} does not exist; available: {', '.join(m.name for m in models)}")
+        raise errors.NotFound(
+            f"model {errors.quote(name)} does not exist; available: {', '.join(m.name for m in models)}",
+            param="model", reason="model_not_found",
+        )
 
     async def candidates(self, model: str, exclude: set[WorkerId] = frozenset()) -> list[Candidate]:
         now = self._clock()
         workers = (await self.snapshot()).workers
         serving = [w for w in workers if w.model == model]
         if not serving:
-            raise NoWorkerAvailable(f"no worker is serving {model!r} right now; retry in a few seconds")
+            raise errors.Unavailable(f"no worker is serving {model!r} right now; retry in a few seconds")
         usable = [w for w in serving if w.worker_id not in exclude and self._ejected.get(w.worker_id, 0) <= now]
         if not usable:
             # Every worker failed recently: better to try them again than to refuse outright.
             usable = [w for w in serving if w.worker_id not in exclude]
         if not usable:
-            raise NoWorkerAvailable(f"every worker serving {model!r} failed this request; retry shortly")
+            raise errors.Unavailable(f"every worker serving {model!r} failed this request; retry shortly")
         return usable
 
     def eject(self, worker_id: WorkerId) -> None:

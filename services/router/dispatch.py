@@ -1,39 +1,46 @@
-"""Taking a generation to a worker: resolve the model, check the request, pick a worker, forward
-the stream through the sidecar (naming the worker in x-gaas-worker), relay the chunks. Retries on
-another worker only while no token has been relayed, so a client never sees a token twice.
+"""Taking a generation to a worker: resolve the model, tokenize the prompt once (the worker gets
+token ids), check the request against the model, pick a worker, forward the stream through the
+sidecar (naming the worker in x-gaas-worker), relay the chunks. Retries on another worker only
+while no token has been relayed, so a client never sees a token twice.
 
 Both public APIs (gaas.v1.Inference and the OpenAI-compatible one) go through here; failures are
-DispatchError carrying the status code the caller should get.
+gaas.errors, which the server interceptor turns into statuses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
-from gaas import genrequest
+from gaas import errors, genrequest
+from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
+from gaas.tokenizer import ChatMessage, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.auth import Principal
-from services.router.directory import MeshDirectory, ModelEntry, UnknownModel
-from services.router.picker import NoWorkerAvailable, Picker, WorkerId
+from services.router.directory import MeshDirectory, ModelEntry
+from services.router.picker import Picker, WorkerId
 
 log = logging.getLogger(__name__)
 
 # Codes that mean "this worker could not take the request": another may.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Prompts longer than this are tokenized off the event loop.
+INLINE_TOKENIZE_CHARS = 8192
 
 
-class DispatchError(Exception):
-    """The request failed; code is the gRPC status to answer with, message what to do."""
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for a worker: its model resolved, its prompt as token ids."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    model: ModelEntry
+    request: inference_pb2.GenerateRequest
+    prompt_tokens: int
 
 
 class Dispatcher:
@@ -42,6 +49,7 @@ class Dispatcher:
         directory: MeshDirectory,
         picker: Picker,
         worker_stub: worker_pb2_grpc.WorkerStub,
+        tokenizer_for: Callable[[ModelEntry], Tokenizer],
         *,
         retries: int,
         max_stream_seconds: float,
@@ -49,87 +57,189 @@ class Dispatcher:
         self._directory = directory
         self._picker = picker
         self._workers = worker_stub
+        self._tokenizer_for = tokenizer_for
         self._retries = retries
         self._max_stream_seconds = max_stream_seconds
-
-    async def _ask(self, fn, *args):
-        """Directory calls, with their failures as DispatchError."""
-        try:
-            return await fn(*args)
-        except UnknownModel as exc:
-            raise DispatchError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except NoWorkerAvailable as exc:
-            raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except grpc.aio.AioRpcError as exc:
-            log.warning("control plane unreachable: %s %s", exc.code().name, exc.details())
-            raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the control plane is unreachable; retry shortly") from None
+        # Requests streaming now (what /load reports).
+        self.in_flight = 0
 
     async def models(self) -> list[tuple[ModelEntry, int]]:
         """The deployed models, each with how many serving workers it has now."""
-        snap = await self._ask(self._directory.snapshot)
+        snap = await self._directory.snapshot()
         ready: dict[str, int] = {}
         for w in snap.workers:
             ready[w.model] = ready.get(w.model, 0) + 1
         return [(m, ready.get(m.name, 0)) for m in snap.models]
 
+    async def engine_version(self) -> str:
+        """The engine version the serving workers report (one of them, should they differ)."""
+        versions = sorted({w.engine_version for w in (await self._directory.snapshot()).workers if w.engine_version})
+        return versions[0] if versions else "unknown"
+
     async def resolve_model(self, name: str) -> ModelEntry:
-        return await self._ask(self._directory.resolve_model, name)
+        return await self._directory.resolve_model(name)
+
+    async def tokenizer(self, model: ModelEntry) -> Tokenizer:
+        try:
+            return await asyncio.to_thread(self._tokenizer_for, model)
+        except (OSError, ValueError) as exc:
+            log.error("cannot load the tokenizer of %s from %s: %s", model.name, model.source, exc)
+            raise errors.Unavailable(f"model {model.name!r} cannot be served: its tokenizer is missing on this router") from None
+
+    async def prepare(self, request: inference_pb2.GenerateRequest) -> Prepared:
+        """Resolve the model, tokenize the prompt (chat template applied), check what the worker
+        will get: the prompt as token ids and an explicit max_tokens."""
+        if len(request.model) > genrequest.MAX_MODEL_NAME:
+            raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
+        model = await self.resolve_model(request.model)
+        genrequest.check(request, model.max_model_len or None)
+        await self._directory.candidates(model.name)  # a model nobody serves is refused before any work
+        tok = await self.tokenizer(model)
+        forwarded = inference_pb2.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.model = model.name
+        ids = await self._tokenize(tok, request)
+        if not ids:
+            raise errors.InvalidArgument("the prompt has no tokens", param="prompt")
+        forwarded.ClearField("prompt")
+        forwarded.ClearField("messages")
+        forwarded.ClearField("add_special_tokens")
+        forwarded.ClearField("add_generation_prompt")
+        forwarded.ClearField("continue_final_message")
+        forwarded.prompt_token_ids[:] = ids
+        what = "messages" if request.messages else "prompt"
+        limit = model.max_model_len
+        if not forwarded.max_tokens:
+            forwarded.max_tokens = genrequest.DEFAULT_MAX_TOKENS if not request.messages else limit - len(ids)
+        if limit and len(ids) + forwarded.max_tokens > limit:
+            if forwarded.max_tokens < 1 or len(ids) >= limit:
+                raise errors.InvalidArgument(
+                    f"the {what} are {len(ids)} tokens: no room left in the model's context of {limit} tokens",
+                    param=what,
+                )
+            raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
+        genrequest.check(forwarded, limit or None, tok.vocab_size)
+        return Prepared(model, forwarded, len(ids))
+
+    async def _tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest) -> list[int]:
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        if request.messages:
+            messages = [ChatMessage(m.role, m.content) for m in request.messages]
+            agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            args = (messages, agp, request.continue_final_message, request.add_special_tokens)
+            fn = tok.encode_chat
+            size = sum(len(m.content) for m in messages)
+        else:
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            args, fn, size = (request.prompt, special), tok.encode, len(request.prompt)
+        if size > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    def _worker_failure(self, worker: WorkerId, exc: grpc.aio.AioRpcError, sent_any: bool, request_id: str) -> errors.GaasError:
+        """What the client is told when worker failed the request (its detail stays in the log)."""
+        code = exc.code()
+        log.warning("worker %s failed (%s: %s)%s", worker, code.name, exc.details(), " mid-stream" if sent_any else "")
+        if sent_any:
+            return errors.Unavailable(
+                f"the worker serving this request failed after it had streamed tokens (request id {request_id}); "
+                "the request may be retried"
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return errors.Unavailable("no worker could take the request right now; retry shortly")
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS):
+            return errors.Internal(errors.internal_message(request_id))
+        # The worker's own answers (invalid argument, busy...) are written for the caller.
+        return status.from_rpc(exc)
 
     async def stream(
         self,
-        request: inference_pb2.GenerateRequest,
+        prepared: Prepared,
         principal: Principal,
         request_id: str,
         time_remaining: float | None,
         arrived: float,
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
-        """The chunks of request, from whichever worker takes it. request.model may be empty."""
-        model = await self.resolve_model(request.model)
-        try:
-            genrequest.check(request, model.max_model_len or None)
-        except genrequest.RequestInvalid as exc:
-            raise DispatchError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        forwarded = inference_pb2.GenerateRequest()
-        forwarded.CopyFrom(request)
-        forwarded.model = model.name
-        forwarded.request_id = request_id
+        """The chunks of a prepared request, from whichever worker takes it."""
+        model = prepared.model
         worker_request = worker_pb2.WorkerGenerateRequest(
-            request=forwarded, request_id=request_id, cache_salt=principal.cache_salt
+            request=prepared.request, request_id=request_id, cache_salt=principal.cache_salt
         )
         timeout = self._max_stream_seconds if time_remaining is None else min(time_remaining, self._max_stream_seconds)
 
         tried: set[WorkerId] = set()
         sent_any = False
-        for attempt in range(self._retries + 1):
-            worker = self._picker.pick(await self._ask(self._directory.candidates, model.name, tried))
-            tried.add(worker.worker_id)
-            router_ms = (time.perf_counter() - arrived) * 1000
-            call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
-            try:
-                async for chunk in call:
-                    if chunk.finish_reason:
-                        chunk.timings.router_ms = router_ms
-                        chunk.tenant = principal.tenant
-                        log.info(
-                            "served for %s by %s: %d prompt (%d cached) + %d completion tokens, %s, "
-                            "TTFT %.1f ms at the worker",
-                            principal.tenant, worker.worker_id, chunk.usage.prompt_tokens, chunk.usage.cached_tokens,
-                            chunk.usage.completion_tokens, common_pb2.FinishReason.Name(chunk.finish_reason),
-                            chunk.timings.ttft_ms,
-                        )
-                    sent_any = True
-                    yield chunk
-                return
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if not sent_any and code in RETRYABLE and attempt < self._retries:
-                    log.warning("worker %s failed before its first token (%s: %s); trying another",
-                                worker.worker_id, code.name, exc.details())
-                    self._directory.eject(worker.worker_id)
-                    continue
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self._directory.eject(worker.worker_id)
-                raise DispatchError(code, exc.details() or f"worker {worker.worker_id} failed") from None
-            finally:
-                # A client that went away cancels the caller; take the worker's stream with it.
-                call.cancel()
+        self.in_flight += 1
+        try:
+            for attempt in range(self._retries + 1):
+                worker = self._picker.pick(await self._directory.candidates(model.name, tried))
+                tried.add(worker.worker_id)
+                router_ms = (time.perf_counter() - arrived) * 1000
+                call = self._workers.Generate(
+                    worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),)
+                )
+                try:
+                    async for chunk in call:
+                        if chunk.HasField("usage"):
+                            chunk.timings.router_ms = router_ms
+                            chunk.tenant = principal.tenant
+                            log.info(
+                                "served for %s by %s: %d prompt (%d cached) + %d completion tokens, %s, "
+                                "TTFT %.1f ms at the worker",
+                                principal.tenant, worker.worker_id, chunk.usage.prompt_tokens,
+                                chunk.usage.cached_tokens, chunk.usage.completion_tokens,
+                                common_pb2.FinishReason.Name(chunk.finish_reason), chunk.timings.ttft_ms,
+                            )
+                        sent_any = True
+                        yield chunk
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self._directory.eject(worker.worker_id)
+                    if not sent_any and code in RETRYABLE and attempt < self._retries:
+                        log.warning("worker %s failed before its first token (%s: %s); trying another",
+                                    worker.worker_id, code.name, exc.details())
+                        self._directory.eject(worker.worker_id)
+                        continue
+                    raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
+                finally:
+                    # A client that went away cancels the caller; take the worker's stream with it.
+                    call.cancel()
+        finally:
+            self.in_flight -= 1
+
+
+async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]]) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:
+    """(which stream, chunk) of several streams as their chunks arrive; the first failure ends all."""
+    if len(streams) == 1:
+        async for c in streams[0]:
+            yield 0, c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator) -> None:
+        try:
+            async for c in s:
+                await queue.put((i, c))
+            await queue.put((i, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, who re-raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

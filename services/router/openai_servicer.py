@@ -1,90 +1,207 @@
-"""gaas.v1.OpenAI: OpenAI's /v1/models, /v1/completions and /v1/chat/completions over HttpBody
-methods behind the ingress's transcoder. Errors before the first byte are gRPC statuses (the
-ingress turns them into HTTP statuses and OpenAI's error shape); after it, an SSE error event."""
+"""gaas.v1.OpenAI: the routes of vLLM's OpenAI-compatible server over HttpBody methods behind the
+ingress's transcoder. Failures before the first byte are raised (the interceptor turns them into
+statuses, the ingress into HTTP statuses and OpenAI's error JSON); after it, an SSE error event
+that says what happened ends the stream, as vLLM's server ends it."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-import grpc
 from google.api import httpbody_pb2
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gaas import errors
 from gaas.runtime.context import current_request_id
-from gaas.v1 import openai_pb2_grpc
-from services.router import openai_api
+from gaas.runtime.interceptors import translate
+from gaas.tokenizer import ChatMessage
+from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
+from services.router import jsonbody, openai_api
 from services.router.auth import Authenticator
-from services.router.dispatch import Dispatcher, DispatchError
-from services.router.servicer import admit
+from services.router.dispatch import Dispatcher, merge
+from services.router.servicer import admit, note_client_id
 
 JSON = "application/json"
 SSE = "text/event-stream"
 
 
+def _json(obj: dict) -> httpbody_pb2.HttpBody:
+    return httpbody_pb2.HttpBody(content_type=JSON, data=openai_api.dumps(obj))
+
+
+def _event(data: bytes) -> httpbody_pb2.HttpBody:
+    return httpbody_pb2.HttpBody(content_type=SSE, data=data)
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    final: common_pb2.GenerateChunk | None = None
+    started: bool = False
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt: int
+    completion: int = 0
+    cached: int = 0
+    # The engine's own prompt counts, as the final chunks report them.
+    reported_prompt: int = 0
+
+    def add_final(self, c: common_pb2.GenerateChunk) -> None:
+        self.reported_prompt += c.usage.prompt_tokens
+        self.cached += c.usage.cached_tokens
+
+    def final(self) -> dict:
+        return openai_api.usage(self.reported_prompt or self.prompt, self.completion, self.cached)
+
+    def running(self) -> dict:
+        return openai_api.usage(self.prompt, self.completion, None)
+
+
 class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
-    def __init__(self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int, metrics: CollectorRegistry
+    ) -> None:
         self._dispatcher = dispatcher
         self._auth = authenticator
         self._max_body = max_body_bytes
+        self._metrics = metrics
+
+    # ------------------------------------------------------------ models
 
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
-        await admit(context, self._auth)
-        try:
-            models = await self._dispatcher.models()
-        except DispatchError as exc:
-            await context.abort(exc.code, exc.message)
-        listed = [(m.name, n, m.max_model_len) for m, n in models]
-        return httpbody_pb2.HttpBody(content_type=JSON, data=openai_api.dumps(openai_api.models_list(listed)))
+        await admit(self._auth)
+        listed = [(m.name, n, m.max_model_len) for m, n in await self._dispatcher.models() if n > 0]
+        return _json(openai_api.models_list(listed, int(time.time())))
+
+    # ------------------------------------------------------------ generation
 
     async def Completions(self, request: httpbody_pb2.HttpBody, context):
-        async for body in self._serve(request, context, "completion"):
+        async for body in self._serve(request, context, openai_api.parse_completion):
             yield body
 
     async def ChatCompletions(self, request: httpbody_pb2.HttpBody, context):
-        async for body in self._serve(request, context, "chat"):
+        async for body in self._serve(request, context, openai_api.parse_chat):
             yield body
 
-    async def _serve(self, http: httpbody_pb2.HttpBody, context, kind: str):
+    async def _serve(self, http: httpbody_pb2.HttpBody, context, parse):
         arrived = time.perf_counter()
-        principal = await admit(context, self._auth)
+        principal = await admit(self._auth)
         request_id = current_request_id()
-        try:
-            body = openai_api.parse_json(http.data, self._max_body)
-            parsed = openai_api.parse_chat(body) if kind == "chat" else openai_api.parse_completion(body)
-        except openai_api.BadRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        fmt = openai_api.Formatter(kind, request_id, parsed.generate.model)
-        chunks = self._dispatcher.stream(parsed.generate, principal, request_id, context.time_remaining(), arrived)
-
-        if not parsed.stream:
-            text: list[str] = []
-            final = None
-            try:
-                async for c in chunks:
-                    text.append(c.text)
-                    if c.finish_reason:
-                        final = c
-            except DispatchError as exc:
-                await context.abort(exc.code, exc.message)
-            yield httpbody_pb2.HttpBody(content_type=JSON, data=openai_api.dumps(fmt.response("".join(text), final)))
-            return
-
+        parsed = parse(jsonbody.parse(http.data, self._max_body))
+        note_client_id(parsed.client_request_id)
+        # Every prompt is checked and tokenized before anything is generated.
+        prepared = [await self._dispatcher.prepare(r) for r in _engine_requests(parsed)]
+        fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
+        n = parsed.n
+        usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared))
+        remaining = context.time_remaining()
+        streams = [
+            self._dispatcher.stream(p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining, arrived)
+            for i, p in enumerate(prepared)
+        ]
+        choices: dict[int, _Choice] = {}
         started = False
-        final = None
         try:
-            async for c in chunks:
-                finish = openai_api.finish_reason(c) if c.finish_reason else None
-                if c.finish_reason:
-                    final = c
+            async for which, c in merge(streams):
+                index = which * n + c.index
+                choice = choices.setdefault(index, _Choice())
+                usage.completion += len(c.token_ids)
+                if c.HasField("usage"):
+                    usage.add_final(c)
+                if not parsed.stream:
+                    choice.text.append(c.text)
+                    choice.logprobs.extend(c.logprobs)
+                    if c.finish_reason:
+                        choice.final = c
+                    continue
                 # One event per engine step, even when its text is empty (a character still being
                 # completed byte by byte): clients see the pace of generation as it is.
-                piece = fmt.chunk(c.text, finish, parsed.include_usage, first=not started)
-                yield httpbody_pb2.HttpBody(content_type=SSE, data=openai_api.sse(piece))
-                started = True
-        except DispatchError as exc:
+                running = usage.running() if parsed.continuous_usage else None
+                yield _event(openai_api.sse(fmt.chunk(index, c, first=not choice.started, usage_obj=running)))
+                choice.started = started = True
+        except Exception as exc:  # noqa: BLE001 - answered in the shape the client can read
             if not started:
-                await context.abort(exc.code, exc.message)
-            yield httpbody_pb2.HttpBody(content_type=SSE, data=openai_api.error_event(exc.code.name, exc.message))
+                raise
+            err = translate(exc)
+            if err is None:
+                raise
+            yield _event(openai_api.sse(errors.openai_error(err)))
+            yield _event(openai_api.DONE)
             return
-        if parsed.include_usage and final is not None:
-            yield httpbody_pb2.HttpBody(content_type=SSE, data=openai_api.sse(fmt.usage_chunk(final)))
-        yield httpbody_pb2.HttpBody(content_type=SSE, data=openai_api.DONE)
+        if not parsed.stream:
+            out = [
+                fmt.choice(i, "".join(ch.text), fmt.logprobs(i, ch.logprobs), ch.final or common_pb2.GenerateChunk())
+                for i, ch in choices.items()
+            ]
+            yield _json(fmt.response(out, usage.final()))
+            return
+        if parsed.include_usage:
+            yield _event(openai_api.sse(fmt.usage_chunk(usage.final())))
+        yield _event(openai_api.DONE)
+
+    # ------------------------------------------------------------ tokenizer
+
+    async def Tokenize(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
+        await admit(self._auth)
+        t = openai_api.parse_tokenize(jsonbody.parse(request.data, self._max_body))
+        model = await self._dispatcher.resolve_model(t.model)
+        tok = await self._dispatcher.tokenizer(model)
+        if t.prompt is not None:
+            ids = tok.encode(t.prompt, t.add_special_tokens)
+        else:
+            messages = [ChatMessage(m.role, m.content) for m in t.messages]
+            ids = tok.encode_chat(messages, t.add_generation_prompt, t.continue_final_message, t.add_special_tokens)
+        strs = [tok.id_to_token(i) or "" for i in ids] if t.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs})
+
+    async def Detokenize(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
+        await admit(self._auth)
+        name, tokens = openai_api.parse_detokenize(jsonbody.parse(request.data, self._max_body))
+        model = await self._dispatcher.resolve_model(name)
+        tok = await self._dispatcher.tokenizer(model)
+        for i, t in enumerate(tokens):
+            if t >= tok.vocab_size:
+                raise errors.InvalidArgument(
+                    f"'tokens[{i}]' is {t}, not a token id of {model.name} (its vocabulary has {tok.vocab_size})",
+                    param="tokens",
+                )
+        return _json({"prompt": tok.decode(tokens)})
+
+    # ------------------------------------------------------------ probes (no API key, as on vLLM)
+
+    async def Health(self, request, context) -> httpbody_pb2.HttpBody:
+        if not any(n for _, n in await self._dispatcher.models()):
+            raise errors.Unavailable("no model has a ready worker")
+        return httpbody_pb2.HttpBody(content_type="text/plain", data=b"")
+
+    async def Ping(self, request, context) -> httpbody_pb2.HttpBody:
+        return await self.Health(request, context)
+
+    async def Version(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json({"version": await self._dispatcher.engine_version()})
+
+    async def Load(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json({"server_load": self._dispatcher.in_flight})
+
+    async def Metrics(self, request, context) -> httpbody_pb2.HttpBody:
+        return httpbody_pb2.HttpBody(content_type=CONTENT_TYPE_LATEST, data=generate_latest(self._metrics))
+
+
+def _engine_requests(parsed: openai_api.OpenAIRequest) -> list[inference_pb2.GenerateRequest]:
+    """One engine request per prompt (chat: the conversation)."""
+    if parsed.kind == "chat":
+        return [parsed.generate]
+    out = []
+    for prompt in parsed.prompts:
+        r = inference_pb2.GenerateRequest()
+        r.CopyFrom(parsed.generate)
+        if isinstance(prompt, str):
+            r.prompt = prompt
+        else:
+            r.prompt_token_ids.extend(prompt)
+        out.append(r)
+    return out

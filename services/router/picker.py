@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+from gaas import errors
+
 WorkerId = NewType("WorkerId", str)
 
 
@@ -20,10 +22,8 @@ class Candidate:
     model: str
     model_version: str
     max_model_len: int
-
-
-class NoWorkerAvailable(LookupError):
-    """No live worker can take the request; str() says which model and why."""
+    # Version of the engine (vLLM) the worker runs.
+    engine_version: str = ""
 
 
 class Picker(ABC):
@@ -43,7 +43,7 @@ class RoundRobinPicker(Picker):
 
     def pick(self, candidates: Sequence[Candidate]) -> Candidate:
         if not candidates:
-            raise NoWorkerAvailable("no candidate workers")
+            raise errors.Unavailable("no worker can take the request right now; retry shortly")
         ordered = sorted(candidates, key=lambda c: c.worker_id)
         return ordered[next(self._counter) % len(ordered)]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.tokenizer import TokenizerCache
 from gaas.v1 import control_pb2_grpc, inference_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
 from services.router.auth import Authenticator
 from services.router.config import RouterConfig
@@ -35,14 +36,16 @@ HELP_ENV = """environment:
 
 async def serve(cfg: RouterConfig) -> None:
     # The edge: tenant metadata from outside is never believed.
-    rt = ServiceRuntime(options_for("router", cfg, trust_tenant=False))
+    rt = ServiceRuntime(options_for("router", cfg, edge=True))
     rt.install_signal_handlers()
     channel = rt.channel(cfg.outbound)
     control = control_pb2_grpc.ControlStub(channel)
+    tokenizers = TokenizerCache()
     dispatcher = Dispatcher(
         MeshDirectory(control_fetcher(control), cfg.registry_ttl_seconds, cfg.eject_seconds),
         make_picker(cfg.picker),
         worker_pb2_grpc.WorkerStub(channel),
+        lambda model: tokenizers.get(model.source),
         retries=cfg.retries,
         max_stream_seconds=cfg.max_stream_seconds,
     )
@@ -51,7 +54,7 @@ async def serve(cfg: RouterConfig) -> None:
         inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(dispatcher, auth), "gaas.v1.Inference"
     )
     rt.add_service(
-        openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes), "gaas.v1.OpenAI"
+        openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry), "gaas.v1.OpenAI"
     )
     await rt.start()
     await rt.set_serving(True)

@@ -3,31 +3,32 @@ Also admit(), the admission step both public APIs share."""
 
 from __future__ import annotations
 
-import logging
 import time
 
-import grpc
-
-from gaas.runtime.context import current_authorization, current_request_id, request_id_var, tenant_var
+from gaas.runtime.context import (
+    client_request_id_var,
+    current_authorization,
+    current_request_id,
+    sanitize_client_id,
+    tenant_var,
+)
 from gaas.v1 import inference_pb2, inference_pb2_grpc
-from services.router.auth import Authenticator, Principal, Unauthenticated
-from services.router.dispatch import Dispatcher, DispatchError
-
-log = logging.getLogger(__name__)
+from services.router.auth import Authenticator, Principal
+from services.router.dispatch import Dispatcher
 
 
-async def admit(context, authenticator: Authenticator) -> Principal:
-    """The caller's Principal, or the call aborted with UNAUTHENTICATED (or UNAVAILABLE when the
-    control plane cannot be asked). Sets the tenant the rest of the mesh sees."""
-    try:
-        principal = await authenticator.authenticate(current_authorization())
-    except Unauthenticated as exc:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-    except grpc.aio.AioRpcError as exc:
-        log.warning("cannot check the API key, control unreachable: %s %s", exc.code().name, exc.details())
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "cannot check the API key right now; retry shortly")
+async def admit(authenticator: Authenticator) -> Principal:
+    """The caller's Principal (errors.Unauthenticated, or Unavailable when the control plane cannot
+    be asked). Sets the tenant the rest of the mesh sees."""
+    principal = await authenticator.authenticate(current_authorization())
     tenant_var.set(principal.tenant)  # carried to the workers as x-gaas-tenant
     return principal
+
+
+def note_client_id(client_id: str) -> None:
+    """The id a client gave in its request body, for the logs (the x-request-id header wins)."""
+    if client_id and not client_request_id_var.get():
+        client_request_id_var.set(sanitize_client_id(client_id))
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -37,23 +38,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context):
         arrived = time.perf_counter()
-        principal = await admit(context, self._auth)
-        request_id = request.request_id or current_request_id()
-        request_id_var.set(request_id)  # the client's own id, when it chose one, names the request everywhere
-        try:
-            async for chunk in self._dispatcher.stream(
-                request, principal, request_id, context.time_remaining(), arrived
-            ):
-                yield chunk
-        except DispatchError as exc:
-            await context.abort(exc.code, exc.message)
+        principal = await admit(self._auth)
+        note_client_id(request.request_id)
+        prepared = await self._dispatcher.prepare(request)
+        async for chunk in self._dispatcher.stream(
+            prepared, principal, current_request_id(), context.time_remaining(), arrived
+        ):
+            yield chunk
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context) -> inference_pb2.ListModelsResponse:
-        await admit(context, self._auth)
-        try:
-            models = await self._dispatcher.models()
-        except DispatchError as exc:
-            await context.abort(exc.code, exc.message)
+        await admit(self._auth)
+        models = await self._dispatcher.models()
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(name=m.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len)

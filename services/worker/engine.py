@@ -14,7 +14,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gaas import errors
 from gaas.runtime import devices
+from gaas.tokenizer import ChatMessage, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -22,24 +24,21 @@ log = logging.getLogger(__name__)
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
 
 
-class EngineError(Exception):
-    """Base of the engine's errors."""
-
-
-class InvalidRequest(EngineError):
+class InvalidRequest(errors.InvalidArgument):
     """The request can never succeed as sent (too long, bad parameter); the message says why."""
 
 
-class EngineUnavailable(EngineError):
+class EngineUnavailable(errors.Unavailable):
     """The engine is not running (not started yet, shutting down, or dead); try another worker."""
 
 
-class EngineBusy(EngineError):
+class EngineBusy(errors.ResourceExhausted):
     """The engine's queue is full; another worker (or a later retry) may take the request."""
 
 
-class EngineFailed(EngineError):
-    """The engine failed while serving the request (a bug or a fault, not the caller's doing)."""
+class EngineFailed(errors.Internal):
+    """The engine failed while serving the request (a bug or a fault, not the caller's doing); the
+    message is for the caller, the detail went to the log."""
 
 
 @dataclass(slots=True)
@@ -60,6 +59,24 @@ class GenerationRequest:
     priority: int = 1
     # Prefix-cache salt; requests with different salts never share cached blocks.
     cache_salt: str = ""
+    # Choices to generate (vLLM's n).
+    n: int = 1
+    # Top alternatives per token to return with its logprob; None for no logprobs.
+    logprobs: int | None = None
+    # Text prompts: add the tokenizer's special tokens (BOS); messages: add them on top of the template's.
+    add_special_tokens: bool = True
+    # Chat messages: open the assistant's turn / continue the last message.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    # (token_id, token, logprob, rank): the sampled token first, then the top alternatives.
+    top: list[tuple[int, str, float, int]]
 
 
 @dataclass(slots=True)
@@ -68,16 +85,22 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    # None until the last delta.
+    # The choice (0 to n-1) this delta extends.
+    index: int = 0
+    # None until the choice's last delta.
     finish_reason: str | None = None
     # The stop string that matched, if any.
     stop_reason: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    # Tokens generated so far.
+    # Tokens generated so far, all choices together.
     completion_tokens: int = 0
     # Time in the engine's queue before the first schedule (last delta only).
     queue_ms: float = 0.0
+    # True on the request's last delta (every choice finished): it carries the usage.
+    done: bool = False
+    # One per token of token_ids, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +112,8 @@ class EngineInfo:
     device: str
     block_size: int
     max_model_len: int
+    # Version of vLLM.
+    engine_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +162,11 @@ def _finish_reason(reason: str | None) -> str | None:
 class VllmEngine(Engine):
     """vLLM's AsyncLLM in this process (its EngineCore runs in a child process)."""
 
-    def __init__(self, llm, info: EngineInfo, load_tracker: "_LoadTracker", gpu_index: int | None) -> None:
+    def __init__(
+        self, llm, info: EngineInfo, load_tracker: "_LoadTracker", gpu_index: int | None, tokenizer: Tokenizer
+    ) -> None:
         self._llm = llm
+        self._tokenizer = tokenizer
         self.info = info
         self._load = load_tracker
         self._gpu_index = gpu_index
@@ -147,6 +175,7 @@ class VllmEngine(Engine):
     @classmethod
     async def start(cls, s: VllmSettings) -> "VllmEngine":
         """Build the engine (~20-40 s on a CPU) without blocking the event loop."""
+        from vllm import __version__ as vllm_version
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -197,45 +226,45 @@ class VllmEngine(Engine):
             device=device,
             block_size=int(cache.block_size),
             max_model_len=int(llm.vllm_config.model_config.max_model_len),
+            engine_version=vllm_version,
         )
         log.info(
             "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens",
             time.monotonic() - started, s.model, device, cache.num_gpu_blocks, cache.block_size,
         )
-        return cls(llm, info, tracker, gpu_index)
+        tokenizer = await asyncio.to_thread(Tokenizer.load, s.model_path)
+        return cls(llm, info, tracker, gpu_index, tokenizer)
 
-    def _render_chat(self, messages: list[tuple[str, str]]) -> list[int]:
-        """Token ids of the conversation in the model's chat template, the assistant's turn opened."""
-        tok = self._llm.get_tokenizer()
-        try:
-            text = tok.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # jinja errors: the template refused the conversation
-            raise InvalidRequest(f"the model's chat template rejected the messages: {exc}") from exc
-        return list(tok.encode(text, add_special_tokens=False))
+    def _prompt_ids(self, r: GenerationRequest) -> list[int]:
+        """The prompt as token ids (the router sends ids; other callers may send text or messages)."""
+        if r.messages:
+            messages = [ChatMessage(role, content) for role, content in r.messages]
+            return self._tokenizer.encode_chat(messages, r.add_generation_prompt, r.continue_final_message, r.add_special_tokens)
+        return self._tokenizer.encode(r.prompt, r.add_special_tokens)
 
     def _sampling(self, r: GenerationRequest, max_tokens: int):
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         try:
             return SamplingParams(
-                n=1,
+                n=r.n,
                 max_tokens=max_tokens,
                 stop=r.stop or None,
+                logprobs=r.logprobs,
                 output_kind=RequestOutputKind.DELTA,
                 **r.sampling,
             )
-        except ValueError as exc:  # vLLM validates ranges itself
-            raise InvalidRequest(str(exc)) from exc
+        except (ValueError, VLLMClientError) as exc:  # vLLM validates ranges itself
+            raise InvalidRequest(errors.cap(str(exc), 300)) from None
 
     async def generate(self, r: GenerationRequest) -> AsyncIterator[Delta]:
         if self._closed or self._llm.errored:
-            raise EngineUnavailable("the engine is not running")
-        token_ids = r.prompt_token_ids
-        if r.messages:
-            token_ids = await asyncio.to_thread(self._render_chat, r.messages)
+            raise EngineUnavailable("this worker's engine is not running; another worker may take the request")
+        token_ids = r.prompt_token_ids or await asyncio.to_thread(self._prompt_ids, r)
+        if not token_ids:
+            raise InvalidRequest("the prompt has no tokens")
         max_tokens = r.max_tokens
         if not max_tokens:
             max_tokens = self.info.max_model_len - len(token_ids)
@@ -245,7 +274,7 @@ class VllmEngine(Engine):
                     f"{self.info.max_model_len} tokens"
                 )
         params = self._sampling(r, max_tokens)
-        prompt: dict = {"prompt_token_ids": token_ids} if token_ids else {"prompt": r.prompt}
+        prompt: dict = {"prompt_token_ids": token_ids}
         if r.cache_salt:
             prompt["cache_salt"] = r.cache_salt
         from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMServerError
@@ -254,28 +283,36 @@ class VllmEngine(Engine):
         completion_tokens = 0
         try:
             async for out in self._llm.generate(prompt, params, r.request_id, priority=r.priority):
-                c = out.outputs[0]
-                completion_tokens += len(c.token_ids)
-                delta = Delta(text=c.text, token_ids=list(c.token_ids), completion_tokens=completion_tokens)
-                if out.finished:
-                    delta.finish_reason = _finish_reason(c.finish_reason)
-                    delta.stop_reason = c.stop_reason if isinstance(c.stop_reason, str) else ""
-                    delta.prompt_tokens = len(out.prompt_token_ids or ())
-                    delta.cached_tokens = int(out.num_cached_tokens or 0)
-                    m = out.metrics
-                    if m is not None and getattr(m, "scheduled_ts", 0) and getattr(m, "queued_ts", 0):
-                        delta.queue_ms = max(0.0, (m.scheduled_ts - m.queued_ts) * 1000)
-                yield delta
+                for c in out.outputs:  # with DELTA, the choice that advanced (n > 1: one at a time)
+                    completion_tokens += len(c.token_ids)
+                    delta = Delta(
+                        text=c.text, token_ids=list(c.token_ids), index=c.index, completion_tokens=completion_tokens,
+                        finish_reason=_finish_reason(c.finish_reason),
+                    )
+                    if r.logprobs is not None and c.logprobs:
+                        delta.logprobs = _logprobs(c.token_ids, c.logprobs)
+                    if delta.finish_reason is not None:
+                        delta.stop_reason = c.stop_reason if isinstance(c.stop_reason, str) else ""
+                    if out.finished and c is out.outputs[-1]:
+                        delta.done = True
+                        delta.prompt_tokens = len(out.prompt_token_ids or token_ids)
+                        delta.cached_tokens = int(out.num_cached_tokens or 0)
+                        m = out.metrics
+                        if m is not None and getattr(m, "scheduled_ts", 0) and getattr(m, "queued_ts", 0):
+                            delta.queue_ms = max(0.0, (m.scheduled_ts - m.queued_ts) * 1000)
+                    yield delta
         except EngineDeadError as exc:
-            raise EngineUnavailable(f"the engine died: {exc}") from exc
+            log.error("the engine died: %s", exc)
+            raise EngineUnavailable("this worker's engine stopped; another worker may take the request") from None
         except (VLLMClientError, ValueError, TypeError) as exc:
             # vLLM rejects what it cannot serve (prompt longer than the context, bad token ids).
-            raise InvalidRequest(str(exc)) from exc
+            raise InvalidRequest(errors.cap(str(exc), 300)) from None
         except GracefulHTTPError as exc:
-            raise EngineBusy(str(exc)) from exc
+            raise EngineBusy(f"this worker is full ({errors.cap(str(exc), 200)}); retry shortly") from None
         except VLLMServerError as exc:
             cause = exc.__cause__ or exc
-            raise EngineFailed(f"{type(cause).__name__}: {cause}") from exc
+            log.error("the engine failed on %s: %s: %s", r.request_id, type(cause).__name__, cause)
+            raise EngineFailed(errors.internal_message(r.request_id)) from None
 
     def load(self) -> EngineLoad:
         used = total = 0
@@ -297,6 +334,23 @@ class VllmEngine(Engine):
         if not self._closed:
             self._closed = True
             await asyncio.to_thread(self._llm.shutdown)
+
+
+def _logprobs(token_ids, positions) -> list[TokenLogprob]:
+    """vLLM's per-position {token_id: Logprob} (sampled token first) as TokenLogprobs."""
+    out = []
+    for token_id, position in zip(token_ids, positions):
+        position = position or {}
+        chosen = position.get(token_id)
+        out.append(
+            TokenLogprob(
+                token_id=token_id,
+                token=(chosen.decoded_token or "") if chosen else "",
+                logprob=float(chosen.logprob) if chosen else float("-inf"),
+                top=[(t, lp.decoded_token or "", float(lp.logprob), int(lp.rank or 0)) for t, lp in position.items()],
+            )
+        )
+    return out
 
 
 def parse_cpu_list(spec: str) -> set[int]:

@@ -85,6 +85,7 @@ async def serve(cfg: WorkerConfig) -> None:
                 device=info.device,
                 block_size=info.block_size,
                 max_model_len=info.max_model_len,
+                engine_version=info.engine_version,
             ),
             cfg.lease_renew_seconds,
         )

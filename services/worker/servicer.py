@@ -6,23 +6,10 @@ import asyncio
 import logging
 import time
 
-import grpc
-
-from gaas import genrequest
+from gaas import errors, genrequest
 from gaas.runtime.context import current_tenant
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.engine import (
-    ABORT,
-    ERROR,
-    LENGTH,
-    STOP,
-    Engine,
-    EngineBusy,
-    EngineFailed,
-    EngineUnavailable,
-    GenerationRequest,
-    InvalidRequest,
-)
+from services.worker.engine import ABORT, ERROR, LENGTH, STOP, Delta, Engine, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -40,49 +27,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Set once the engine is up; until then calls get UNAVAILABLE.
         self.engine = engine
 
-    async def _engine_or_abort(self, context) -> Engine:
+    def _engine(self) -> Engine:
         if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading; retry shortly")
+            raise errors.Unavailable("the engine is still loading; retry shortly")
         return self.engine
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):
-        engine = await self._engine_or_abort(context)
+        engine = self._engine()
         info = engine.info
         r = request.request
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            raise errors.InvalidArgument("request_id is required", param="request_id")
         if r.model and r.model != info.model:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"this worker serves {info.model!r}, not {r.model!r}"
-            )
-        try:
-            max_tokens = genrequest.check(r, info.max_model_len)
-            gen = GenerationRequest(
-                request_id=request.request_id,
-                prompt=r.prompt,
-                prompt_token_ids=list(r.prompt_token_ids),
-                max_tokens=max_tokens,
-                messages=[(m.role, m.content) for m in r.messages],
-                sampling=genrequest.sampling_dict(r.sampling),
-                stop=list(r.stop),
-                priority=genrequest.VLLM_PRIORITY[r.priority],
-                cache_salt=request.cache_salt,
-            )
-        except genrequest.RequestInvalid as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
+            raise errors.FailedPrecondition(f"this worker serves {info.model!r}, not {errors.quote(r.model)}")
+        max_tokens = genrequest.check(r, info.max_model_len)
+        gen = GenerationRequest(
+            request_id=request.request_id,
+            prompt=r.prompt,
+            prompt_token_ids=list(r.prompt_token_ids),
+            max_tokens=max_tokens,
+            messages=[(m.role, m.content) for m in r.messages],
+            sampling=genrequest.sampling_dict(r.sampling),
+            stop=list(r.stop),
+            priority=genrequest.VLLM_PRIORITY[r.priority],
+            cache_salt=request.cache_salt,
+            n=r.n or 1,
+            logprobs=r.logprobs if r.HasField("logprobs") else None,
+            add_special_tokens=r.add_special_tokens if r.HasField("add_special_tokens") else not r.messages,
+            add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
+            continue_final_message=r.continue_final_message,
+        )
         started = time.perf_counter()
         first_token_ms = 0.0
         produced = 0
         try:
             async for d in engine.generate(gen):
-                chunk = common_pb2.GenerateChunk(request_id=request.request_id, text=d.text, token_ids=d.token_ids)
                 if not first_token_ms and d.token_ids:
                     first_token_ms = (time.perf_counter() - started) * 1000
                 produced = d.completion_tokens
-                if d.finish_reason is not None:
-                    chunk.finish_reason = FINISH_TO_PB[d.finish_reason]
-                    chunk.stop_reason = d.stop_reason
+                chunk = self._chunk(request.request_id, d)
+                if d.done:
                     chunk.usage.prompt_tokens = d.prompt_tokens
                     chunk.usage.cached_tokens = d.cached_tokens
                     chunk.usage.completion_tokens = d.completion_tokens
@@ -97,18 +81,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except asyncio.CancelledError:
             log.info("cancelled by the caller after %d tokens; engine request aborted", produced)
             raise
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except EngineBusy as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {self._worker_id} is full: {exc}")
-        except EngineFailed as exc:
-            log.error("engine failed on request %s: %s", request.request_id, exc)
-            await context.abort(grpc.StatusCode.INTERNAL, f"the engine failed: {exc}")
+
+    @staticmethod
+    def _chunk(request_id: str, d: Delta) -> common_pb2.GenerateChunk:
+        chunk = common_pb2.GenerateChunk(request_id=request_id, text=d.text, token_ids=d.token_ids, index=d.index)
+        if d.finish_reason is not None:
+            chunk.finish_reason = FINISH_TO_PB[d.finish_reason]
+            chunk.stop_reason = d.stop_reason
+        for lp in d.logprobs:
+            entry = chunk.logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob)
+            for token_id, token, logprob, rank in lp.top:
+                entry.top.add(token_id=token_id, token=token, logprob=logprob, rank=rank)
+        return chunk
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.WorkerLoad:
-        load = (await self._engine_or_abort(context)).load()
+        load = self._engine().load()
         return worker_pb2.WorkerLoad(
             worker_id=self._worker_id,
             running_requests=load.running,

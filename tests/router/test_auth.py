@@ -1,6 +1,7 @@
 import pytest
 
-from services.router.auth import Authenticator, Principal, Unauthenticated, bearer_key
+from gaas.errors import Unauthenticated
+from services.router.auth import Authenticator, Principal, bearer_key
 
 ACME = Principal("acme", "gold", "key_1", "salt")
 

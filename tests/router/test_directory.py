@@ -1,7 +1,8 @@
 import pytest
 
-from services.router.directory import MeshDirectory, ModelEntry, UnknownModel
-from services.router.picker import Candidate, NoWorkerAvailable, WorkerId
+from gaas import errors
+from services.router.directory import MeshDirectory, ModelEntry
+from services.router.picker import Candidate, WorkerId
 
 MODELS = [ModelEntry("tiny", "1", 2048, True), ModelEntry("small", "1", 4096, False)]
 WORKERS = [Candidate(WorkerId(f"worker-{i}"), f"127.0.0.1:{i}", "tiny", "1", 2048) for i in range(2)]
@@ -41,8 +42,12 @@ async def test_resolve_model(setup):
     d, _, _ = setup
     assert (await d.resolve_model("")).name == "tiny"
     assert (await d.resolve_model("small")).max_model_len == 4096
-    with pytest.raises(UnknownModel, match="available: tiny, small"):
+    with pytest.raises(errors.NotFound, match="available: tiny, small") as err:
         await d.resolve_model("huge")
+    assert err.value.param == "model" and err.value.openai_code == "model_not_found"
+    with pytest.raises(errors.NotFound) as err:
+        await d.resolve_model("x" * 100_000)
+    assert len(err.value.message) < 200, "a huge name is cut before it is echoed"
 
 
 async def test_ejection_and_exclusion(setup):
@@ -54,7 +59,7 @@ async def test_ejection_and_exclusion(setup):
     assert len(await d.candidates("tiny")) == 2
     clock.now = 6.0
     assert len(await d.candidates("tiny", exclude={WorkerId("worker-0")})) == 1
-    with pytest.raises(NoWorkerAvailable, match="failed this request"):
+    with pytest.raises(errors.Unavailable, match="failed this request"):
         await d.candidates("tiny", exclude={WorkerId("worker-0"), WorkerId("worker-1")})
-    with pytest.raises(NoWorkerAvailable, match="no worker is serving 'small'"):
+    with pytest.raises(errors.Unavailable, match="no worker is serving 'small'"):
         await d.candidates("small")

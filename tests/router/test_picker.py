@@ -1,6 +1,7 @@
 import pytest
 
-from services.router.picker import Candidate, NoWorkerAvailable, RoundRobinPicker, WorkerId, make_picker
+from gaas import errors
+from services.router.picker import Candidate, RoundRobinPicker, WorkerId, make_picker
 
 
 def cands(*ids):
@@ -14,7 +15,7 @@ def test_round_robin_cycles_in_id_order():
 
 
 def test_empty_is_a_typed_error():
-    with pytest.raises(NoWorkerAvailable):
+    with pytest.raises(errors.Unavailable):
         RoundRobinPicker().pick([])
 
 

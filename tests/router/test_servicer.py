@@ -65,6 +65,18 @@ def chunk(text, final=False):
 OK = [chunk("a"), chunk("b", final=True)]
 
 
+class FakeTokenizer:
+    """One token per character (the real tokenizer is tested in tests/test_tokenizer.py)."""
+
+    vocab_size = 1000
+
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [1 + ord(c) % 900 for c in text]
+
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, add_special_tokens=False):
+        return self.encode("".join(f"<{m.role}>{m.content}" for m in messages), add_special_tokens)
+
+
 async def serve(scripts, workers=("w0", "w1"), retries=2):
     models = [ModelEntry("tiny", "1.0", 64, True)]
     cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 64) for w in workers]
@@ -76,9 +88,12 @@ async def serve(scripts, workers=("w0", "w1"), retries=2):
         return KEYS.get(key)
 
     fake = FakeWorkers(scripts)
-    dispatcher = Dispatcher(MeshDirectory(fetch, 1.0, 5.0), RoundRobinPicker(), fake, retries=retries, max_stream_seconds=30)
+    dispatcher = Dispatcher(
+        MeshDirectory(fetch, 1.0, 5.0), RoundRobinPicker(), fake, lambda model: FakeTokenizer(),
+        retries=retries, max_stream_seconds=30,
+    )
     servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0))
-    rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, trust_tenant=False))
+    rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, edge=True))
     rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
     await rt.start()
     return rt, fake
@@ -101,7 +116,14 @@ async def test_streams_and_alternates_workers():
     assert first[-1].timings.router_ms > 0
     assert [a for a, _ in fake.calls] == ["w0", "w1"]
     forwarded = fake.calls[0][1]
-    assert forwarded.request_id == "req-1" and forwarded.request.model == "tiny"  # default model filled in
+    assert forwarded.request.model == "tiny"  # default model filled in
+    # GaaS names the request with an id of its own; the client's travels along for the logs only.
+    assert forwarded.request_id.startswith("req-") and forwarded.request_id != "req-1"
+    assert forwarded.request.request_id == "req-1"
+    assert fake.calls[1][1].request_id != forwarded.request_id
+    # The router tokenized the prompt: the worker gets token ids and an explicit max_tokens.
+    assert list(forwarded.request.prompt_token_ids) == FakeTokenizer().encode("hi") and not forwarded.request.prompt
+    assert forwarded.request.max_tokens == 16
     assert forwarded.cache_salt == "salt-acme"
     assert first[-1].tenant == "acme" and fake.tenants == ["acme", "acme"]
 
@@ -147,7 +169,9 @@ async def test_no_retry_once_a_token_was_sent():
             await collect(rt, prompt="hi")
     finally:
         await rt.shutdown()
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine died" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "failed after it had streamed tokens" in err.value.details() and "may be retried" in err.value.details()
+    assert "engine died" not in err.value.details(), "a worker's internal text never reaches the client"
     assert len(fake.calls) == 1
 
 

@@ -18,6 +18,7 @@ from services.worker.engine import (
     EngineLoad,
     EngineUnavailable,
     InvalidRequest,
+    TokenLogprob,
 )
 from services.worker.servicer import WorkerServicer
 
@@ -27,8 +28,8 @@ INFO = EngineInfo("tiny", "1.0", "vllm-cpu", "cpu", 32, 256)
 class FakeEngine(Engine):
     info = INFO
 
-    def __init__(self, tokens=3, delay=0.0, fail=None):
-        self.tokens, self.delay, self.fail = tokens, delay, fail
+    def __init__(self, tokens=3, delay=0.0, fail=None, script=None):
+        self.tokens, self.delay, self.fail, self.script = tokens, delay, fail, script
         self.requests = []
         self.aborted = asyncio.Event()
 
@@ -36,13 +37,17 @@ class FakeEngine(Engine):
         self.requests.append(r)
         if self.fail:
             raise self.fail
+        if self.script:
+            for d in self.script:
+                yield d
+            return
         try:
             for i in range(1, self.tokens + 1):
                 await asyncio.sleep(self.delay)
                 last = i == self.tokens
                 yield Delta(
                     text=f"t{i}", token_ids=[i], completion_tokens=i,
-                    finish_reason=LENGTH if last else None,
+                    finish_reason=LENGTH if last else None, done=last,
                     prompt_tokens=5 if last else 0, cached_tokens=2 if last else 0,
                 )
         except (asyncio.CancelledError, GeneratorExit):
@@ -88,6 +93,31 @@ async def test_streams_deltas_with_usage_last():
     assert not chunks[0].HasField("usage")
     r = engine.requests[0]
     assert (r.request_id, r.cache_salt, r.max_tokens, r.sampling) == ("req-1", "s", 3, {"temperature": 0.0})
+    assert (r.n, r.logprobs, r.add_special_tokens) == (1, None, True)
+
+
+async def test_choices_and_logprobs_map_to_chunks():
+    """n > 1: each choice's chunks carry its index and its own finish; usage only on the request's last."""
+    lp = TokenLogprob(7, "x", -0.5, [(7, "x", -0.5, 2), (9, "y", -0.25, 1)])
+    script = [
+        Delta("a", [7], index=1, completion_tokens=1, logprobs=[lp]),
+        Delta("b", [7], index=0, completion_tokens=2, finish_reason=LENGTH, logprobs=[lp]),
+        Delta("c", [7], index=1, completion_tokens=3, finish_reason=LENGTH, done=True, prompt_tokens=4, logprobs=[lp]),
+    ]
+    engine = FakeEngine(script=script)
+    rt = await serve(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(
+                wreq(prompt="hi", max_tokens=3, n=2, logprobs=1), timeout=5)]
+    finally:
+        await rt.shutdown()
+    assert [(c.index, c.text) for c in chunks] == [(1, "a"), (0, "b"), (1, "c")]
+    assert chunks[1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not chunks[1].HasField("usage")
+    assert chunks[2].usage.completion_tokens == 3 and chunks[2].worker_id == "worker-7"
+    top = chunks[0].logprobs[0].top
+    assert [(t.token_id, t.token, t.logprob, t.rank) for t in top] == [(7, "x", -0.5, 2), (9, "y", -0.25, 1)]
+    assert (engine.requests[0].n, engine.requests[0].logprobs) == (2, 1)
 
 
 async def test_cancel_aborts_the_engine_request():
@@ -139,7 +169,11 @@ async def test_get_load():
 
 @pytest.mark.parametrize(
     "error, code",
-    [(EngineBusy("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED), (EngineFailed("boom"), grpc.StatusCode.INTERNAL)],
+    [
+        (EngineBusy("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (EngineFailed("internal error (request id req-1): see the logs"), grpc.StatusCode.INTERNAL),
+        (RuntimeError("secret internal detail"), grpc.StatusCode.INTERNAL),
+    ],
 )
 async def test_engine_faults(error, code):
     rt = await serve(FakeEngine(fail=error))
@@ -150,3 +184,6 @@ async def test_engine_faults(error, code):
     finally:
         await rt.shutdown()
     assert err.value.code() == code
+    assert "secret internal detail" not in err.value.details(), "internal exception text never reaches a caller"
+    if code == grpc.StatusCode.INTERNAL:
+        assert "internal error (request id req-" in err.value.details()

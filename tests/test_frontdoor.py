@@ -1,0 +1,400 @@
+"""The front door, through the real ingress: the routes and parameters of vLLM's OpenAI server,
+the tools people point at vLLM servers (the `openai` package, `vllm bench serve`, a generic gRPC
+client using reflection), the client's request id, and fuzzing of both surfaces: no input gets a
+5xx, every error has OpenAI's (or gRPC's) shape, and the mesh keeps serving."""
+
+from __future__ import annotations
+
+import http.client as httpclient
+import json
+import os
+import signal
+
+import grpc
+import openai
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.conftest import ROOT
+from tests.meshutil import generate, http
+
+pytestmark = pytest.mark.mesh
+
+MODEL = "gaas-tiny"
+
+
+def client(mesh, key=None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=0, timeout=60)
+
+
+# ------------------------------------------------------------------ routes and parameters
+
+
+def test_client_request_id_is_echoed_but_gaas_names_the_request(mesh):
+    raw = client(mesh).completions.with_raw_response.create(
+        model=MODEL, prompt="hi", max_tokens=2, extra_headers={"x-request-id": "my-id-1"}
+    )
+    assert raw.headers["x-request-id"] == "my-id-1"
+    body = raw.parse()
+    assert body.id.startswith("cmpl-") and "my-id-1" not in body.id
+    # Two requests with the same client id are still two requests.
+    again = client(mesh).completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_headers={"x-request-id": "my-id-1"})
+    assert again.id != body.id
+
+
+def test_sampling_parameters_of_vllm_are_honoured(mesh):
+    c = client(mesh)
+    extra = {"ignore_eos": True, "min_tokens": 6, "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1,
+             "skip_special_tokens": True, "spaces_between_special_tokens": True}
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, seed=3, extra_body=extra)
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    # A seed fixes the sample.
+    again = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, seed=3, extra_body=extra)
+    assert again.choices[0].text == r.choices[0].text
+    # allowed_token_ids confines the output: every generated token is one of them.
+    r = c.completions.create(model=MODEL, prompt="x", max_tokens=5, logprobs=0,
+                             extra_body={"allowed_token_ids": [100, 101], "ignore_eos": True})
+    ids = [int(t.removeprefix("token_id:")) for t in c.completions.create(
+        model=MODEL, prompt="x", max_tokens=5, logprobs=0,
+        extra_body={"allowed_token_ids": [100, 101], "ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.tokens]
+    assert set(ids) <= {100, 101} and len(ids) == 5
+    # logit_bias of +100 on one token makes it the greedy choice.
+    r = c.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, logit_bias={"100": 100},
+                             logprobs=0, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == ["token_id:100"] * 3
+
+
+def test_stop_token_ids_end_the_output(mesh):
+    c = client(mesh)
+    greedy = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=0,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in greedy.choices[0].logprobs.tokens]
+    stop_at = ids[3]
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                             extra_body={"stop_token_ids": [stop_at]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ids.index(stop_at) + 1
+
+
+def test_n_choices_and_a_list_of_prompts(mesh):
+    r = client(mesh).completions.create(model=MODEL, prompt=["Once upon", "A long time ago"], n=2, max_tokens=3,
+                                        extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3], "indexed prompt * n + choice, as OpenAI and vLLM do"
+    assert all(ch.finish_reason == "length" and ch.text for ch in r.choices)
+    assert r.usage.completion_tokens == 12
+    single = [client(mesh).completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens
+              for p in ("Once upon", "A long time ago")]
+    assert r.usage.prompt_tokens == sum(single), "each prompt counted once, however many choices"
+    chunks = list(client(mesh).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    firsts = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            firsts.setdefault(choice.index, choice.delta.role)
+    assert firsts == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_logprobs_in_both_shapes(mesh):
+    c = client(mesh)
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, logprobs=3, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(t) >= 3 for t in lp.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(4))
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                     logprobs=True, top_logprobs=2, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_tokenize_and_detokenize_as_vllm_answers(mesh):
+    status, body = http(mesh, "/tokenize", json.dumps({"model": MODEL, "prompt": "Once upon a time"}).encode())
+    assert status == 200, body
+    tokens = json.loads(body)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 2048 and tokens["token_strs"] is None
+    usage = client(mesh).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1).usage
+    assert usage.prompt_tokens == tokens["count"], "/tokenize counts what generation is charged for"
+    status, body = http(mesh, "/detokenize", json.dumps({"model": MODEL, "tokens": tokens["tokens"]}).encode())
+    assert status == 200 and json.loads(body)["prompt"].endswith("Once upon a time")
+    messages = [{"role": "user", "content": "Hello"}]
+    status, body = http(mesh, "/tokenize", json.dumps({"model": MODEL, "messages": messages}).encode())
+    chat_usage = client(mesh).chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert json.loads(body)["count"] == chat_usage.prompt_tokens
+    status, body = http(mesh, "/tokenize", json.dumps({"prompt": "x"}).encode(), key="")
+    assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+
+
+def test_probe_routes_answer_without_a_key(mesh):
+    for path in ("/health", "/ping"):
+        assert http(mesh, path, method="GET", key="")[0] == 200
+    assert http(mesh, "/ping", b"", method="POST", key="")[0] == 200
+    status, body = http(mesh, "/version", method="GET", key="")
+    assert status == 200 and json.loads(body)["version"]
+    status, body = http(mesh, "/load", method="GET", key="")
+    assert status == 200 and json.loads(body)["server_load"] >= 0
+    status, body = http(mesh, "/metrics", method="GET", key="")
+    assert status == 200 and 'gaas_router_grpc_requests_total{code="OK",method="Completions"}' in body
+
+
+def test_query_parameters_of_other_clients_are_ignored(mesh):
+    assert http(mesh, "/v1/models?api-version=2024-02-01", method="GET")[0] == 200
+
+
+def test_reflection_at_the_ingress_shows_the_public_services_only(mesh):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = set(db.get_services())
+        pool = DescriptorPool(db)
+        methods = [m.name for m in pool.FindServiceByName("gaas.v1.Inference").methods]
+        chunk_fields = set(pool.FindMessageTypeByName("gaas.v1.GenerateChunk").fields_by_name)
+    assert services == {"gaas.v1.Inference", "gaas.v1.OpenAI", "grpc.health.v1.Health",
+                        "grpc.reflection.v1alpha.ServerReflection"}
+    assert methods == ["Generate", "ListModels"] and {"index", "logprobs", "usage"} <= chunk_fields
+
+
+def test_internal_services_are_not_reachable_at_the_ingress(mesh):
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/gaas.v1.Control/ListTenants")(b"", timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_vllm_bench_serve_runs_against_the_ingress(mesh, backend):
+    """vLLM's own load tester, as its users run it: every request succeeds."""
+    from bench.vllm_bench import run
+
+    result = run(f"http://{mesh.ingress}", MODEL, str(ROOT / "models" / MODEL), backend=backend,
+                 api_key=mesh.api_key, num_prompts=12, input_len=64, output_len=8, max_concurrency=4)
+    assert result["completed"] == 12 and result.get("failed", 0) == 0, result["_output"]
+    assert result["total_output_tokens"] == 12 * 8
+
+
+# ------------------------------------------------------------------ fuzzing
+
+
+def _error_shaped(status: int, body: str) -> None:
+    assert 400 <= status < 500, f"{status}: {body[:500]}"
+    error = json.loads(body)["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and isinstance(error["code"], str)
+    assert error["param"] is None or isinstance(error["param"], str)
+
+
+def _ok_shaped(path: str, body: str, stream: bool) -> None:
+    if path == "/tokenize":
+        assert isinstance(json.loads(body)["tokens"], list)
+        return
+    if path == "/detokenize":
+        assert isinstance(json.loads(body)["prompt"], str)
+        return
+    if not stream:
+        assert json.loads(body)["choices"]
+        return
+    events = [line.removeprefix("data: ") for line in body.split("\n\n") if line.strip()]
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        assert "error" not in json.loads(e), f"a stream failed after it started: {e}"
+
+
+_evil_strings = st.sampled_from(["", "\ud800", "\x00", "gpt-9", "😀", "<|eot_id|>"]) | st.just(100_000).map(lambda n: "x" * n)
+_ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.sampled_from([2**31, 2**32, 2**33, 2**40, 2**63]))
+_scalars = st.one_of(st.none(), st.booleans(), _ints, st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12), _evil_strings)
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+_token_ids = st.lists(st.integers(0, 4095), min_size=1, max_size=8)
+
+# Values a careful client sends: the body should be served (or refused for a reason it names).
+_valid_prompt = st.one_of(st.text(min_size=1, max_size=40), _token_ids, st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3))
+_valid_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                           "content": st.text(max_size=30) | st.just([{"type": "text", "text": "hi"}])}),
+    min_size=1, max_size=3,
+)
+_valid = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
+    "n": st.integers(1, 3), "seed": st.integers(-(2**63), 2**63 - 1), "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 4095).map(str), st.floats(-100, 100), max_size=3),
+    "stop_token_ids": _token_ids, "allowed_token_ids": _token_ids, "min_tokens": st.integers(0, 2),
+    "ignore_eos": st.booleans(), "stream": st.booleans(), "stream_options": st.just({"include_usage": True}),
+    "bad_words": st.lists(st.text(min_size=1, max_size=5), max_size=2), "priority": st.integers(-1, 1),
+    "user": st.text(max_size=10), "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(),
+    "echo": st.just(False), "spaces_between_special_tokens": st.booleans(), "return_tokens_as_token_ids": st.booleans(),
+}
+_valid_completion = {**_valid, "logprobs": st.integers(0, 5), "add_special_tokens": st.booleans()}
+_valid_chat = {**_valid, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5), "add_generation_prompt": st.just(True)}
+# And whatever a careless or hostile one might.
+_wild = {name: _json for name in [*_valid_completion, *_valid_chat, "tools", "response_format", "best_of", "colour"]}
+_wild["messages"] = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "robot", 5]), "content": _json}), max_size=3) | _json
+_wild["prompt"] = st.one_of(_evil_strings, st.lists(_ints, max_size=6), _json)
+
+
+@st.composite
+def _openai_body(draw):
+    chat = draw(st.booleans())
+    careful = draw(st.booleans())
+    fields = (_valid_chat if chat else _valid_completion) if careful else _wild
+    body = {"model": MODEL if careful else draw(st.sampled_from([MODEL, "", "nope"]) | _evil_strings | _scalars)}
+    body["messages" if chat else "prompt"] = draw(_valid_messages if chat else _valid_prompt) if careful else draw(
+        _wild["messages" if chat else "prompt"])
+    # Always a small max_tokens (or a wrong one): a body without one would generate the whole context.
+    body["max_completion_tokens" if chat and draw(st.booleans()) else "max_tokens"] = draw(
+        st.integers(1, 4) if careful else st.integers(1, 4) | _ints | _scalars)
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=6, unique=True)):
+        body[name] = draw(fields[name])
+    raw = json.dumps(body).encode()
+    # Sometimes damage the bytes themselves.
+    damage = "none" if careful else draw(st.sampled_from(["none", "none", "truncate", "nest", "bigint", "bytes"]))
+    if damage == "truncate":
+        raw = raw[: draw(st.integers(0, max(0, len(raw) - 1)))]
+    elif damage == "nest":
+        raw = raw[:-1] + b', "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    elif damage == "bigint":
+        raw = raw[:-1] + b', "max_tokens": ' + b"9" * 5000 + b"}"
+    elif damage == "bytes":
+        raw = draw(st.binary(max_size=64))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not careful and draw(st.integers(0, 9)) == 0:
+        # The tokenizer routes take the same bodies' fields (prompt or messages, model) and tokens.
+        path = draw(st.sampled_from(["/tokenize", "/detokenize"]))
+        if path == "/detokenize" and draw(st.booleans()):
+            raw = json.dumps({"model": body["model"], "tokens": draw(st.lists(_ints, max_size=4) | _json)}).encode()
+    return path, raw, body.get("stream") is True
+
+
+@pytest.fixture(scope="module")
+def conn(mesh):
+    host, port = mesh.ingress.split(":")
+    c = httpclient.HTTPConnection(host, int(port), timeout=60)
+    yield c
+    c.close()
+
+
+def _post(conn, mesh, path, raw):
+    headers = {"authorization": f"Bearer {mesh.api_key}", "content-type": "application/json"}
+    try:
+        conn.request("POST", path, body=raw, headers=headers)
+        resp = conn.getresponse()
+    except (httpclient.HTTPException, OSError):
+        conn.close()
+        conn.request("POST", path, body=raw, headers=headers)
+        resp = conn.getresponse()
+    return resp.status, resp.read().decode("utf-8", "replace")
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(case=_openai_body())
+def test_fuzz_openai_http_never_answers_5xx(mesh, conn, case):
+    path, raw, stream = case
+    status, body = _post(conn, mesh, path, raw)
+    event(f"HTTP {status}")
+    if status == 200:
+        _ok_shaped(path, body, stream)
+    else:
+        _error_shaped(status, body)
+
+
+def _sampling(careful: bool):
+    f32 = lambda lo, hi: st.floats(lo, hi, width=32)  # noqa: E731
+    return st.builds(
+        common_pb2.SamplingParams,
+        temperature=st.none() | (f32(0, 2) if careful else f32(-5, 5)),
+        top_p=st.none() | (f32(0.125, 1) if careful else f32(-1, 2)),
+        top_k=st.none() | (st.integers(-1, 50) if careful else st.integers(-(2**31), 2**31 - 1)),
+        min_p=st.none() | (f32(0, 1) if careful else f32(-1, 2)),
+        seed=st.none() | st.integers(-(2**63), 2**63 - 1),
+        min_tokens=st.none() | (st.integers(0, 2) if careful else st.integers(0, 2**32 - 1)),
+        ignore_eos=st.booleans(),
+        stop_token_ids=st.lists(st.integers(0, 4095) if careful else st.integers(0, 2**32 - 1), max_size=3),
+        logit_bias=st.dictionaries(st.integers(0, 4095) if careful else st.integers(0, 2**32 - 1),
+                                   f32(-100, 100) if careful else st.floats(width=32, allow_nan=True), max_size=2),
+        repetition_penalty=st.none() | (f32(0.5, 2) if careful else f32(-1, 200)),
+        bad_words=st.lists(st.text(min_size=1, max_size=4) if careful else st.text(max_size=4), max_size=2),
+    )
+
+
+def _generate_request(careful: bool):
+    return st.builds(
+        inference_pb2.GenerateRequest,
+        model=st.sampled_from(["", MODEL]) if careful else st.sampled_from(["", MODEL, "nope", "m" * 300]),
+        prompt=st.text(min_size=1, max_size=20) if careful else st.text(max_size=20) | st.sampled_from(["", "x" * 3000]),
+        prompt_token_ids=st.just([]) if careful else st.lists(st.integers(0, 2**32 - 1), max_size=4),
+        sampling=_sampling(careful),
+        max_tokens=st.integers(1, 4) if careful else st.integers(0, 4) | st.integers(0, 2**32 - 1),
+        stop=st.lists(st.text(min_size=1, max_size=4) if careful else st.text(max_size=4), max_size=3),
+        priority=st.integers(0, 3) if careful else st.integers(0, 2**31 - 1),
+        request_id=st.text(max_size=8) | st.just("r" * 500),
+        messages=st.just([]) if careful else st.lists(st.builds(
+            inference_pb2.ChatMessage, role=st.sampled_from(["user", "robot", ""]), content=st.text(max_size=10)),
+            max_size=2),
+        n=st.integers(1, 3) if careful else st.integers(0, 2**32 - 1),
+        logprobs=st.none() | (st.integers(0, 5) if careful else st.integers(0, 2**32 - 1)),
+    )
+
+
+_grpc_requests = _generate_request(True) | _generate_request(False)
+CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                 grpc.StatusCode.FAILED_PRECONDITION}
+
+
+@pytest.fixture(scope="module")
+def stub(mesh):
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        yield ch
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(req=_grpc_requests | st.binary(max_size=40))
+def test_fuzz_grpc_never_answers_a_server_error(mesh, stub, req):
+    if isinstance(req, bytes):
+        call = stub.unary_stream("/gaas.v1.Inference/Generate")(req, timeout=60, metadata=mesh.auth)
+    else:
+        if 8 < req.max_tokens < 4096:
+            req.max_tokens = 8  # valid but slow lengths are covered elsewhere
+        call = inference_pb2_grpc.InferenceStub(stub).Generate(req, timeout=60, metadata=mesh.auth)
+    try:
+        chunks = list(call)
+    except grpc.RpcError as err:
+        event(err.code().name)
+        assert err.code() in CLIENT_ERRORS, f"{err.code()}: {err.details()}"
+        assert err.details()
+        return
+    event("OK")
+    assert chunks and any(c.HasField("usage") for c in chunks)
+
+
+def test_the_mesh_still_serves_after_the_fuzzing(mesh):
+    r = client(mesh).completions.create(model=MODEL, prompt="still here", max_tokens=2)
+    assert r.choices[0].text is not None and r.usage.completion_tokens == 2
+
+
+# ------------------------------------------------------------------ a worker lost mid-stream
+
+
+@pytest.mark.destructive
+def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
+    """Kills worker-1 while it streams (worker-0 stays for the tests after this one)."""
+    c = client(mesh)
+    # Round robin alternates: after a request that worker-0 served, the next goes to worker-1.
+    for _ in range(4):
+        if generate(mesh, prompt="which one", max_tokens=1)[-1].worker_id == "worker-0":
+            break
+    stream = c.completions.create(model=MODEL, prompt="Tell me everything", max_tokens=1500, stream=True,
+                                  extra_body={"ignore_eos": True})
+    assert next(iter(stream)).choices
+    os.killpg(mesh.children["worker-1"], signal.SIGKILL)
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            pass
+    message = str(err.value)
+    assert "failed after it had streamed tokens" in message and "may be retried" in message
+    assert "RST_STREAM" not in message and "Stream removed" not in message
