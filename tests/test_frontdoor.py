@@ -161,6 +161,36 @@ def test_reflection_at_the_ingress_shows_the_public_services_only(mesh):
     assert methods == ["Generate", "ListModels"] and {"index", "logprobs", "usage"} <= chunk_fields
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x12\x03\xed\xa0\x80",  # prompt = a lone surrogate, UTF-8 encoded (not valid UTF-8)
+        b"\x12\xff\xff\xff\xff\x0f",  # a length beyond the message
+        b"\x0f",  # wire type 7 does not exist
+    ],
+)
+def test_malformed_protobuf_is_invalid_argument(mesh, raw):
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(ch.unary_stream("/gaas.v1.Inference/Generate")(raw, timeout=10, metadata=mesh.auth))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid GenerateRequest" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "\\ud800", "max_tokens": 2}',
+        b'{"prompt": "x", "max_tokens": 8589934592}',
+        b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"prompt": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"prompt": "x", "model": "' + b"m" * 100_000 + b'"}',
+    ],
+)
+def test_the_native_json_api_refuses_what_it_cannot_parse_with_a_4xx(mesh, body):
+    status, text = http(mesh, "/v1/generate", body)
+    assert 400 <= status < 500, text[:300]
+
+
 def test_internal_services_are_not_reachable_at_the_ingress(mesh):
     with grpc.insecure_channel(mesh.ingress) as ch:
         with pytest.raises(grpc.RpcError) as err:
