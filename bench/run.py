@@ -134,7 +134,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm_server(model_dir: Path, model_name: str, port: int, core: int, log: Path) -> subprocess.Popen:
+def start_vllm_server(
+    model_dir: Path, model_name: str, port: int, core: int, log: Path, extra: list[str] = ()
+) -> subprocess.Popen:
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -145,7 +147,7 @@ def start_vllm_server(model_dir: Path, model_name: str, port: int, core: int, lo
         "--model", str(model_dir), "--served-model-name", model_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--enable-prefix-caching",
-        "--max-num-seqs", "64", "--disable-uvicorn-access-log",
+        "--max-num-seqs", "64", "--disable-uvicorn-access-log", *extra,
     ]
     out = open(log, "wb")
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

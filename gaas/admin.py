@@ -35,6 +35,10 @@ def _key(k: pb.ApiKey) -> dict:
     }
 
 
+def _prefix(p: pb.PublicPrefix) -> dict:
+    return {"prefix_id": p.prefix_id, "model": p.model, "text": p.text, "created_unix_ms": p.created_unix_ms}
+
+
 class Admin:
     def __init__(self, control_address: str) -> None:
         self.address = control_address
@@ -67,6 +71,15 @@ class Admin:
 
     def revoke_key(self, key_id: str) -> dict:
         return _key(self._call("RevokeApiKey", pb.RevokeApiKeyRequest(key_id=key_id)))
+
+    def add_public_prefix(self, model: str, text: str) -> dict:
+        return _prefix(self._call("AddPublicPrefix", pb.AddPublicPrefixRequest(model=model, text=text)))
+
+    def list_public_prefixes(self, model: str = "") -> list[dict]:
+        return [_prefix(p) for p in self._call("ListPublicPrefixes", pb.ListPublicPrefixesRequest(model=model)).prefixes]
+
+    def remove_public_prefix(self, prefix_id: str) -> None:
+        self._call("RemovePublicPrefix", pb.RemovePublicPrefixRequest(prefix_id=prefix_id))
 
     def key_works(self, api_key: str) -> bool:
         try:

@@ -4,6 +4,7 @@
   gaas generate "Once upon"    stream a generation through the ingress
   gaas status                  health of every service instance, Envoy and worker
   gaas models                  models the mesh serves
+  gaas kv stats                the KV-cache directory: blocks per worker and tenant, hit ratio
   gaas tenant create acme      tenants (tiers gold / silver / bronze) and their API keys:
   gaas key create acme           the key is printed once; `gaas key revoke KEY_ID` ends it
   gaas model build             build the local test/benchmark model
@@ -116,20 +117,39 @@ def _examples(ingress: str, key: str, model: str) -> str:
 def cmd_up(args) -> int:
     from gaas.deployspec import SpecError
     from gaas.mesh import Mesh, MeshError
-    from gaas.topology import TopologyError
+    from gaas.topology import TopologyError, with_worker_options
 
     run_dir = Path(args.run_dir)
     if state := _state(run_dir):
         return _fail(f"a mesh is already running from {run_dir} (pid {state['pid']}); `gaas status` shows it")
     try:
         topo = _topology(args)
+        worker_options = {}
+        if args.model:
+            worker_options["model"] = args.model
+        if args.kv_cache_blocks is not None:
+            if args.kv_cache_blocks < 1:
+                return _fail("--kv-cache-blocks must be at least 1", 2)
+            worker_options["kv_cache_blocks"] = args.kv_cache_blocks
+        if worker_options:
+            topo = with_worker_options(topo, **worker_options)
+        extra_env = {}
+        if args.router_policy:
+            from services.router.scheduling.profiles import PROFILES
+
+            if args.router_policy not in PROFILES:
+                return _fail(f"--router-policy must be one of {', '.join(PROFILES)}, got {args.router_policy!r}", 2)
+            extra_env["GAAS_ROUTER_POLICY"] = args.router_policy
         mesh = Mesh(
             topo,
             run_dir=run_dir,
             deploy_file=Path(args.deploy),
             redis_url=args.redis_url,
             progress=_say,
+            extra_env=extra_env,
         )
+        for name in {str(w.options["model"]) for w in topo.of("worker")}:
+            mesh.spec.model(name)  # an unknown model is refused here, with the deployment's names
     except (TopologyError, SpecError) as exc:
         return _fail(str(exc), 2)
 
@@ -342,9 +362,87 @@ def cmd_status(args) -> int:
         print("\nregistered workers:")
         for w in health.workers:
             print(f"  {w['worker_id']:<10} {w['address']:<22} {w['model']} {w['model_version']}  {w['backend']} on {w['device']}  {w['state']}")
+            load = w["load"]
+            mem = (f", memory {load['device_memory_used'] / 2**30:.1f}/{load['device_memory_total'] / 2**30:.1f} GiB"
+                   if load["device_memory_total"] else "")
+            print(f"  {'':<10} {load['running']} running, {load['waiting']} waiting, KV cache "
+                  f"{load['kv_cache_usage']:.0%} of {load['kv_cache_blocks']} blocks used, {w['cached_blocks']} "
+                  f"blocks indexed{mem}, device {load['device_utilization']:.0%} busy")
     if not state and not any(i.health == "SERVING" for i in health.instances):
         print("\nno mesh seems to be running here: start one with `make run` (or `gaas up`)")
     return 0 if health.healthy else 1
+
+
+def cmd_kv_stats(args) -> int:
+    from gaas import probe
+    from gaas.topology import TopologyError
+
+    try:
+        topo = _topology(args, _state(Path(args.run_dir)))
+    except TopologyError as exc:
+        return _fail(str(exc), 2)
+    kvs = topo.of("kvcache")
+    stats = probe.kv_stats(kvs[0].inbound, timeout=args.timeout) if kvs else None
+    if stats is None:
+        return _fail(f"the KV directory at {kvs[0].inbound if kvs else '?'} does not answer: is the mesh up? (`gaas status`)")
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    s = stats
+    print(f"KV directory: {s['blocks']} blocks indexed on {s['workers']} worker(s), {s['events']} event batches applied")
+    for w in s["per_worker"]:
+        print(f"  {w['worker_id']:<12} {w['blocks']:>8} blocks  {w['unreachable_blocks']:>6} unreachable  "
+              f"{w['provisional_blocks']:>5} provisional  (epoch {w['epoch']}, last batch {w['last_seq']})")
+    for t in s["per_tenant"]:
+        print(f"  tenant {t['tenant'] or '(unknown)':<20} {t['blocks']:>8} blocks")
+    print(f"lookups {s['lookups']}: {s['hit_blocks']} of {s['lookup_blocks']} blocks held by the best worker "
+          f"(hit ratio {s['hit_ratio']:.1%}); fragmentation {s['fragmentation']:.1%} (blocks no lookup can reach)")
+    provisioned = int(s["provisioned"])
+    print(f"provisions {provisioned}: {s['provision_confirmed']} confirmed by the engines, {s['provision_expired']} "
+          f"expired unconfirmed; {s['unchained_blocks']} blocks unchained, {s['wrong_size_blocks']} of the wrong size, "
+          f"{s['resyncs']} resyncs, {s['sequence_gaps']} sequence gaps")
+    if provisioned >= 20 and int(s["provision_expired"]) > provisioned // 2:
+        print("warning: most provisions were never confirmed: the routers' block hashes and the engines' blocks "
+              "disagree (tokenization, cache salt or block size)", file=sys.stderr)
+    if int(s["wrong_size_blocks"]):
+        print("warning: engines store blocks of another size than they registered with", file=sys.stderr)
+    return 0
+
+
+def cmd_kv_public_add(args) -> int:
+    if (args.text is None) == (args.file is None):
+        return _fail("give the prefix with exactly one of --text and --file", 2)
+    text = args.text if args.text is not None else Path(args.file).read_text()
+    prefix, err = _admin_call(args, lambda a: a.add_public_prefix(args.model, text))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(prefix))
+    else:
+        print(f"{prefix['prefix_id']}: prompts of {prefix['model']} that begin with these {len(text)} characters are "
+              "cached for every tenant alike (routers pick it up within a second)")
+    return 0
+
+
+def cmd_kv_public_list(args) -> int:
+    prefixes, err = _admin_call(args, lambda a: a.list_public_prefixes(args.model or ""))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(prefixes, indent=2))
+    else:
+        for p in prefixes:
+            preview = p["text"][:60].replace("\n", " ")
+            print(f"{p['prefix_id']:<22} {p['model']:<16} {len(p['text']):>6} chars  {preview!r}")
+    return 0
+
+
+def cmd_kv_public_remove(args) -> int:
+    _, err = _admin_call(args, lambda a: a.remove_public_prefix(args.prefix_id))
+    if err is not None:
+        return err
+    print(f"removed {args.prefix_id}: its prompts are cached per tenant again")
+    return 0
 
 
 def cmd_models(args) -> int:
@@ -494,6 +592,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--deploy", default=str(DEFAULT_DEPLOY), help="deployment file applied to control (default: deploy/gaas.yaml)")
     up.add_argument("--redis-url", default=os.environ.get("GAAS_REDIS_URL", DEFAULT_REDIS),
                     help="Redis to use; started locally when nothing answers (env GAAS_REDIS_URL)")
+    up.add_argument("--model", default=os.environ.get("GAAS_MODEL") or None,
+                    help="the model the workers serve, by name from the deployment file (env GAAS_MODEL; "
+                    "default from the topology)")
+    up.add_argument("--router-policy", default=os.environ.get("GAAS_ROUTER_POLICY") or None,
+                    help="how routers pick a worker: kv_aware (where the prompt's prefix is cached, unless load "
+                    "says otherwise; the default), least_load, round_robin (env GAAS_ROUTER_POLICY)")
+    up.add_argument("--kv-cache-blocks", type=int,
+                    default=int(os.environ["GAAS_KV_CACHE_BLOCKS"]) if os.environ.get("GAAS_KV_CACHE_BLOCKS") else None,
+                    help="each engine's KV cache in blocks (vLLM's num_gpu_blocks_override; env GAAS_KV_CACHE_BLOCKS; "
+                    "default: sized by memory)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to be ready (300)")
     up.add_argument("--json", action="store_true", help="print one JSON line when ready instead of the banner")
     up.set_defaults(func=cmd_up)
@@ -560,6 +668,37 @@ def build_parser() -> argparse.ArgumentParser:
     krevoke.add_argument("key_id")
     admin_args(krevoke)
     krevoke.set_defaults(func=cmd_key_revoke)
+
+    kv = sub.add_parser("kv", help="the KV-cache directory")
+    kvsub = kv.add_subparsers(dest="kv_command", required=True, metavar="ACTION")
+    kvstats = kvsub.add_parser("stats", help="blocks per worker and tenant, lookups, hit ratio, fragmentation",
+                               description="The KV directory's figures: blocks indexed per worker and tenant, "
+                               "unreachable blocks (fragmentation), lookups and their hit ratio, and whether the "
+                               "routers' provisions are confirmed by the engines (if not, their hashes disagree).")
+    mesh_args(kvstats, workers=False)
+    kvstats.add_argument("--timeout", type=float, default=2.0, help="seconds to wait (2)")
+    kvstats.add_argument("--json", action="store_true", help="machine-readable output")
+    kvstats.set_defaults(func=cmd_kv_stats)
+    public = kvsub.add_parser(
+        "public", help="prompt beginnings every tenant shares in the prefix cache (e.g. a common system prompt)",
+        description="Sharing is per tenant by default: no tenant hits another's cached blocks. A public prefix (a "
+        "chat's system prompt, or the text a completion prompt begins with) is cached for every tenant alike. Its "
+        "whole chain of blocks is shared, so tenants sending the same continuation after it share those blocks too.")
+    psub = public.add_subparsers(dest="public_command", required=True, metavar="ACTION")
+    padd = psub.add_parser("add", help="mark a prompt beginning public")
+    padd.add_argument("model", help="the model it applies to")
+    padd.add_argument("--text", default=None, help="the system prompt or prompt beginning")
+    padd.add_argument("--file", default=None, help="read it from a file instead")
+    admin_args(padd)
+    padd.set_defaults(func=cmd_kv_public_add)
+    plist = psub.add_parser("list", help="list public prefixes")
+    plist.add_argument("model", nargs="?", default="", help="only this model's")
+    admin_args(plist)
+    plist.set_defaults(func=cmd_kv_public_list)
+    premove = psub.add_parser("remove", help="make a public prefix per tenant again")
+    premove.add_argument("prefix_id")
+    admin_args(premove)
+    premove.set_defaults(func=cmd_kv_public_remove)
 
     model = sub.add_parser("model", help="local models")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

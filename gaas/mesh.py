@@ -243,6 +243,7 @@ class Mesh:
                 GAAS_MAX_MODEL_LEN=str(m.max_model_len),
                 GAAS_BLOCK_SIZE=str(inst.options["block_size"]),
                 GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
+                GAAS_KV_CACHE_BLOCKS=str(inst.options["kv_cache_blocks"]),
                 GAAS_ENFORCE_EAGER=str(bool(inst.options["enforce_eager"])).lower(),
             )
             if self.gpus:

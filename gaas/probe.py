@@ -80,9 +80,33 @@ def list_workers(control_address: str, timeout: float = 1.0) -> list[dict]:
             "backend": w.backend,
             "device": w.device,
             "state": control_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
+            "load": {
+                "running": w.load.running_requests,
+                "waiting": w.load.waiting_requests,
+                "kv_cache_usage": round(w.load.kv_cache_usage, 4),
+                "kv_cache_blocks": w.load.kv_cache_blocks,
+                "device_memory_used": w.load.device_memory_used,
+                "device_memory_total": w.load.device_memory_total,
+                "device_utilization": round(w.load.device_utilization, 3),
+                "reported_unix_ms": w.load.reported_unix_ms,
+            },
         }
         for w in resp.workers
     ]
+
+
+def kv_stats(kvcache_address: str, timeout: float = 1.0) -> dict | None:
+    """The KV directory's figures (gaas.v1.DirectoryStats as JSON), None when it does not answer."""
+    from google.protobuf import json_format
+
+    from gaas.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+    with grpc.insecure_channel(kvcache_address) as channel:
+        try:
+            stats = kvcache_pb2_grpc.KVCacheStub(channel).GetStats(kvcache_pb2.GetStatsRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def probe(topo: Topology, timeout: float = 1.0) -> MeshHealth:
@@ -103,10 +127,11 @@ def probe(topo: Topology, timeout: float = 1.0) -> MeshHealth:
         ingress_f = pool.submit(envoy_ready, topo.host, topo.ingress_admin_port, timeout)
         controls = topo.of("control")
         workers_f = pool.submit(list_workers, controls[0].inbound, timeout) if controls else None
+        kvs = topo.of("kvcache")
+        kv_f = pool.submit(kv_stats, kvs[0].inbound, timeout) if kvs else None
         instances = list(pool.map(one, topo.instances))
-        return MeshHealth(
-            ingress=topo.ingress,
-            ingress_ready=ingress_f.result(),
-            instances=instances,
-            workers=workers_f.result() if workers_f else [],
-        )
+        workers = workers_f.result() if workers_f else []
+        cached = {w["worker_id"]: w for w in ((kv_f.result() if kv_f else None) or {}).get("per_worker", [])}
+        for w in workers:
+            w["cached_blocks"] = int(cached.get(w["worker_id"], {}).get("blocks", 0))
+        return MeshHealth(ingress=topo.ingress, ingress_ready=ingress_f.result(), instances=instances, workers=workers)

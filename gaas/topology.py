@@ -28,16 +28,16 @@ OPENAI_SERVICE = "gaas.v1.OpenAI"
 # Whom each kind calls, through its sidecar's outbound listener (DESIGN.md's "talks to").
 TALKS_TO = {
     "control": (),
-    "kvcache": ("control",),
+    "kvcache": ("control", "worker"),
     "billing": ("control",),
-    "worker": ("control", "kvcache"),
+    "worker": ("control",),
     "router": ("control", "kvcache", "worker"),
 }
 
 PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
 
-WORKER_DEFAULTS = {"model": "", "kv_cache_gib": 1, "block_size": 32, "enforce_eager": True}
+WORKER_DEFAULTS = {"model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": True}
 
 
 class TopologyError(ValueError):

@@ -73,7 +73,9 @@ def test_inbound_forwards_to_the_local_service(rendered):
 def test_control_has_no_outbound_and_worker_reaches_only_its_peers(rendered):
     _, configs, _ = rendered
     assert [x["name"] for x in configs["sidecar-control-0"]["static_resources"]["listeners"]] == ["inbound"]
-    assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control", "kvcache"}
+    assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control"}
+    # The KV directory watches the workers (each named in x-gaas-worker).
+    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control", "worker_dst"}
 
 
 def test_ingress_strips_trusted_headers_and_transcodes(rendered):

@@ -414,11 +414,14 @@ def test_the_mesh_still_serves_after_the_fuzzing(mesh):
 def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
     """Kills worker-1 while it streams (worker-0 stays for the tests after this one)."""
     c = client(mesh)
-    # Round robin alternates: after a request that worker-0 served, the next goes to worker-1.
-    for _ in range(4):
-        if generate(mesh, prompt="which one", max_tokens=1)[-1].worker_id == "worker-0":
+    # A long prompt is routed where its prefix is cached: find one that worker-1 holds.
+    for i in range(20):
+        prompt = f"Mid-stream loss test {i}: " + "tell me everything about the sea and the ships. " * 12
+        if generate(mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1":
             break
-    stream = c.completions.create(model=MODEL, prompt="Tell me everything", max_tokens=1500, stream=True,
+    else:
+        pytest.fail("no prompt landed on worker-1")
+    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True,
                                   extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices
     os.killpg(mesh.children["worker-1"], signal.SIGKILL)

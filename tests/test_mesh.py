@@ -95,16 +95,22 @@ def test_n_choices_and_logprobs_on_the_native_api(mesh):
     assert len(entries) == 12 and all(e.logprob <= 0 and len(e.top) >= 2 for e in entries)
 
 
-def test_round_robin_uses_every_worker(mesh):
-    served = {generate(mesh, prompt=f"hello {i}", max_tokens=2)[-1].worker_id for i in range(2 * MESH_WORKERS)}
-    assert served == set(worker_addresses(mesh))
+def test_concurrent_requests_spread_over_the_workers(mesh):
+    """Requests the router just sent count against a worker before its next load report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sampling = common_pb2.SamplingParams(ignore_eos=True)
+    with ThreadPoolExecutor(4) as pool:
+        finals = list(pool.map(lambda i: generate(mesh, prompt=f"spread {i}", max_tokens=200, sampling=sampling)[-1],
+                               range(4)))
+    assert {f.worker_id for f in finals} == set(worker_addresses(mesh))
 
 
 def test_prefix_cache_hit_is_reported(mesh):
     cached = [generate(mesh, prompt=LONG_PROMPT, max_tokens=2)[-1].usage for _ in range(MESH_WORKERS + 1)]
     assert cached[0].prompt_tokens >= 64
-    # Some repeat lands on a worker that has seen the prompt: whole blocks come from its cache.
-    assert max(u.cached_tokens for u in cached) >= 32
+    # The repeats land on the worker that has seen the prompt: whole blocks come from its cache.
+    assert min(u.cached_tokens for u in cached[1:]) >= 32
 
 
 def test_http_json_through_the_ingress(mesh):

@@ -173,7 +173,7 @@ class MetadataEcho(worker_pb2_grpc.WorkerServicer):
         yield common_pb2.GenerateChunk(text=dict(context.invocation_metadata()).get("x-gaas-request-id", ""))
 
     async def GetLoad(self, request, context):
-        return worker_pb2.WorkerLoad(worker_id=dict(context.invocation_metadata()).get("x-gaas-request-id", ""))
+        return common_pb2.WorkerLoad(worker_id=dict(context.invocation_metadata()).get("x-gaas-request-id", ""))
 
 
 async def test_runtime_channels_carry_the_request_id_on_every_call_kind():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import NewType
 
 import redis.asyncio as aioredis
@@ -51,6 +51,8 @@ class WorkerRecord:
     registered_ms: int = 0
     # Version of the engine (vLLM) the worker runs.
     engine_version: str = ""
+    # Its latest load report, as gaas.v1.WorkerLoad's JSON mapping (renewals carry it).
+    load: dict = field(default_factory=dict)
 
 
 def _now_ms() -> int:
@@ -76,13 +78,18 @@ class WorkerRegistry:
         await self._put(record)
         return record
 
-    async def renew(self, worker_id: WorkerId, state: str | None = None) -> WorkerRecord:
+    async def renew(self, worker_id: WorkerId, state: str | None = None, load: dict | None = None) -> WorkerRecord:
         record = await self._get(worker_id)
         if record is None:
             raise LeaseExpired(f"worker {worker_id!r} has no live lease; register again")
         if state is not None and state not in STATES:
             raise ValueError(f"unknown worker state {state!r}")
-        record = replace(record, state=state or record.state, lease_expires_ms=self._clock() + self.ttl_seconds * 1000)
+        record = replace(
+            record,
+            state=state or record.state,
+            lease_expires_ms=self._clock() + self.ttl_seconds * 1000,
+            load=record.load if load is None else load,
+        )
         await self._put(record)
         return record
 

@@ -16,6 +16,7 @@ from gaas.runtime.sql import Database
 from gaas.v1 import control_pb2_grpc
 from services.control.catalog import ModelCatalog
 from services.control.config import ControlConfig
+from services.control.prefixes import PrefixStore
 from services.control.registry import WorkerRegistry
 from services.control.servicer import ControlServicer
 from services.control.tenants import TenantStore
@@ -47,8 +48,10 @@ async def serve(cfg: ControlConfig) -> None:
         log.info("applied %s: models %s", cfg.deploy_file, ", ".join(spec.names()))
     tenants = TenantStore(db)
     await tenants.init_schema()
+    prefixes = PrefixStore(db)
+    await prefixes.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
-    servicer = ControlServicer(registry, catalog, tenants)
+    servicer = ControlServicer(registry, catalog, tenants, prefixes)
     rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
     await rt.start()
     await rt.set_serving(True)

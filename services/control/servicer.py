@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 
+from google.protobuf import json_format
+
 from gaas import errors
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
+from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
 from services.control.catalog import ModelCatalog
+from services.control.prefixes import PrefixStore, PublicPrefix
 from services.control.registry import DRAINING, SERVING, WorkerId, WorkerRecord, WorkerRegistry
 from services.control.tenants import ApiKey, Tenant, TenantStore
 
@@ -32,6 +36,7 @@ def worker_to_pb(r: WorkerRecord) -> pb.WorkerInfo:
         lease_expires_unix_ms=r.lease_expires_ms,
         registered_unix_ms=r.registered_ms,
         engine_version=r.engine_version,
+        load=json_format.ParseDict(r.load, common_pb2.WorkerLoad(), ignore_unknown_fields=True),
     )
 
 
@@ -49,16 +54,27 @@ def key_to_pb(k: ApiKey) -> pb.ApiKey:
     )
 
 
+def _load_dict(load) -> dict:
+    return json_format.MessageToDict(load, preserving_proto_field_name=True)
+
+
 def _valid_address(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
+def prefix_to_pb(p: PublicPrefix) -> pb.PublicPrefix:
+    return pb.PublicPrefix(prefix_id=p.prefix_id, model=p.model, text=p.text, created_unix_ms=p.created_ms)
+
+
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore, prefixes: PrefixStore | None = None
+    ) -> None:
         self._registry = registry
         self._catalog = catalog
         self._tenants = tenants
+        self._prefixes = prefixes
 
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.Lease:
         w = request.worker
@@ -83,6 +99,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 max_model_len=w.max_model_len,
                 state=_STATE_FROM_PB.get(w.state, SERVING),
                 engine_version=w.engine_version,
+                load=_load_dict(w.load) if w.HasField("load") else {},
             )
         )
         log.info("registered %s (%s at %s, %s)", record.worker_id, record.model, record.address, record.device)
@@ -91,7 +108,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     async def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Lease:
         if not request.worker_id:
             raise errors.InvalidArgument("worker_id is required")
-        record = await self._registry.renew(WorkerId(request.worker_id), _STATE_FROM_PB.get(request.state))
+        record = await self._registry.renew(
+            WorkerId(request.worker_id),
+            _STATE_FROM_PB.get(request.state),
+            _load_dict(request.load) if request.HasField("load") else None,
+        )
         return _lease(record, self._registry.ttl_seconds)
 
     async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest, context) -> pb.DeregisterWorkerResponse:
@@ -147,3 +168,23 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             raise errors.Unauthenticated("unknown or revoked API key")
         tenant, key = found
         return pb.AuthenticateResponse(tenant=tenant_to_pb(tenant), key_id=key.key_id, cache_salt=tenant.cache_salt)
+
+    def _prefix_store(self) -> PrefixStore:
+        if self._prefixes is None:
+            raise errors.Unimplemented("this control plane keeps no public prefixes")
+        return self._prefixes
+
+    async def AddPublicPrefix(self, request: pb.AddPublicPrefixRequest, context) -> pb.PublicPrefix:
+        known = {m.name for m in await self._catalog.list()}
+        p = await self._prefix_store().add(request.model, request.text, known)
+        log.info("public prefix %s for %s (%d characters): every tenant shares its cached blocks", p.prefix_id,
+                 p.model, len(p.text))
+        return prefix_to_pb(p)
+
+    async def ListPublicPrefixes(self, request: pb.ListPublicPrefixesRequest, context) -> pb.ListPublicPrefixesResponse:
+        return pb.ListPublicPrefixesResponse(prefixes=[prefix_to_pb(p) for p in await self._prefix_store().list(request.model)])
+
+    async def RemovePublicPrefix(self, request: pb.RemovePublicPrefixRequest, context) -> pb.RemovePublicPrefixResponse:
+        await self._prefix_store().remove(request.prefix_id)
+        log.info("public prefix %s removed: its blocks are per tenant again", request.prefix_id)
+        return pb.RemovePublicPrefixResponse()

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gaas.runtime.envconfig import base_settings
+from gaas.runtime.envconfig import base_settings, env_float, env_str
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,8 +16,19 @@ class KVCacheConfig:
     port: int
     # /metrics port, or -1 for none.
     metrics_port: int
+    # host:port of the sidecar's outbound listener: control (the registry) and the workers.
+    outbound: str
+    # How often the registry is read (workers joining and leaving).
+    poll_seconds: float
+    # How long a router's provision counts before the engine confirms it.
+    provision_ttl_seconds: float
     grace_seconds: float
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "KVCacheConfig":
-        return cls(**base_settings(env, "kvcache-0", 50081))
+        return cls(
+            **base_settings(env, "kvcache-0", 50081),
+            outbound=env_str(env, "GAAS_OUTBOUND"),
+            poll_seconds=env_float(env, "GAAS_KV_POLL_SECONDS", 1.0),
+            provision_ttl_seconds=env_float(env, "GAAS_KV_PROVISION_TTL", 30.0),
+        )

@@ -2,46 +2,67 @@
 
 from __future__ import annotations
 
-import logging
-
 from gaas import errors
 from gaas.v1 import kvcache_pb2 as pb
 from gaas.v1 import kvcache_pb2_grpc
 from services.kvcache.directory import BlockDirectory, WorkerId
 
-log = logging.getLogger(__name__)
+# Longest lookup accepted: a 1M-token prompt in blocks of 16.
+MAX_BLOCKS = 1 << 16
+
+
+def stats_pb(d: BlockDirectory) -> pb.DirectoryStats:
+    s = d.stats()
+    return pb.DirectoryStats(
+        workers=s.workers,
+        blocks=s.blocks,
+        events=s.events,
+        per_worker=[
+            pb.WorkerBlocks(
+                worker_id=w.worker_id, blocks=w.blocks, unreachable_blocks=w.unreachable_blocks,
+                provisional_blocks=w.provisional_blocks, epoch=w.epoch, last_seq=max(w.last_seq, 0),
+            )
+            for w in s.per_worker
+        ],
+        per_tenant=[pb.TenantBlocks(tenant=t, blocks=n) for t, n in sorted(s.per_tenant.items())],
+        lookups=s.lookups,
+        lookup_blocks=s.lookup_blocks,
+        hit_blocks=s.hit_blocks,
+        hit_ratio=s.hit_ratio,
+        fragmentation=s.fragmentation,
+        provisioned=s.provisioned,
+        provision_confirmed=s.provision_confirmed,
+        provision_expired=s.provision_expired,
+        unchained_blocks=s.unchained_blocks,
+        wrong_size_blocks=s.wrong_size_blocks,
+        block_size=s.block_size or 0,
+        resyncs=s.resyncs,
+        sequence_gaps=s.sequence_gaps,
+    )
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def __init__(self, directory: BlockDirectory) -> None:
         self._dir = directory
-        # Last sequence number applied per worker: batches at or below it are duplicates.
-        self._last_seq: dict[str, int] = {}
-
-    async def PublishEvents(self, request_iterator, context) -> pb.PublishEventsResponse:
-        last = 0
-        async for batch in request_iterator:
-            if not batch.worker_id:
-                raise errors.InvalidArgument("worker_id is required on every batch")
-            worker = WorkerId(batch.worker_id)
-            if batch.seq and batch.seq <= self._last_seq.get(worker, 0):
-                continue  # a re-sent batch
-            for ev in batch.events:
-                kind = ev.WhichOneof("event")
-                if kind == "stored":
-                    self._dir.stored(worker, ev.stored.block_hashes)
-                elif kind == "removed":
-                    self._dir.removed(worker, ev.removed.block_hashes)
-                elif kind == "cleared":
-                    self._dir.cleared(worker)
-            self._last_seq[worker] = last = batch.seq
-        return pb.PublishEventsResponse(last_seq=last)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        matches = self._dir.lookup(list(request.block_hashes))
+        if len(request.block_hashes) > MAX_BLOCKS:
+            raise errors.InvalidArgument(f"at most {MAX_BLOCKS} block hashes per lookup", param="block_hashes")
+        matches = self._dir.lookup(request.block_hashes)
         return pb.LookupResponse(
-            matches=[pb.WorkerMatch(worker_id=m.worker_id, matched_blocks=m.matched_blocks) for m in matches]
+            matches=[
+                pb.WorkerMatch(worker_id=m.worker_id, matched_blocks=m.matched_blocks, confirmed_blocks=m.confirmed_blocks)
+                for m in matches
+            ]
         )
 
+    async def Provision(self, request: pb.ProvisionRequest, context) -> pb.ProvisionResponse:
+        if not request.worker_id:
+            raise errors.InvalidArgument("worker_id is required", param="worker_id")
+        if len(request.block_hashes) > MAX_BLOCKS:
+            raise errors.InvalidArgument(f"at most {MAX_BLOCKS} block hashes per provision", param="block_hashes")
+        self._dir.provision(WorkerId(request.worker_id), request.block_hashes, request.tenant)
+        return pb.ProvisionResponse()
+
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.DirectoryStats:
-        return pb.DirectoryStats(workers=self._dir.workers, blocks=self._dir.blocks, events=self._dir.events)
+        return stats_pb(self._dir)

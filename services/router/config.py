@@ -6,7 +6,21 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gaas.runtime.envconfig import base_settings, env_float, env_int, env_str
+from gaas.runtime.envconfig import ConfigError, base_settings, env_float, env_int, env_str
+from services.router.scheduling.profiles import PROFILES, parse_weights
+
+
+def _policy(name: str) -> str:
+    if name not in PROFILES:
+        raise ConfigError(f"GAAS_ROUTER_POLICY must be one of {', '.join(PROFILES)}, got {name!r}")
+    return name
+
+
+def _weights(spec: str) -> dict:
+    try:
+        return parse_weights(spec)
+    except ValueError as exc:
+        raise ConfigError(f"GAAS_ROUTER_WEIGHTS: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +33,14 @@ class RouterConfig:
     metrics_port: int
     # host:port of the sidecar's outbound listener: control, kvcache and workers are reached there.
     outbound: str
-    # Worker-picking policy (see services/router/picker.py).
-    picker: str
-    # Seconds the worker list from control is reused.
-    registry_ttl_seconds: float
+    # Scheduling profile (services/router/scheduling/profiles.py): kv_aware, least_load, round_robin.
+    policy: str
+    # Scorer weights overriding the profile's ("prefix=3,queue=2").
+    weights: dict
+    # How often the view of the mesh (workers and their load) is refreshed from control.
+    registry_refresh_seconds: float
+    # Longest wait for the KV directory's answer before scheduling without it.
+    kv_lookup_timeout_seconds: float
     # Other workers tried when one fails before its first token.
     retries: int
     # Seconds a worker that failed is skipped.
@@ -40,8 +58,10 @@ class RouterConfig:
         return cls(
             **base_settings(env, "router-0", 50071),
             outbound=env_str(env, "GAAS_OUTBOUND"),
-            picker=env_str(env, "GAAS_ROUTER_PICKER", "round_robin"),
-            registry_ttl_seconds=env_float(env, "GAAS_REGISTRY_TTL", 1.0),
+            policy=_policy(env_str(env, "GAAS_ROUTER_POLICY", "kv_aware")),
+            weights=_weights(env.get("GAAS_ROUTER_WEIGHTS", "")),
+            registry_refresh_seconds=env_float(env, "GAAS_REGISTRY_REFRESH_SECONDS", 0.5),
+            kv_lookup_timeout_seconds=env_float(env, "GAAS_KV_LOOKUP_TIMEOUT", 0.05),
             retries=env_int(env, "GAAS_ROUTER_RETRIES", 2),
             eject_seconds=env_float(env, "GAAS_EJECT_SECONDS", 5.0),
             max_stream_seconds=env_float(env, "GAAS_MAX_STREAM_SECONDS", 600.0),

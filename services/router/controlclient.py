@@ -15,7 +15,7 @@ from gaas.tenancy import TIER_FROM_PB
 from gaas.v1 import control_pb2, control_pb2_grpc
 from services.router.auth import Principal
 from services.router.directory import ModelEntry
-from services.router.picker import Candidate, WorkerId
+from services.router.scheduling.types import Candidate, Load, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -27,22 +27,40 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
 
     async def fetch() -> tuple[list[ModelEntry], list[Candidate]]:
         try:
-            models_resp, workers_resp = await asyncio.gather(
+            models_resp, workers_resp, prefixes_resp = await asyncio.gather(
                 stub.ListModels(control_pb2.ListRegisteredModelsRequest(), timeout=CONTROL_TIMEOUT),
                 stub.ListWorkers(control_pb2.ListWorkersRequest(), timeout=CONTROL_TIMEOUT),
+                stub.ListPublicPrefixes(control_pb2.ListPublicPrefixesRequest(), timeout=CONTROL_TIMEOUT),
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("control plane unreachable: %s %s", exc.code().name, exc.details())
             raise errors.Unavailable("the control plane is unreachable; retry shortly") from None
-        models = [ModelEntry(m.name, m.version, m.max_model_len, m.is_default, m.source) for m in models_resp.models]
+        public: dict[str, list[tuple[str, str]]] = {}
+        for p in prefixes_resp.prefixes:
+            public.setdefault(p.model, []).append((p.prefix_id, p.text))
+        models = [
+            ModelEntry(m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())))
+            for m in models_resp.models
+        ]
         workers = [
-            Candidate(WorkerId(w.worker_id), w.address, w.model, w.model_version, w.max_model_len, w.engine_version)
+            Candidate(
+                WorkerId(w.worker_id), w.address, w.model, w.model_version, w.max_model_len, w.engine_version,
+                w.block_size, _load(w.load),
+            )
             for w in workers_resp.workers
             if w.state == control_pb2.WORKER_STATE_SERVING
         ]
         return models, workers
 
     return fetch
+
+
+def _load(load) -> Load:
+    return Load(
+        running=load.running_requests, waiting=load.waiting_requests, kv_usage=load.kv_cache_usage,
+        kv_blocks=load.kv_cache_blocks, memory_used=load.device_memory_used, memory_total=load.device_memory_total,
+        utilization=load.device_utilization, reported_ms=load.reported_unix_ms,
+    )
 
 
 def key_lookup(stub: control_pb2_grpc.ControlStub):

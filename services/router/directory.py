@@ -1,15 +1,23 @@
-"""What the router knows of the mesh: models and live workers from the control plane, cached
-briefly, and workers recently seen failing (skipped for a while)."""
+"""What the router knows of the mesh: models and live workers (with their latest load reports)
+from the control plane, refreshed in the background so no request waits for it, and workers
+recently seen failing (skipped for a while)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gaas import errors
-from services.router.picker import Candidate, WorkerId
+from services.router.scheduling.types import Candidate, WorkerId
+
+log = logging.getLogger(__name__)
+
+# A view younger than this is not fetched again on a miss (a burst of requests for a model with no
+# worker must not hammer the control plane).
+FRESH_SECONDS = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +28,8 @@ class ModelEntry:
     is_default: bool
     # Local directory of the weights and tokenizer (the router reads the tokenizer there).
     source: str = ""
+    # Public prefixes: (prefix id, text) of prompt beginnings every tenant shares in the cache.
+    public_prefixes: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -30,40 +40,70 @@ class Snapshot:
 
 
 class MeshDirectory:
-    """fetch() returns (models, serving workers); results are reused for ttl seconds."""
+    """fetch() returns (models, serving workers). A background task (run()) refreshes them every
+    refresh_seconds; a request only fetches itself when the view is missing or older than
+    max_stale_seconds (the control plane was unreachable that long)."""
 
     def __init__(
         self,
         fetch: Callable[[], Awaitable[tuple[list[ModelEntry], list[Candidate]]]],
-        ttl_seconds: float,
+        refresh_seconds: float,
         eject_seconds: float,
+        max_stale_seconds: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fetch = fetch
-        self._ttl = ttl_seconds
+        self._refresh = refresh_seconds
+        self._max_stale = max_stale_seconds
         self._eject_seconds = eject_seconds
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._lock = asyncio.Lock()
         self._ejected: dict[WorkerId, float] = {}
 
+    async def _refresh_now(self) -> Snapshot:
+        async with self._lock:
+            models, workers = await self._fetch()
+            self._snapshot = Snapshot(models, workers, self._clock())
+            return self._snapshot
+
+    async def run(self) -> None:
+        """Refresh the view until cancelled (failures keep the last view and are logged once)."""
+        failing = False
+        while True:
+            try:
+                await self._refresh_now()
+                if failing:
+                    log.info("the control plane answers again")
+                failing = False
+            except errors.GaasError as exc:
+                if not failing:
+                    log.warning("cannot refresh the view of the mesh: %s", exc)
+                failing = True
+            await asyncio.sleep(self._refresh)
+
     async def snapshot(self) -> Snapshot:
         snap = self._snapshot
-        if snap is not None and self._clock() - snap.taken_at < self._ttl:
+        if snap is not None and self._clock() - snap.taken_at < self._max_stale:
             return snap
-        async with self._lock:
-            snap = self._snapshot
-            if snap is None or self._clock() - snap.taken_at >= self._ttl:
-                models, workers = await self._fetch()
-                snap = self._snapshot = Snapshot(models, workers, self._clock())
-        return snap
+        return await self._refresh_now()
 
     def invalidate(self) -> None:
         self._snapshot = None
 
+    async def _fresh_if(self, missing: bool) -> Snapshot | None:
+        """A fresh view when what the current one lacks may be news (a worker that just
+        registered, a model just applied) and the current one is not brand new; else None."""
+        snap = self._snapshot
+        if missing and (snap is None or self._clock() - snap.taken_at > FRESH_SECONDS):
+            return await self._refresh_now()
+        return None
+
     async def resolve_model(self, name: str) -> ModelEntry:
         """The named model, or the default one when name is empty."""
         models = (await self.snapshot()).models
+        if name and all(m.name != name for m in models) and (fresh := await self._fresh_if(True)) is not None:
+            models = fresh.models
         if not models:
             raise errors.NotFound("no models are deployed; apply a deployment file to the control plane", param="model")
         if not name:
@@ -76,21 +116,19 @@ class MeshDirectory:
             param="model", reason="model_not_found",
         )
 
-    async def candidates(self, model: str, exclude: set[WorkerId] = frozenset()) -> list[Candidate]:
-        now = self._clock()
-        workers = (await self.snapshot()).workers
-        serving = [w for w in workers if w.model == model]
+    async def workers(self, model: str) -> list[Candidate]:
+        """The serving workers of model; errors.Unavailable when there are none."""
+        serving = [w for w in (await self.snapshot()).workers if w.model == model]
+        if not serving and (fresh := await self._fresh_if(True)) is not None:
+            serving = [w for w in fresh.workers if w.model == model]
         if not serving:
             raise errors.Unavailable(f"no worker is serving {model!r} right now; retry in a few seconds")
-        usable = [w for w in serving if w.worker_id not in exclude and self._ejected.get(w.worker_id, 0) <= now]
-        if not usable:
-            # Every worker failed recently: better to try them again than to refuse outright.
-            usable = [w for w in serving if w.worker_id not in exclude]
-        if not usable:
-            raise errors.Unavailable(f"every worker serving {model!r} failed this request; retry shortly")
-        return usable
+        return serving
+
+    def ejected(self) -> frozenset[WorkerId]:
+        now = self._clock()
+        return frozenset(w for w, until in self._ejected.items() if until > now)
 
     def eject(self, worker_id: WorkerId) -> None:
         """Skip worker_id for a while (it failed before producing a token)."""
         self._ejected[worker_id] = self._clock() + self._eject_seconds
-        self.invalidate()

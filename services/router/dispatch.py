@@ -1,7 +1,9 @@
 """Taking a generation to a worker: resolve the model, tokenize the prompt once (the worker gets
-token ids), check the request against the model, pick a worker, forward the stream through the
-sidecar (naming the worker in x-gaas-worker), relay the chunks. Retries on another worker only
-while no token has been relayed, so a client never sees a token twice.
+token ids), check the request against the model, hash its blocks and ask the KV directory where
+its prefix lives (the one async step before scheduling), schedule (filters, scorers, picker),
+forward the stream through the sidecar (naming the worker in x-gaas-worker), relay the chunks.
+Retries on another worker only while no token has been relayed, so a client never sees a token
+twice.
 
 Both public APIs (gaas.v1.Inference and the OpenAI-compatible one) go through here; failures are
 gaas.errors, which the server interceptor turns into statuses.
@@ -17,19 +19,22 @@ from dataclasses import dataclass
 
 import grpc
 
-from gaas import errors, genrequest
+from gaas import errors, genrequest, kvhash
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
 from gaas.tokenizer import ChatMessage, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.auth import Principal
 from services.router.directory import MeshDirectory, ModelEntry
-from services.router.picker import Picker, WorkerId
+from services.router.kvclient import KVDirectoryClient
+from services.router.scheduling import RequestContext, Scheduler, WorkerId
 
 log = logging.getLogger(__name__)
 
 # Codes that mean "this worker could not take the request": another may.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Whom the KV directory counts blocks under a public prefix for.
+PUBLIC_OWNER = "(public)"
 # Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
 
@@ -41,27 +46,85 @@ class Prepared:
     model: ModelEntry
     request: inference_pb2.GenerateRequest
     prompt_tokens: int
+    # The prefix-cache salt: the tenant's, or a public prefix's when the prompt begins with one.
+    cache_salt: str
+
+
+def cache_salt(model: ModelEntry, request: inference_pb2.GenerateRequest, tenant_salt: str) -> str:
+    """The salt a request's blocks are cached under: a public prefix's when its chat opens with
+    that system prompt (or its text prompt begins with it), else the tenant's own."""
+    for prefix_id, text in model.public_prefixes:
+        if request.messages:
+            first = request.messages[0]
+            if first.role in ("system", "developer") and first.content == text:
+                return f"public:{prefix_id}"
+        elif request.prompt.startswith(text):
+            return f"public:{prefix_id}"
+    return tenant_salt
+
+
+class Inflight:
+    """Requests this router sent each worker, with when: what a worker's last load report cannot
+    know yet is added to it (so a burst does not pile onto the worker that looked idle)."""
+
+    def __init__(self) -> None:
+        self._started: dict[WorkerId, dict[int, int]] = {}
+        self._next = 0
+
+    def start(self, worker: WorkerId) -> int:
+        self._next += 1
+        self._started.setdefault(worker, {})[self._next] = int(time.time() * 1000)
+        return self._next
+
+    def finish(self, worker: WorkerId, token: int) -> None:
+        self._started.get(worker, {}).pop(token, None)
+
+    def since(self, worker: WorkerId, reported_ms: int) -> int:
+        """Requests still running that were sent to worker after it reported at reported_ms."""
+        return sum(1 for t in self._started.get(worker, {}).values() if t > reported_ms)
+
+    @property
+    def total(self) -> int:
+        return sum(len(v) for v in self._started.values())
+
+
+@dataclass(frozen=True, slots=True)
+class RouterMetrics:
+    """What the dispatcher records, when the server gives it a registry."""
+
+    routed: object = None
+    prediction_misses: object = None
+    lookup_seconds: object = None
 
 
 class Dispatcher:
     def __init__(
         self,
         directory: MeshDirectory,
-        picker: Picker,
+        scheduler: Scheduler,
         worker_stub: worker_pb2_grpc.WorkerStub,
         tokenizer_for: Callable[[ModelEntry], Tokenizer],
         *,
         retries: int,
         max_stream_seconds: float,
+        kv: KVDirectoryClient | None = None,
+        metrics: RouterMetrics = RouterMetrics(),
     ) -> None:
         self._directory = directory
-        self._picker = picker
+        self._scheduler = scheduler
         self._workers = worker_stub
         self._tokenizer_for = tokenizer_for
         self._retries = retries
         self._max_stream_seconds = max_stream_seconds
-        # Requests streaming now (what /load reports).
-        self.in_flight = 0
+        self._kv = kv
+        self._metrics = metrics
+        self._inflight = Inflight()
+        self._last_miss_log = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests streaming now (what /load reports)."""
+        return self._inflight.total
 
     async def models(self) -> list[tuple[ModelEntry, int]]:
         """The deployed models, each with how many serving workers it has now."""
@@ -86,14 +149,14 @@ class Dispatcher:
             log.error("cannot load the tokenizer of %s from %s: %s", model.name, model.source, exc)
             raise errors.Unavailable(f"model {model.name!r} cannot be served: its tokenizer is missing on this router") from None
 
-    async def prepare(self, request: inference_pb2.GenerateRequest) -> Prepared:
+    async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal) -> Prepared:
         """Resolve the model, tokenize the prompt (chat template applied), check what the worker
         will get: the prompt as token ids and an explicit max_tokens."""
         if len(request.model) > genrequest.MAX_MODEL_NAME:
             raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
         model = await self.resolve_model(request.model)
         genrequest.check(request, model.max_model_len or None)
-        await self._directory.candidates(model.name)  # a model nobody serves is refused before any work
+        await self._directory.workers(model.name)  # a model nobody serves is refused before any work
         tok = await self.tokenizer(model)
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
@@ -119,7 +182,7 @@ class Dispatcher:
                 )
             raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
         genrequest.check(forwarded, limit or None, tok.vocab_size)
-        return Prepared(model, forwarded, len(ids))
+        return Prepared(model, forwarded, len(ids), cache_salt(model, request, principal.cache_salt))
 
     async def _tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest) -> list[int]:
         if request.prompt_token_ids:
@@ -153,6 +216,41 @@ class Dispatcher:
         # The worker's own answers (invalid argument, busy...) are written for the caller.
         return status.from_rpc(exc)
 
+    async def _context(self, prepared: Prepared, principal: Principal, workers) -> tuple[RequestContext, dict]:
+        """The scheduler's view of the request, with the directory's prefix answer gathered."""
+        req = prepared.request
+        ctx = RequestContext(
+            model=prepared.model.name, tenant=principal.tenant, tier=principal.tier,
+            prompt_tokens=prepared.prompt_tokens, max_tokens=req.max_tokens,
+        )
+        confirmed: dict = {}
+        block_size = workers[0].block_size
+        if self._kv is not None and self._scheduler.needs_prefix and block_size:
+            ctx.block_hashes = kvhash.prefix_hashes(req.prompt_token_ids, block_size, prepared.cache_salt)
+            started = time.perf_counter()
+            ctx.prefix, confirmed = await self._kv.lookup(ctx.block_hashes)
+            if self._metrics.lookup_seconds is not None:
+                self._metrics.lookup_seconds.observe(time.perf_counter() - started)
+        ctx.inflight = {w.worker_id: self._inflight.since(w.worker_id, w.load.reported_ms) for w in workers}
+        return ctx, confirmed
+
+    def _check_prediction(self, worker: WorkerId, confirmed: int, block_size: int, cached_tokens: int) -> None:
+        """The directory said the worker's engine holds `confirmed` leading blocks; the engine
+        served fewer from its cache. Now and then an eviction in between; always, a disagreement
+        between the router's hashes and the engine's blocks: counted, and logged."""
+        if confirmed < 2 or cached_tokens >= (confirmed - 1) * block_size:
+            return
+        if self._metrics.prediction_misses is not None:
+            self._metrics.prediction_misses.inc()
+        now = time.monotonic()
+        if now - self._last_miss_log > 30:
+            self._last_miss_log = now
+            log.warning(
+                "the KV directory said %s holds %d blocks of this prompt, but its engine served %d tokens from cache "
+                "(an eviction in between, or hashes that disagree: see `gaas kv stats`)",
+                worker, confirmed, cached_tokens,
+            )
+
     async def stream(
         self,
         prepared: Prepared,
@@ -161,54 +259,62 @@ class Dispatcher:
         time_remaining: float | None,
         arrived: float,
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
-        """The chunks of a prepared request, from whichever worker takes it."""
+        """The chunks of a prepared request, from whichever worker the scheduler picks."""
         model = prepared.model
+        workers = await self._directory.workers(model.name)
+        ctx, confirmed = await self._context(prepared, principal, workers)
         worker_request = worker_pb2.WorkerGenerateRequest(
-            request=prepared.request, request_id=request_id, cache_salt=principal.cache_salt
+            request=prepared.request, request_id=request_id, cache_salt=prepared.cache_salt
         )
         timeout = self._max_stream_seconds if time_remaining is None else min(time_remaining, self._max_stream_seconds)
 
         tried: set[WorkerId] = set()
         sent_any = False
-        self.in_flight += 1
-        try:
-            for attempt in range(self._retries + 1):
-                worker = self._picker.pick(await self._directory.candidates(model.name, tried))
-                tried.add(worker.worker_id)
-                router_ms = (time.perf_counter() - arrived) * 1000
-                call = self._workers.Generate(
-                    worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),)
-                )
-                try:
-                    async for chunk in call:
-                        if chunk.HasField("usage"):
-                            chunk.timings.router_ms = router_ms
-                            chunk.tenant = principal.tenant
-                            log.info(
-                                "served for %s by %s: %d prompt (%d cached) + %d completion tokens, %s, "
-                                "TTFT %.1f ms at the worker",
-                                principal.tenant, worker.worker_id, chunk.usage.prompt_tokens,
-                                chunk.usage.cached_tokens, chunk.usage.completion_tokens,
-                                common_pb2.FinishReason.Name(chunk.finish_reason), chunk.timings.ttft_ms,
-                            )
-                        sent_any = True
-                        yield chunk
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        self._directory.eject(worker.worker_id)
-                    if not sent_any and code in RETRYABLE and attempt < self._retries:
-                        log.warning("worker %s failed before its first token (%s: %s); trying another",
-                                    worker.worker_id, code.name, exc.details())
-                        self._directory.eject(worker.worker_id)
-                        continue
-                    raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
-                finally:
-                    # A client that went away cancels the caller; take the worker's stream with it.
-                    call.cancel()
-        finally:
-            self.in_flight -= 1
+        for attempt in range(self._retries + 1):
+            ctx.tried, ctx.ejected = frozenset(tried), self._directory.ejected()
+            worker = self._scheduler.schedule(ctx, workers).worker
+            tried.add(worker.worker_id)
+            if ctx.block_hashes and self._kv is not None:
+                owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
+                self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
+            if self._metrics.routed is not None:
+                self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
+            router_ms = (time.perf_counter() - arrived) * 1000
+            token = self._inflight.start(worker.worker_id)
+            call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
+            try:
+                async for chunk in call:
+                    if chunk.HasField("usage"):
+                        chunk.timings.router_ms = router_ms
+                        chunk.tenant = principal.tenant
+                        log.info(
+                            "served for %s by %s: %d prompt (%d cached, %d blocks predicted) + %d completion "
+                            "tokens, %s, TTFT %.1f ms at the worker",
+                            principal.tenant, worker.worker_id, chunk.usage.prompt_tokens, chunk.usage.cached_tokens,
+                            ctx.prefix.get(worker.worker_id, 0), chunk.usage.completion_tokens,
+                            common_pb2.FinishReason.Name(chunk.finish_reason), chunk.timings.ttft_ms,
+                        )
+                        self._check_prediction(
+                            worker.worker_id, confirmed.get(worker.worker_id, 0), worker.block_size,
+                            chunk.usage.cached_tokens,
+                        )
+                    sent_any = True
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._directory.eject(worker.worker_id)
+                if not sent_any and code in RETRYABLE and attempt < self._retries:
+                    log.warning("worker %s failed before its first token (%s: %s); trying another",
+                                worker.worker_id, code.name, exc.details())
+                    self._directory.eject(worker.worker_id)
+                    continue
+                raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
+            finally:
+                # A client that went away cancels the caller; take the worker's stream with it.
+                call.cancel()
+                self._inflight.finish(worker.worker_id, token)
 
 
 async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]]) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:

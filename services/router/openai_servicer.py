@@ -94,7 +94,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         note_client_id(parsed.client_request_id)
         # Every prompt is checked and tokenized before anything is generated.
-        prepared = [await self._dispatcher.prepare(r) for r in _engine_requests(parsed)]
+        prepared = [await self._dispatcher.prepare(r, principal) for r in _engine_requests(parsed)]
         fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
         n = parsed.n
         usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared))

@@ -7,25 +7,33 @@ Settings come from GAAS_* variables (see --help); `gaas up` sets them from the t
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.tokenizer import TokenizerCache
-from gaas.v1 import control_pb2_grpc, inference_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
+from gaas.runtime.metrics import FAST_BUCKETS
+from gaas.v1 import control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
 from services.router.auth import Authenticator
 from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import MeshDirectory
-from services.router.dispatch import Dispatcher
+from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.kvclient import KVDirectoryClient
 from services.router.openai_servicer import OpenAIServicer
-from services.router.picker import make_picker
+from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
+
+log = logging.getLogger("gaas.router")
 
 HELP_ENV = """environment:
   GAAS_INSTANCE        replica name (router-0)
   GAAS_HOST/GAAS_PORT  where to listen (127.0.0.1:50071)
   GAAS_OUTBOUND        host:port of the sidecar's outbound listener (required)
-  GAAS_ROUTER_PICKER   worker-picking policy (round_robin)
-  GAAS_REGISTRY_TTL    seconds the worker list is cached (1)
+  GAAS_ROUTER_POLICY   scheduling profile: kv_aware (prefix, then load), least_load, round_robin (kv_aware)
+  GAAS_ROUTER_WEIGHTS  scorer weights overriding the profile's, e.g. "prefix=3,queue=2,kv_usage=0.5"
+  GAAS_REGISTRY_REFRESH_SECONDS  how often workers and their load are read from control (0.5)
+  GAAS_KV_LOOKUP_TIMEOUT  seconds to wait for the KV directory before routing without it (0.05)
   GAAS_ROUTER_RETRIES  other workers tried before the first token (2)
   GAAS_EJECT_SECONDS   seconds a failed worker is skipped (5)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
@@ -41,14 +49,31 @@ async def serve(cfg: RouterConfig) -> None:
     channel = rt.channel(cfg.outbound)
     control = control_pb2_grpc.ControlStub(channel)
     tokenizers = TokenizerCache()
+    directory = MeshDirectory(control_fetcher(control), cfg.registry_refresh_seconds, cfg.eject_seconds)
+    plugin_seconds = rt.metrics.histogram(
+        "scheduler_plugin_seconds", "Time each scheduling plugin took per request", ("plugin",), buckets=FAST_BUCKETS
+    )
+    scheduler = make_scheduler(cfg.policy, cfg.weights, lambda plugin, s: plugin_seconds.labels(plugin).observe(s))
+    kv = KVDirectoryClient(kvcache_pb2_grpc.KVCacheStub(channel), cfg.kv_lookup_timeout_seconds)
     dispatcher = Dispatcher(
-        MeshDirectory(control_fetcher(control), cfg.registry_ttl_seconds, cfg.eject_seconds),
-        make_picker(cfg.picker),
+        directory,
+        scheduler,
         worker_pb2_grpc.WorkerStub(channel),
         lambda model: tokenizers.get(model.source),
         retries=cfg.retries,
         max_stream_seconds=cfg.max_stream_seconds,
+        kv=kv,
+        metrics=RouterMetrics(
+            routed=rt.metrics.counter("routed_total", "Requests sent to each worker, by policy", ("policy", "worker")),
+            prediction_misses=rt.metrics.counter(
+                "prefix_prediction_misses_total",
+                "Requests whose engine served fewer cached tokens than the KV directory said it held",
+            ),
+            lookup_seconds=rt.metrics.histogram("kv_lookup_seconds", "KV directory lookups", buckets=FAST_BUCKETS),
+        ),
     )
+    log.info("routing with the %s policy (scorers: %s)", scheduler.name,
+             ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds)
     rt.add_service(
         inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(dispatcher, auth), "gaas.v1.Inference"
@@ -57,6 +82,14 @@ async def serve(cfg: RouterConfig) -> None:
         openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry), "gaas.v1.OpenAI"
     )
     await rt.start()
+    refresher = asyncio.create_task(directory.run(), name="mesh-view")
+
+    async def stop_refreshing() -> None:
+        refresher.cancel()
+        await asyncio.gather(refresher, return_exceptions=True)
+        await kv.close()
+
+    rt.on_stop(stop_refreshing)
     await rt.set_serving(True)
     try:
         await rt.run_until_stopped()

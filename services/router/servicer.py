@@ -40,7 +40,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         arrived = time.perf_counter()
         principal = await admit(self._auth)
         note_client_id(request.request_id)
-        prepared = await self._dispatcher.prepare(request)
+        prepared = await self._dispatcher.prepare(request, principal)
         async for chunk in self._dispatcher.stream(
             prepared, principal, current_request_id(), context.time_remaining(), arrived
         ):

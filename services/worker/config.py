@@ -38,6 +38,10 @@ class WorkerConfig:
     enforce_eager: bool
     # Most sequences batched together.
     max_num_seqs: int
+    # KV-cache size in blocks (vLLM's num_gpu_blocks_override); 0 sizes it by memory.
+    kv_cache_blocks: int
+    # Publish the engine's KV events to the directories.
+    kv_events: bool
     # Seconds a lease lasts is decided by control; renew this often.
     lease_renew_seconds: float
     grace_seconds: float
@@ -58,7 +62,9 @@ class WorkerConfig:
             gpu_memory_utilization=env_float(env, "GAAS_GPU_MEMORY_UTILIZATION", 0.85),
             enforce_eager=env_bool(env, "GAAS_ENFORCE_EAGER", True),
             max_num_seqs=env_int(env, "GAAS_MAX_NUM_SEQS", 64),
-            lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 3.0),
+            kv_cache_blocks=env_int(env, "GAAS_KV_CACHE_BLOCKS", 0),
+            kv_events=env_bool(env, "GAAS_KV_EVENTS", True),
+            lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 0.5),
         )
         if cfg.block_size % 16:
             raise ConfigError(f"GAAS_BLOCK_SIZE must be a multiple of 16 (32 on the CPU), got {cfg.block_size}")

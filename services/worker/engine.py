@@ -114,6 +114,11 @@ class EngineInfo:
     max_model_len: int
     # Version of vLLM.
     engine_version: str = ""
+    # KV-cache size, blocks.
+    kv_cache_blocks: int = 0
+    # ipc:// endpoints of the engine's KV events and their replay; "" when it publishes none.
+    kv_events_endpoint: str = ""
+    kv_replay_endpoint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +127,6 @@ class EngineLoad:
     waiting: int
     # Fraction of KV blocks in use.
     kv_cache_usage: float
-    device_memory_used: int = 0
-    device_memory_total: int = 0
 
 
 class Engine(ABC):
@@ -135,6 +138,10 @@ class Engine(ABC):
 
     @abstractmethod
     def load(self) -> EngineLoad: ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False when the engine cannot now."""
+        return False
 
     @abstractmethod
     async def shutdown(self) -> None: ...
@@ -151,6 +158,14 @@ class VllmSettings:
     gpu_memory_utilization: float
     enforce_eager: bool
     max_num_seqs: int
+    # The engine's KV-cache size in blocks (vLLM's num_gpu_blocks_override); None sizes it by memory.
+    kv_cache_blocks: int | None = None
+    # Directory for the KV-event sockets (ipc://), private to the worker; None publishes none.
+    kv_events_dir: str | None = None
+
+
+# The KV-event sockets in kv_events_dir, and the topic.
+KV_EVENTS_SOCKET, KV_REPLAY_SOCKET, KV_TOPIC = "kv-events", "kv-replay", "gaas"
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -169,7 +184,8 @@ class VllmEngine(Engine):
         self._tokenizer = tokenizer
         self.info = info
         self._load = load_tracker
-        self._gpu_index = gpu_index
+        # The CUDA device it runs on; None on the CPU.
+        self.gpu_index = gpu_index
         self._closed = False
 
     @classmethod
@@ -189,6 +205,24 @@ class VllmEngine(Engine):
         if not on_gpu:
             # vLLM on the CPU otherwise reserves most of the RAM for its cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
+        events = replay = ""
+        extra: dict = {}
+        if s.kv_events_dir:
+            from vllm.config.kv_events import KVEventsConfig
+
+            events = f"ipc://{os.path.join(s.kv_events_dir, KV_EVENTS_SOCKET)}"
+            replay = f"ipc://{os.path.join(s.kv_events_dir, KV_REPLAY_SOCKET)}"
+            extra["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=events, replay_endpoint=replay, topic=KV_TOPIC,
+            )
+        if s.kv_cache_blocks:
+            need = -(-s.max_model_len // s.block_size) + 1
+            if s.kv_cache_blocks < need:
+                raise ValueError(
+                    f"a KV cache of {s.kv_cache_blocks} blocks cannot hold one request of the model's context "
+                    f"({s.max_model_len} tokens in blocks of {s.block_size}): give it at least {need} blocks"
+                )
+            extra["num_gpu_blocks_override"] = s.kv_cache_blocks
         args = AsyncEngineArgs(
             model=s.model_path,
             served_model_name=[s.model],
@@ -200,6 +234,7 @@ class VllmEngine(Engine):
             scheduling_policy="priority",
             gpu_memory_utilization=s.gpu_memory_utilization,
             disable_log_stats=False,  # our load tracker is a stat logger
+            **extra,
         )
         tracker = _LoadTracker()
         started = time.monotonic()
@@ -227,6 +262,9 @@ class VllmEngine(Engine):
             block_size=int(cache.block_size),
             max_model_len=int(llm.vllm_config.model_config.max_model_len),
             engine_version=vllm_version,
+            kv_cache_blocks=int(cache.num_gpu_blocks or 0),
+            kv_events_endpoint=events,
+            kv_replay_endpoint=replay,
         )
         log.info(
             "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens",
@@ -314,10 +352,11 @@ class VllmEngine(Engine):
             log.error("the engine failed on %s: %s: %s", r.request_id, type(cause).__name__, cause)
             raise EngineFailed(errors.internal_message(r.request_id)) from None
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (the engine refuses while requests hold blocks: False)."""
+        return bool(await self._llm.reset_prefix_cache())
+
     def load(self) -> EngineLoad:
-        used = total = 0
-        if self._gpu_index is not None:
-            used, total = devices.gpu_memory(self._gpu_index)
         # The frontend's count of unfinished requests is exact (an abort shows at once); the split
         # between running and waiting comes from the scheduler's last report.
         unfinished = self._llm.get_num_unfinished_requests()
@@ -326,8 +365,6 @@ class VllmEngine(Engine):
             running=unfinished - waiting,
             waiting=waiting,
             kv_cache_usage=self._load.kv_cache_usage,
-            device_memory_used=used,
-            device_memory_total=total,
         )
 
     async def shutdown(self) -> None:

@@ -1,13 +1,17 @@
 """Keeps a worker registered with the control plane: register once the engine is up, renew the
-lease while alive (re-registering when it lapsed), deregister on shutdown."""
+lease while alive (re-registering when it lapsed), deregister on shutdown. Each renewal carries
+the worker's load, so routers read every worker's load from the registry instead of asking each
+one per request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
+from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
 
@@ -17,10 +21,18 @@ RPC_TIMEOUT = 2.0
 
 
 class LeaseKeeper:
-    def __init__(self, stub: control_pb2_grpc.ControlStub, info: pb.WorkerInfo, renew_seconds: float) -> None:
+    def __init__(
+        self,
+        stub: control_pb2_grpc.ControlStub,
+        info: pb.WorkerInfo,
+        renew_seconds: float,
+        load: Callable[[], common_pb2.WorkerLoad] | None = None,
+    ) -> None:
         self._stub = stub
         self._info = info
+        # Renewals (with a load report) this often; the lease's TTL bounds it from above.
         self._renew_seconds = renew_seconds
+        self._load = load
         self._state = pb.WORKER_STATE_SERVING
         self._task: asyncio.Task | None = None
         self.registered = asyncio.Event()
@@ -32,6 +44,8 @@ class LeaseKeeper:
         info = pb.WorkerInfo()
         info.CopyFrom(self._info)
         info.state = self._state
+        if self._load is not None:
+            info.load.CopyFrom(await asyncio.to_thread(self._load))
         lease = await self._stub.RegisterWorker(pb.RegisterWorkerRequest(worker=info), timeout=RPC_TIMEOUT)
         if not self.registered.is_set():
             log.info("registered with control as %s at %s (lease %d s)", info.worker_id, info.address, lease.ttl_seconds)
@@ -47,9 +61,10 @@ class LeaseKeeper:
                 if not self.registered.is_set():
                     await self._register()
                 else:
-                    await self._stub.RenewLease(
-                        pb.RenewLeaseRequest(worker_id=self._info.worker_id, state=self._state), timeout=RPC_TIMEOUT
-                    )
+                    renew = pb.RenewLeaseRequest(worker_id=self._info.worker_id, state=self._state)
+                    if self._load is not None:
+                        renew.load.CopyFrom(await asyncio.to_thread(self._load))
+                    await self._stub.RenewLease(renew, timeout=RPC_TIMEOUT)
                 backoff = 0.5
                 await asyncio.sleep(self._interval)
             except grpc.aio.AioRpcError as exc:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import shutil
+import tempfile
 
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.v1 import control_pb2, control_pb2_grpc, worker_pb2_grpc
 from services.worker.config import WorkerConfig
-from services.worker.engine import VllmEngine, VllmSettings
+from services.worker.engine import KV_TOPIC, VllmEngine, VllmSettings
+from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
 from services.worker.servicer import WorkerServicer
 
@@ -29,13 +33,31 @@ HELP_ENV = """environment:
   GAAS_MAX_MODEL_LEN (2048)  GAAS_BLOCK_SIZE (32)  GAAS_KV_CACHE_GIB (1, CPU only)
   GAAS_ENFORCE_EAGER (true)  GAAS_MAX_NUM_SEQS (64)  GAAS_GPU_MEMORY_UTILIZATION (0.85)
   GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
+  GAAS_KV_CACHE_BLOCKS KV-cache size in blocks (vLLM's num_gpu_blocks_override; 0: sized by memory)
+  GAAS_KV_EVENTS       publish the engine's KV events to the KV directories (true)
+  GAAS_LEASE_RENEW_SECONDS  lease renewals, each with a load report (0.5)
   VLLM_CPU_OMP_THREADS_BIND  the core(s) a CPU worker is pinned to (`gaas up` sets one per worker)
 """
+
+
+def device_monitor(engine: VllmEngine):
+    """What reports the worker's device: its GPU through NVML, else its CPU cores and the RAM."""
+    from gaas.runtime.devices import CpuMonitor, GpuMonitor
+    from services.worker.engine import parse_cpu_list
+
+    if engine.gpu_index is not None:
+        try:
+            return GpuMonitor(engine.gpu_index)
+        except Exception as exc:  # noqa: BLE001 - NVML errors: report the CPU instead of failing
+            log.warning("NVML cannot describe GPU %s (%s); reporting the CPU instead", engine.gpu_index, exc)
+    return CpuMonitor(parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
 
 
 async def serve(cfg: WorkerConfig) -> None:
     rt = ServiceRuntime(options_for("worker", cfg))
     rt.install_signal_handlers()
+    # The engine's KV-event sockets live in a directory only this worker's user can enter.
+    events_dir = tempfile.mkdtemp(prefix=f"gaas-{cfg.instance}-kv-") if cfg.kv_events else None
     engine_task = asyncio.create_task(
         VllmEngine.start(
             VllmSettings(
@@ -48,6 +70,8 @@ async def serve(cfg: WorkerConfig) -> None:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 enforce_eager=cfg.enforce_eager,
                 max_num_seqs=cfg.max_num_seqs,
+                kv_cache_blocks=cfg.kv_cache_blocks or None,
+                kv_events_dir=events_dir,
             )
         )
     )
@@ -70,6 +94,21 @@ async def serve(cfg: WorkerConfig) -> None:
         raise SystemExit(1) from None
     servicer.engine = engine
     rt.on_stop(engine.shutdown)  # runs last
+    if events_dir:
+        rt.on_stop(lambda: asyncio.to_thread(shutil.rmtree, events_dir, True))
+    servicer.monitor = await asyncio.to_thread(device_monitor, engine)
+    relay_task = None
+    if engine.info.kv_events_endpoint:
+        source = ZmqEventSource(engine.info.kv_events_endpoint, engine.info.kv_replay_endpoint, KV_TOPIC)
+        servicer.relay = KVEventRelay(cfg.instance, source, engine.reset_prefix_cache)
+        relay_task = asyncio.create_task(servicer.relay.run(), name="kv-events")
+
+        async def stop_relay() -> None:
+            relay_task.cancel()
+            await asyncio.gather(relay_task, return_exceptions=True)
+            source.close()
+
+        rt.on_stop(stop_relay)
     channel = None
     if cfg.outbound:
         channel = rt.channel(cfg.outbound)
@@ -88,6 +127,7 @@ async def serve(cfg: WorkerConfig) -> None:
                 engine_version=info.engine_version,
             ),
             cfg.lease_renew_seconds,
+            load=servicer.load_report,
         )
         rt.on_stop(keeper.stop)  # runs first: routers stop picking this worker
     if rt.stopping:

@@ -8,8 +8,10 @@ import time
 
 from gaas import errors, genrequest
 from gaas.runtime.context import current_tenant
+from gaas.runtime.devices import CpuMonitor, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.engine import ABORT, ERROR, LENGTH, STOP, Delta, Engine, GenerationRequest
+from services.worker.kvevents import KVEventRelay
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +24,19 @@ FINISH_TO_PB = {
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: Engine | None = None,
+        monitor: CpuMonitor | GpuMonitor | None = None,
+        relay: KVEventRelay | None = None,
+    ) -> None:
         self._worker_id = worker_id
         # Set once the engine is up; until then calls get UNAVAILABLE.
         self.engine = engine
+        # The device it computes on, and its engine's KV events (both set with the engine).
+        self.monitor = monitor
+        self.relay = relay
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -94,13 +105,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 entry.top.add(token_id=token_id, token=token, logprob=logprob, rank=rank)
         return chunk
 
-    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.WorkerLoad:
-        load = self._engine().load()
-        return worker_pb2.WorkerLoad(
+    def load_report(self) -> common_pb2.WorkerLoad:
+        """The worker's load now: the engine's counts and the device's state."""
+        engine = self._engine()
+        load = engine.load()
+        report = common_pb2.WorkerLoad(
             worker_id=self._worker_id,
             running_requests=load.running,
             waiting_requests=load.waiting,
             kv_cache_usage=load.kv_cache_usage,
-            device_memory_used=load.device_memory_used,
-            device_memory_total=load.device_memory_total,
+            kv_cache_blocks=engine.info.kv_cache_blocks,
+            reported_unix_ms=int(time.time() * 1000),
         )
+        if self.monitor is not None:
+            d, sample = self.monitor.describe(), self.monitor.sample()
+            report.device_memory_used, report.device_memory_total = sample.memory_used, sample.memory_total
+            report.device_utilization = sample.utilization
+            report.device.CopyFrom(common_pb2.DeviceInfo(
+                kind=d.kind, name=d.name, memory_total=d.memory_total, uuid=d.uuid, pci_bus_id=d.pci_bus_id,
+                nvlink_peers=d.nvlink_peers, cpu_cores=d.cpu_cores,
+            ))
+        return report
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> common_pb2.WorkerLoad:
+        return self.load_report()
+
+    async def WatchKVEvents(self, request: worker_pb2.WatchKVEventsRequest, context):
+        self._engine()
+        if self.relay is None:
+            raise errors.FailedPrecondition("this worker's engine publishes no KV events")
+        log.info("a KV directory watches this worker (snapshot of %d blocks, then live events)", self.relay.blocks)
+        async for batch in self.relay.watch():
+            yield batch

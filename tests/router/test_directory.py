@@ -1,8 +1,10 @@
+import asyncio
+
 import pytest
 
 from gaas import errors
 from services.router.directory import MeshDirectory, ModelEntry
-from services.router.picker import Candidate, WorkerId
+from services.router.scheduling import Candidate, WorkerId
 
 MODELS = [ModelEntry("tiny", "1", 2048, True), ModelEntry("small", "1", 4096, False)]
 WORKERS = [Candidate(WorkerId(f"worker-{i}"), f"127.0.0.1:{i}", "tiny", "1", 2048) for i in range(2)]
@@ -22,24 +24,39 @@ def setup():
 
     async def fetch():
         calls.append(1)
+        if isinstance(fetch.fail, Exception):
+            raise fetch.fail
         return MODELS, WORKERS
 
+    fetch.fail = None
     clock = Clock()
-    return MeshDirectory(fetch, ttl_seconds=1.0, eject_seconds=5.0, clock=clock), clock, calls
+    return MeshDirectory(fetch, refresh_seconds=0.01, eject_seconds=5.0, max_stale_seconds=10.0, clock=clock), clock, calls, fetch
 
 
-async def test_caches_for_ttl(setup):
-    d, clock, calls = setup
+async def test_requests_reuse_the_view_until_it_is_too_stale(setup):
+    d, clock, calls, _ = setup
     await d.snapshot()
     await d.snapshot()
     assert len(calls) == 1
-    clock.now = 1.5
+    clock.now = 11.0  # nobody refreshed it for longer than max_stale: the request fetches itself
     await d.snapshot()
     assert len(calls) == 2
 
 
+async def test_the_background_refresh_keeps_the_last_view_when_control_fails(setup):
+    d, clock, calls, fetch = setup
+    task = asyncio.create_task(d.run())
+    await asyncio.sleep(0.05)
+    assert len(calls) >= 2, "refreshed in the background"
+    fetch.fail = errors.Unavailable("control down")
+    await asyncio.sleep(0.05)
+    assert [w.worker_id for w in await d.workers("tiny")] == ["worker-0", "worker-1"], "the last view stays"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_resolve_model(setup):
-    d, _, _ = setup
+    d, _, _, _ = setup
     assert (await d.resolve_model("")).name == "tiny"
     assert (await d.resolve_model("small")).max_model_len == 4096
     with pytest.raises(errors.NotFound, match="available: tiny, small") as err:
@@ -50,16 +67,29 @@ async def test_resolve_model(setup):
     assert len(err.value.message) < 200, "a huge name is cut before it is echoed"
 
 
-async def test_ejection_and_exclusion(setup):
-    d, clock, _ = setup
-    d.eject(WorkerId("worker-0"))
-    assert [c.worker_id for c in await d.candidates("tiny")] == ["worker-1"]
-    # When everyone failed recently, ejected workers are tried rather than refusing.
-    d.eject(WorkerId("worker-1"))
-    assert len(await d.candidates("tiny")) == 2
-    clock.now = 6.0
-    assert len(await d.candidates("tiny", exclude={WorkerId("worker-0")})) == 1
-    with pytest.raises(errors.Unavailable, match="failed this request"):
-        await d.candidates("tiny", exclude={WorkerId("worker-0"), WorkerId("worker-1")})
+async def test_workers_of_a_model_and_ejection(setup):
+    d, clock, _, _ = setup
+    assert len(await d.workers("tiny")) == 2
     with pytest.raises(errors.Unavailable, match="no worker is serving 'small'"):
-        await d.candidates("small")
+        await d.workers("small")
+    d.eject(WorkerId("worker-0"))
+    assert d.ejected() == {"worker-0"}
+    clock.now = 6.0
+    assert d.ejected() == frozenset()
+
+
+async def test_a_miss_looks_again_unless_the_view_is_brand_new():
+    """Right after `gaas up` says ready, a worker may not be in the router's view yet: a request
+    for its model fetches a fresh view instead of answering 503."""
+    views = [(MODELS, []), (MODELS, WORKERS)]
+    clock = Clock()
+
+    async def fetch():
+        return views.pop(0) if len(views) > 1 else views[0]
+
+    d = MeshDirectory(fetch, refresh_seconds=1.0, eject_seconds=5.0, clock=clock)
+    await d.snapshot()
+    with pytest.raises(errors.Unavailable):
+        await d.workers("tiny")  # the view is brand new: no second fetch
+    clock.now = 0.5
+    assert len(await d.workers("tiny")) == 2

@@ -10,7 +10,7 @@ from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
-from services.router.picker import Candidate, RoundRobinPicker, WorkerId
+from services.router.scheduling import Candidate, WorkerId, make_scheduler
 from services.router.servicer import InferenceServicer
 
 KEYS = {"key-acme": Principal("acme", "gold", "key_1", "salt-acme")}
@@ -89,7 +89,7 @@ async def serve(scripts, workers=("w0", "w1"), retries=2):
 
     fake = FakeWorkers(scripts)
     dispatcher = Dispatcher(
-        MeshDirectory(fetch, 1.0, 5.0), RoundRobinPicker(), fake, lambda model: FakeTokenizer(),
+        MeshDirectory(fetch, 1.0, 5.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
         retries=retries, max_stream_seconds=30,
     )
     servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0))
@@ -214,3 +214,18 @@ async def test_no_workers_is_unavailable():
     finally:
         await rt.shutdown()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no worker is serving 'tiny'" in err.value.details()
+
+
+def test_a_public_prefix_replaces_the_tenants_salt_only_for_prompts_that_begin_with_it():
+    from services.router.dispatch import cache_salt
+
+    model = ModelEntry("tiny", "1.0", 64, True, public_prefixes=(("pub_1", "You are helpful."),))
+
+    def chat(*messages):
+        return inference_pb2.GenerateRequest(messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in messages])
+
+    assert cache_salt(model, chat(("system", "You are helpful."), ("user", "hi")), "tenant") == "public:pub_1"
+    assert cache_salt(model, chat(("system", "You are helpful!"), ("user", "hi")), "tenant") == "tenant"
+    assert cache_salt(model, chat(("user", "You are helpful.")), "tenant") == "tenant"
+    assert cache_salt(model, inference_pb2.GenerateRequest(prompt="You are helpful. Go."), "tenant") == "public:pub_1"
+    assert cache_salt(model, inference_pb2.GenerateRequest(prompt="Go."), "tenant") == "tenant"

@@ -1,0 +1,110 @@
+"""What the scheduler works on: the request's context, the candidate workers with their latest
+load, and the three kinds of plugin (filter, scorer, picker). Pure data, no I/O."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+WorkerId = NewType("WorkerId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A worker's load as it last reported it (with its lease renewals)."""
+
+    running: int = 0
+    waiting: int = 0
+    # Fraction of its KV-cache blocks in use, 0..1, and the cache's size in blocks.
+    kv_usage: float = 0.0
+    kv_blocks: int = 0
+    # Device memory, bytes (0 when unknown), and busy share of the device, 0..1.
+    memory_used: int = 0
+    memory_total: int = 0
+    utilization: float = 0.0
+    # When the worker measured it, Unix ms (0: never reported).
+    reported_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A worker that could take a request."""
+
+    worker_id: WorkerId
+    # Sidecar inbound host:port, named in x-gaas-worker.
+    address: str
+    model: str
+    model_version: str
+    max_model_len: int
+    # Version of the engine (vLLM) the worker runs.
+    engine_version: str = ""
+    # The engine's KV block size, tokens.
+    block_size: int = 0
+    load: Load = field(default_factory=Load)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request, as the scheduler sees it."""
+
+    model: str
+    tenant: str = ""
+    # bronze, silver or gold.
+    tier: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    # GaaS's hashes of the prompt's full blocks (gaas/kvhash.py), tenant-salted.
+    block_hashes: Sequence[int] = ()
+    # Workers that already failed this request, and workers recently seen failing.
+    tried: frozenset[WorkerId] = frozenset()
+    ejected: frozenset[WorkerId] = frozenset()
+    # Gathered before scheduling: leading blocks of the prompt each worker holds (the directory's
+    # answer), and requests this router sent each worker since its last load report.
+    prefix: Mapping[WorkerId, int] = field(default_factory=dict)
+    inflight: Mapping[WorkerId, int] = field(default_factory=dict)
+
+    def queue(self, c: Candidate) -> int:
+        """Requests ahead of this one at c: running and waiting as reported, plus those sent since."""
+        return c.load.running + c.load.waiting + self.inflight.get(c.worker_id, 0)
+
+
+class Plugin(ABC):
+    # Type name, as profiles and metrics name it.
+    name: str
+
+
+class Filter(Plugin):
+    """Removes candidates that must not (or, for a soft filter, should not) take the request."""
+
+    # A soft filter that would remove every candidate removes none: better a busy worker than none.
+    soft: bool = False
+
+    @abstractmethod
+    def keep(self, ctx: RequestContext, c: Candidate) -> bool: ...
+
+    def why(self, ctx: RequestContext) -> str:
+        """Why nobody was kept (for the error the caller gets)."""
+        return f"no worker passes {self.name}"
+
+
+class Scorer(Plugin):
+    """Rates a candidate from 0 (worst) to 1 (best); the scheduler weighs and sums the scores."""
+
+    # Whether it needs the directory's prefix answer (the scheduler only asks when one does).
+    needs_prefix: bool = False
+
+    @abstractmethod
+    def score(self, ctx: RequestContext, c: Candidate) -> float: ...
+
+
+class Picker(Plugin):
+    """Chooses one of the candidates from their total scores."""
+
+    @abstractmethod
+    def pick(self, ctx: RequestContext, candidates: Sequence[Candidate], scores: Mapping[WorkerId, float]) -> Candidate: ...
+
+
+def clamp(x: float) -> float:
+    return 0.0 if x != x or x < 0.0 else 1.0 if x > 1.0 else x

@@ -1,0 +1,127 @@
+"""The scheduler's plugins, each alone (table-driven), and the profiles put together."""
+
+import random
+
+import pytest
+
+from gaas import errors
+from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
+from services.router.scheduling.filters.context_fit import ContextFitFilter
+from services.router.scheduling.filters.health import HealthFilter, NotTriedFilter
+from services.router.scheduling.filters.model import ModelFilter
+from services.router.scheduling.filters.saturation import SaturationFilter
+from services.router.scheduling.pickers.max_score import MaxScorePicker
+from services.router.scheduling.pickers.round_robin import RoundRobinPicker
+from services.router.scheduling.profiles import parse_weights
+from services.router.scheduling.scorers.device_memory import DeviceMemoryScorer
+from services.router.scheduling.scorers.kv_usage import KVUsageScorer
+from services.router.scheduling.scorers.prefix import PrefixScorer
+from services.router.scheduling.scorers.queue import QueueScorer
+
+
+def cand(wid="w0", model="m", ctx_len=2048, **load):
+    return Candidate(WorkerId(wid), f"addr-{wid}", model, "1", ctx_len, load=Load(**load))
+
+
+def ctx(**kw):
+    return RequestContext(model="m", **kw)
+
+
+@pytest.mark.parametrize(
+    "plugin, context, candidate, keep",
+    [
+        (ModelFilter(), ctx(), cand(model="m"), True),
+        (ModelFilter(), ctx(), cand(model="other"), False),
+        (NotTriedFilter(), ctx(tried=frozenset({"w0"})), cand("w0"), False),
+        (NotTriedFilter(), ctx(tried=frozenset({"w1"})), cand("w0"), True),
+        (HealthFilter(), ctx(ejected=frozenset({"w0"})), cand("w0"), False),
+        (ContextFitFilter(), ctx(prompt_tokens=2000, max_tokens=48), cand(ctx_len=2048), True),
+        (ContextFitFilter(), ctx(prompt_tokens=2000, max_tokens=49), cand(ctx_len=2048), False),
+        (SaturationFilter(max_queue=4), ctx(), cand(running=2, waiting=1), True),
+        (SaturationFilter(max_queue=4), ctx(inflight={"w0": 1}), cand(running=2, waiting=1), False),
+        (SaturationFilter(max_kv_usage=0.9), ctx(), cand(kv_usage=0.95), False),
+    ],
+)
+def test_filters(plugin, context, candidate, keep):
+    assert plugin.keep(context, candidate) is keep
+
+
+@pytest.mark.parametrize(
+    "scorer, context, candidate, expected",
+    [
+        (PrefixScorer(), ctx(block_hashes=[1, 2, 3, 4], prefix={"w0": 3}), cand(), 0.75),
+        (PrefixScorer(), ctx(block_hashes=[1, 2], prefix={"w1": 2}), cand(), 0.0),
+        (PrefixScorer(), ctx(), cand(), 0.0),
+        (QueueScorer(half_at=4), ctx(), cand(), 1.0),
+        (QueueScorer(half_at=4), ctx(inflight={"w0": 1}), cand(running=2, waiting=1), 0.5),
+        (KVUsageScorer(), ctx(), cand(kv_usage=0.25), 0.75),
+        (DeviceMemoryScorer(), ctx(), cand(memory_used=30, memory_total=120), 0.75),
+        (DeviceMemoryScorer(), ctx(), cand(), 0.5),
+    ],
+)
+def test_scorers(scorer, context, candidate, expected):
+    assert scorer.score(context, candidate) == pytest.approx(expected)
+
+
+def test_max_score_picker_breaks_ties_at_random():
+    picker = MaxScorePicker(random.Random(7))
+    cs = [cand("w0"), cand("w1"), cand("w2")]
+    picks = {picker.pick(ctx(), cs, {"w0": 1.0, "w1": 1.0, "w2": 0.5}).worker_id for _ in range(50)}
+    assert picks == {"w0", "w1"}
+
+
+def test_round_robin_cycles_in_id_order():
+    p = RoundRobinPicker()
+    cs = [cand("w-b"), cand("w-a"), cand("w-c")]
+    assert [p.pick(ctx(), cs, {}).worker_id for _ in range(6)] == ["w-a", "w-b", "w-c"] * 2
+
+
+def test_kv_aware_goes_where_the_prefix_lives_unless_load_says_otherwise():
+    s = make_scheduler("kv_aware")
+    holder, idle = cand("w0", running=1), cand("w1")
+    full = ctx(block_hashes=list(range(10)), prefix={"w0": 10})
+    assert s.schedule(full, [holder, idle]).worker.worker_id == "w0"
+    # The holder is saturated: the other worker takes it, cache or not.
+    swamped = cand("w0", running=10, waiting=8)
+    assert s.schedule(full, [swamped, idle]).worker.worker_id == "w1"
+    # Without a prefix anywhere, the less loaded one.
+    none = ctx(block_hashes=list(range(10)))
+    assert s.schedule(none, [holder, idle]).worker.worker_id == "w1"
+
+
+def test_soft_filters_keep_everyone_when_everyone_is_saturated():
+    s = make_scheduler("least_load")
+    busy = [cand("w0", running=30), cand("w1", running=20)]
+    assert s.schedule(ctx(), busy).worker.worker_id == "w1"
+
+
+def test_hard_filters_leaving_nobody_are_a_typed_error_saying_why():
+    s = make_scheduler("kv_aware")
+    with pytest.raises(errors.Unavailable, match="no worker is serving 'm'"):
+        s.schedule(ctx(), [cand(model="other")])
+    with pytest.raises(errors.Unavailable, match="failed this request"):
+        s.schedule(ctx(tried=frozenset({"w0"})), [cand("w0")])
+    with pytest.raises(errors.Unavailable, match="context holds"):
+        s.schedule(ctx(prompt_tokens=4000), [cand()])
+
+
+def test_profiles_weights_and_their_errors():
+    assert make_scheduler("round_robin").needs_prefix is False
+    assert make_scheduler("kv_aware").needs_prefix is True
+    assert make_scheduler("least_load", {"prefix": 1.0}).needs_prefix is True
+    assert make_scheduler("kv_aware", {"prefix": 0}).needs_prefix is False, "a zero weight drops the scorer"
+    assert parse_weights("prefix=3, queue=2") == {"prefix": 3.0, "queue": 2.0}
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        make_scheduler("fastest")
+    with pytest.raises(ValueError, match="unknown scorer 'speed'"):
+        parse_weights("speed=1")
+    with pytest.raises(ValueError, match="must be a number"):
+        parse_weights("queue=lots")
+
+
+def test_every_plugin_reports_its_time():
+    seen = []
+    s = make_scheduler("kv_aware", observe=lambda plugin, seconds: seen.append(plugin))
+    s.schedule(ctx(block_hashes=[1]), [cand()])
+    assert set(seen) == {"model", "not_tried", "health", "context_fit", "saturation", "prefix", "queue", "kv_usage",
+                         "device_memory", "max_score"}
