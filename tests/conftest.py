@@ -14,11 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from gaas import protogen
 
 ROOT = Path(__file__).resolve().parent.parent
 protogen.generate()
+
+# Property-based tests explore the same examples on every run, so CI is repeatable; explore new
+# ones with HYPOTHESIS_PROFILE=explore (what they find goes into the tests as explicit cases).
+settings.register_profile("gaas", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gaas"))
 
 MESH_WORKERS = 2
 MESH_START_TIMEOUT = 420

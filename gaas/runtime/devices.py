@@ -47,14 +47,6 @@ def list_gpus() -> list[GpuInfo]:
             pass
 
 
-def gpu_memory(index: int) -> tuple[int, int]:
-    """(used, total) bytes of one GPU, (0, 0) when unknown."""
-    for g in list_gpus():
-        if g.index == index:
-            return g.memory_used, g.memory_total
-    return 0, 0
-
-
 @dataclass(frozen=True, slots=True)
 class DeviceDescription:
     """What a worker computes on (reported with its load)."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from gaas import errors, genrequest, kvhash
 from gaas.runtime import status
@@ -92,9 +93,11 @@ class Inflight:
 class RouterMetrics:
     """What the dispatcher records, when the server gives it a registry."""
 
-    routed: object = None
-    prediction_misses: object = None
-    lookup_seconds: object = None
+    # Requests sent, by policy and worker.
+    routed: Counter | None = None
+    # Engines serving fewer cached tokens than the directory said they held.
+    prediction_misses: Counter | None = None
+    lookup_seconds: Histogram | None = None
 
 
 class Dispatcher:

@@ -8,6 +8,7 @@ I/O and no gRPC; failures are gaas.errors.InvalidArgument.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +59,6 @@ class OpenAIRequest:
 # ------------------------------------------------------------------ parsing
 
 # Fields vLLM's server knows that GaaS accepts only at their default: (test, what GaaS lacks).
-_FALSY = (lambda v: v in (False, 0, "", [], {}), "")
 _ONLY_DEFAULT = {
     "echo": (lambda v: v is False, "the prompt is not echoed"),
     "use_beam_search": (lambda v: v is False, "no beam search"),
@@ -116,8 +116,8 @@ def _common(f: Fields, kind: str) -> OpenAIRequest:
         raise InvalidArgument("'model' is required: the name of a model (GET /v1/models lists them)", param="model")
     req = inference_pb2.GenerateRequest(model=model)
     sp = req.sampling
-    for name, r in genrequest.FLOAT_RANGES.items():
-        if (v := f.number(name, -1e9, 1e9)) is not None:
+    for name in genrequest.FLOAT_RANGES:
+        if (v := f.number(name, -math.inf, math.inf)) is not None:
             setattr(sp, name, genrequest.check_float(name, v))
     if (top_k := f.integer("top_k", genrequest.TOP_K_MIN, genrequest.TOP_K_MAX)) is not None:
         sp.top_k = top_k
@@ -458,7 +458,7 @@ class Formatter:
             choice["delta"] = delta
         else:
             choice["text"] = c.text
-        choice["logprobs"] = self.logprobs(index, c.logprobs) if c.logprobs or self.top is not None else None
+        choice["logprobs"] = self.logprobs(index, c.logprobs)
         choice["finish_reason"] = finish
         if finish:
             choice["stop_reason"] = stop_reason(c)

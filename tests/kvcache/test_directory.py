@@ -35,7 +35,7 @@ class Engine:
     def store(self, salt, tokens, parent=None):
         """Store the full blocks of tokens after parent (an engine hash) or from the start."""
         base = self.blocks[parent][1] if parent is not None else ()
-        out, ph = [], parent
+        out = []
         for i in range(0, len(tokens) - BS + 1, BS):
             self._next += 1
             base = base + tuple(tokens[i:i + BS])

@@ -195,7 +195,7 @@ _fields = sorted(
 _bodies = st.dictionaries(st.sampled_from(_fields) | st.text(max_size=6), _json, max_size=6)
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=_bodies, kind=st.sampled_from([parse_completion, parse_chat, parse_tokenize]))
 def test_no_body_fails_other_than_invalid_argument(body, kind):
     try:
@@ -208,7 +208,7 @@ def test_no_body_fails_other_than_invalid_argument(body, kind):
         parsed.generate.SerializeToString()  # everything accepted fits its protobuf field
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(raw=st.binary(max_size=200) | _json.map(lambda v: json.dumps(v).encode()))
 def test_no_raw_body_fails_other_than_invalid_argument(raw):
     try:
