@@ -85,10 +85,11 @@ function envoy_on_response(handle)
   if body ~= nil then
     body:setBytes(out)
   end
-  local delay = string.match(raw, '"retryDelay"%s*:%s*"(%d+)[%d%.]*s"')
+  -- RetryInfo's retry_delay (the transcoder keeps proto field names; retryDelay otherwise).
+  local delay = string.match(raw, '"retry_?[dD]elay"%s*:%s*"(%d+)[%d%.]*s"')
   if delay ~= nil then
     local seconds = tonumber(delay) or 0
-    if string.match(raw, '"retryDelay"%s*:%s*"%d+%.%d*[1-9]%d*s"') then seconds = seconds + 1 end
+    if string.match(raw, '"retry_?[dD]elay"%s*:%s*"%d+%.%d*[1-9]%d*s"') then seconds = seconds + 1 end
     if seconds < 1 then seconds = 1 end
     handle:headers():replace("retry-after", tostring(seconds))
   end

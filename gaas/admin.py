@@ -1,5 +1,6 @@
-"""Operator calls to the control plane (tenants, API keys), made through control's sidecar.
-Used by `gaas tenant ...`, `gaas key ...` and by `gaas up` for the demo tenant."""
+"""Operator calls to the control plane (tenants, API keys) and to billing (usage, budgets,
+invoices), made through each service's sidecar. Used by `gaas tenant ...`, `gaas key ...`,
+`gaas usage`, `gaas budget`, `gaas invoice` and by `gaas up` for the demo tenant."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from pathlib import Path
 
 import grpc
 
-from gaas import errors
+from gaas import errors, pricing
 from gaas.errors import GaasError
 from gaas.runtime.status import from_rpc
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
+from gaas.v1 import billing_pb2 as billing_pb
+from gaas.v1 import billing_pb2_grpc
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
 
@@ -21,7 +24,10 @@ DEMO_KEY_FILE = "demo-key"
 
 
 def _tenant(t: pb.Tenant) -> dict:
-    return {"name": t.name, "tier": TIER_FROM_PB.get(t.tier, "bronze"), "created_unix_ms": t.created_unix_ms}
+    return {
+        "name": t.name, "tier": TIER_FROM_PB.get(t.tier, "bronze"), "created_unix_ms": t.created_unix_ms,
+        "stripe_customer": t.stripe_customer,
+    }
 
 
 def _key(k: pb.ApiKey) -> dict:
@@ -39,11 +45,15 @@ def _prefix(p: pb.PublicPrefix) -> dict:
     return {"prefix_id": p.prefix_id, "model": p.model, "text": p.text, "created_unix_ms": p.created_unix_ms}
 
 
-class Admin:
-    def __init__(self, control_address: str) -> None:
-        self.address = control_address
-        self._channel = grpc.insecure_channel(control_address)
-        self._stub = control_pb2_grpc.ControlStub(self._channel)
+class _Service:
+    """A blocking stub to one service's sidecar; its errors are GaasErrors."""
+
+    WHAT = ""
+
+    def __init__(self, address: str, stub_class) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = stub_class(self._channel)
 
     def _call(self, method: str, request):
         try:
@@ -51,13 +61,40 @@ class Admin:
         except grpc.RpcError as exc:
             err = from_rpc(exc)
             if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                raise errors.Unavailable(f"the control plane at {self.address} does not answer: is the mesh up?") from None
+                raise errors.Unavailable(f"{self.WHAT} at {self.address} does not answer: is the mesh up?") from None
             raise err from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Admin(_Service):
+    WHAT = "the control plane"
+
+    def __init__(self, control_address: str) -> None:
+        super().__init__(control_address, control_pb2_grpc.ControlStub)
 
     def create_tenant(self, name: str, tier: str) -> dict:
         if tier not in TIER_TO_PB:
             raise errors.InvalidArgument(f"tier must be one of {', '.join(TIER_TO_PB)}", param="tier")
         return _tenant(self._call("CreateTenant", pb.CreateTenantRequest(name=name, tier=TIER_TO_PB[tier])))
+
+    def update_tenant(self, name: str, tier: str | None = None, stripe_customer: str | None = None) -> dict:
+        """Change a tenant's tier and/or Stripe customer ("" removes it); None leaves it as it is."""
+        request = pb.UpdateTenantRequest(name=name)
+        if tier is not None:
+            if tier not in TIER_TO_PB:
+                raise errors.InvalidArgument(f"tier must be one of {', '.join(TIER_TO_PB)}", param="tier")
+            request.tier = TIER_TO_PB[tier]
+        if stripe_customer is not None:
+            request.stripe_customer = stripe_customer
+        return _tenant(self._call("UpdateTenant", request))
 
     def list_tenants(self) -> list[dict]:
         return [_tenant(t) for t in self._call("ListTenants", pb.ListTenantsRequest()).tenants]
@@ -110,11 +147,50 @@ class Admin:
             f.write(key + "\n")
         return key, True
 
-    def close(self) -> None:
-        self._channel.close()
 
-    def __enter__(self) -> "Admin":
-        return self
+def usage_row(r: billing_pb.UsageRow) -> dict:
+    return {
+        "group": r.group, "requests": r.requests, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+        "completion_tokens": r.completion_tokens, "cost_usd": pricing.usd(r.cost_micros),
+    }
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+
+def _budget(b: billing_pb.Budget) -> dict:
+    return {"tenant": b.tenant, "amount_usd": b.amount_usd, "month": b.month, "spent_usd": b.spent_usd}
+
+
+class BillingAdmin(_Service):
+    WHAT = "billing"
+
+    def __init__(self, billing_address: str) -> None:
+        super().__init__(billing_address, billing_pb2_grpc.BillingStub)
+
+    def usage(self, tenant: str, start_ms: int = 0, end_ms: int = 0, group_by: str = "") -> dict:
+        r = self._call("GetUsage", billing_pb.GetUsageRequest(
+            tenant=tenant, start_unix_ms=start_ms, end_unix_ms=end_ms, group_by=group_by))
+        return {"tenant": r.tenant, "total": usage_row(r.total), "rows": [usage_row(x) for x in r.rows]}
+
+    def set_budget(self, tenant: str, amount_usd: float) -> dict:
+        return _budget(self._call("SetBudget", billing_pb.SetBudgetRequest(tenant=tenant, amount_usd=amount_usd)))
+
+    def get_budget(self, tenant: str) -> dict:
+        return _budget(self._call("GetBudget", billing_pb.GetBudgetRequest(tenant=tenant)))
+
+    def invoice_preview(self, tenant: str, month: str = "") -> dict:
+        r = self._call("GetInvoicePreview", billing_pb.GetInvoicePreviewRequest(tenant=tenant, month=month))
+        return {
+            "tenant": r.tenant, "month": r.month, "requests": r.requests, "total_usd": r.total_usd,
+            "lines": [{"model": x.model, "kind": x.kind, "tokens": x.tokens, "amount_usd": x.amount_usd} for x in r.lines],
+            "budget": _budget(r.budget), "stripe_customer": r.stripe_customer,
+            "meter_events_sent": r.meter_events_sent, "meter_events_pending": r.meter_events_pending,
+        }
+
+    def status(self) -> dict:
+        r = self._call("GetStatus", billing_pb.GetBillingStatusRequest())
+        return {
+            "stripe_enabled": r.stripe_enabled, "stripe_disabled_reason": r.stripe_disabled_reason,
+            "outbox": {"pending": r.outbox_pending, "sent": r.outbox_sent, "failed": r.outbox_failed,
+                       "expired": r.outbox_expired, "reconcile": r.outbox_reconcile},
+            "last_stripe_error": r.last_stripe_error, "stream_backlog": r.stream_backlog,
+            "ledger_rows": r.ledger_rows, "dead_letters": r.dead_letters,
+        }

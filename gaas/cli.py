@@ -7,6 +7,9 @@
   gaas kv stats                the KV-cache directory: blocks per worker and tenant, hit ratio
   gaas tenant create acme      tenants (tiers gold / silver / bronze) and their API keys:
   gaas key create acme           the key is printed once; `gaas key revoke KEY_ID` ends it
+  gaas usage acme --by model   a tenant's metered usage and cost, from the ledger
+  gaas budget set acme 50      a monthly budget, USD; past it the tenant's requests get HTTP 429
+  gaas invoice preview acme    this month's bill so far, line by line
   gaas model build             build the local test/benchmark model
   gaas envoy render            write the Envoy configs the topology produces
 """
@@ -98,6 +101,14 @@ def _control(args) -> str:
         return args.control
     topo = _topology(args, _state(Path(args.run_dir)))
     return topo.of("control")[0].inbound
+
+
+def _billing(args) -> str:
+    """Where billing is reached: --billing, else billing-0's sidecar of the running mesh."""
+    if getattr(args, "billing", None):
+        return args.billing
+    topo = _topology(args, _state(Path(args.run_dir)))
+    return topo.of("billing")[0].inbound
 
 
 def _examples(ingress: str, key: str, model: str) -> str:
@@ -210,12 +221,8 @@ def cmd_up(args) -> int:
             f"  Ctrl-C (or SIGTERM) stops everything.\n",
             flush=True,
         )
-    reported: set[str] = set()
     while not stop.wait(1.0):
-        for child in mesh.exited():
-            if child.name not in reported:
-                reported.add(child.name)
-                _say(f"{child.name} exited with code {child.proc.returncode}; its log {child.log} ends:\n{child.tail(8)}")
+        mesh.supervise(_say)
     _say("stopping (services drain first, then the Envoys)")
     mesh.stop()
     _say("stopped; nothing left running")
@@ -349,7 +356,8 @@ def cmd_status(args) -> int:
         return _fail(str(exc), 2)
     health = probe.probe(topo, timeout=args.timeout)
     if args.json:
-        print(json.dumps({**health.to_dict(), "running_from": str(args.run_dir) if state else None}, indent=2))
+        print(json.dumps({**health.to_dict(), "billing": _billing_status(topo),
+                          "running_from": str(args.run_dir) if state else None}, indent=2))
         return 0 if health.healthy else 1
     print(f"ingress  {health.ingress:<22} {'READY' if health.ingress_ready else 'DOWN'}")
     for i in health.instances:
@@ -368,9 +376,36 @@ def cmd_status(args) -> int:
             print(f"  {'':<10} {load['running']} running, {load['waiting']} waiting, KV cache "
                   f"{load['kv_cache_usage']:.0%} of {load['kv_cache_blocks']} blocks used, {w['cached_blocks']} "
                   f"blocks indexed{mem}, device {load['device_utilization']:.0%} busy")
+    billing = _billing_status(topo)
+    if billing is not None:
+        if billing["stripe_enabled"]:
+            o = billing["outbox"]
+            stripe = (f"Stripe sync on: {o['sent']} meter events sent, {o['pending']} waiting, {o['failed']} refused, "
+                      f"{o['reconcile']} to reconcile, {o['expired']} expired")
+            if billing["last_stripe_error"]:
+                stripe += f" (last error: {billing['last_stripe_error']})"
+        else:
+            stripe = f"Stripe sync off: {billing['stripe_disabled_reason']}"
+        print(f"\nbilling: {billing['ledger_rows']:,} requests in the ledger, {billing['stream_backlog']:,} usage events "
+              f"waiting, {billing['dead_letters']} dead letters\n  {stripe}")
     if not state and not any(i.health == "SERVING" for i in health.instances):
         print("\nno mesh seems to be running here: start one with `make run` (or `gaas up`)")
     return 0 if health.healthy else 1
+
+
+def _billing_status(topo) -> dict | None:
+    """Billing's figures (usage stream, ledger, Stripe sync), None when it does not answer."""
+    from gaas.admin import BillingAdmin
+    from gaas.errors import GaasError
+
+    instances = topo.of("billing")
+    if not instances:
+        return None
+    try:
+        with BillingAdmin(instances[0].inbound) as billing:
+            return billing.status()
+    except GaasError:
+        return None
 
 
 def cmd_kv_stats(args) -> int:
@@ -500,6 +535,20 @@ def cmd_tenant_list(args) -> int:
     return 0
 
 
+def cmd_tenant_set(args) -> int:
+    if args.tier is None and args.stripe_customer is None:
+        return _fail("nothing to change: give --tier and/or --stripe-customer", 2)
+    tenant, err = _admin_call(args, lambda a: a.update_tenant(args.name, args.tier, args.stripe_customer))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(tenant))
+    else:
+        customer = tenant["stripe_customer"] or "no Stripe customer (its usage is not reported to Stripe)"
+        print(f"tenant {tenant['name']}: {tenant['tier']}, {customer}")
+    return 0
+
+
 def cmd_key_create(args) -> int:
     result, err = _admin_call(args, lambda a: a.create_key(args.tenant))
     if err is not None:
@@ -532,6 +581,108 @@ def cmd_key_revoke(args) -> int:
         return err
     print(json.dumps(key) if args.json else f"revoked {key['key_id']} of tenant {key['tenant']}; "
           "routers refuse it within seconds")
+    return 0
+
+
+# -------------------------------------------------------------------- billing
+
+
+def _billing_call(args, fn):
+    from gaas.admin import BillingAdmin
+    from gaas.client import GaasError
+
+    try:
+        with BillingAdmin(_billing(args)) as billing:
+            return fn(billing), None
+    except GaasError as exc:
+        return None, _fail(f"{exc.code}: {exc.message}", 1)
+
+
+def _tokens(n: int) -> str:
+    return f"{n:,}"
+
+
+def _usd(amount: float) -> str:
+    from gaas import pricing
+
+    return pricing.format_usd(pricing.micros(amount))
+
+
+def cmd_usage(args) -> int:
+    from gaas import metering
+    from gaas.errors import GaasError
+
+    try:
+        now = metering.now_ms()
+        start = metering.parse_time(args.since or "", "--since", now)
+        end = metering.parse_time(args.until or "", "--until", now)
+    except GaasError as exc:
+        return _fail(exc.message, 2)
+    if end and end <= start:
+        return _fail("--until must be after --since", 2)
+    report, err = _billing_call(args, lambda b: b.usage(args.tenant, start, end, args.by or ""))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    header = f"{args.by or '':<26} {'requests':>10} {'prompt':>14} {'cached':>14} {'completion':>14} {'cost USD':>12}"
+    print(header)
+
+    def line(r: dict, label: str) -> None:
+        print(f"{label:<26} {r['requests']:>10,} {_tokens(r['prompt_tokens']):>14} {_tokens(r['cached_tokens']):>14} "
+              f"{_tokens(r['completion_tokens']):>14} {r['cost_usd']:>12.6f}")
+
+    for r in report["rows"]:
+        line(r, r["group"] or "(none)")
+    line(report["total"], "total")
+    return 0
+
+
+def cmd_budget_set(args) -> int:
+    budget, err = _billing_call(args, lambda b: b.set_budget(args.tenant, args.amount))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(budget))
+    elif budget["amount_usd"]:
+        print(f"tenant {budget['tenant']}: monthly budget {_usd(budget['amount_usd'])}, {_usd(budget['spent_usd'])} "
+              f"spent in {budget['month']}; routers enforce it within seconds")
+    else:
+        print(f"tenant {budget['tenant']}: no budget (requests are not limited by spend)")
+    return 0
+
+
+def cmd_budget_show(args) -> int:
+    budget, err = _billing_call(args, lambda b: b.get_budget(args.tenant))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(budget))
+    else:
+        amount = _usd(budget["amount_usd"]) if budget["amount_usd"] else "none"
+        print(f"tenant {budget['tenant']}: monthly budget {amount}, {_usd(budget['spent_usd'])} spent in {budget['month']}")
+    return 0
+
+
+def cmd_invoice_preview(args) -> int:
+    inv, err = _billing_call(args, lambda b: b.invoice_preview(args.tenant, args.month or ""))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(inv, indent=2))
+        return 0
+    print(f"invoice preview: tenant {inv['tenant']}, {inv['month'][:4]}-{inv['month'][4:]}, {inv['requests']:,} requests")
+    for x in inv["lines"]:
+        print(f"  {x['model']:<20} {x['kind']:<13} {x['tokens']:>14,} tokens  ${x['amount_usd']:>12.6f}")
+    print(f"  {'total':<20} {'':<13} {'':>14}         ${inv['total_usd']:>12.6f}")
+    b = inv["budget"]
+    print(f"budget: {_usd(b['amount_usd']) + ' a month' if b['amount_usd'] else 'none'}")
+    if inv["stripe_customer"]:
+        print(f"Stripe customer {inv['stripe_customer']}: {inv['meter_events_sent']} meter events sent, "
+              f"{inv['meter_events_pending']} waiting")
+    else:
+        print(f"no Stripe customer: set one with `gaas tenant set {inv['tenant']} --stripe-customer cus_...`")
     return 0
 
 
@@ -650,6 +801,14 @@ def build_parser() -> argparse.ArgumentParser:
     tcreate.add_argument("--tier", choices=["gold", "silver", "bronze"], default="bronze", help="service tier (bronze)")
     admin_args(tcreate)
     tcreate.set_defaults(func=cmd_tenant_create)
+    tset = tsub.add_parser("set", help="change a tenant's tier or Stripe customer",
+                           description="Change a tenant's tier, or the Stripe customer its usage is reported to "
+                           "(meter events are sent once each usage window closes; an empty --stripe-customer stops it).")
+    tset.add_argument("name")
+    tset.add_argument("--tier", choices=["gold", "silver", "bronze"], default=None, help="new service tier")
+    tset.add_argument("--stripe-customer", default=None, metavar="CUS_ID", help="Stripe customer id (cus_...); '' removes it")
+    admin_args(tset)
+    tset.set_defaults(func=cmd_tenant_set)
     tlist = tsub.add_parser("list", help="list tenants")
     admin_args(tlist)
     tlist.set_defaults(func=cmd_tenant_list)
@@ -668,6 +827,49 @@ def build_parser() -> argparse.ArgumentParser:
     krevoke.add_argument("key_id")
     admin_args(krevoke)
     krevoke.set_defaults(func=cmd_key_revoke)
+
+    def billing_args(sp) -> None:
+        mesh_args(sp, workers=False)
+        sp.add_argument("--billing", default=None, help="host:port of billing (default: billing-0's sidecar of the running mesh)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    usage = sub.add_parser(
+        "usage", help="a tenant's metered usage and cost, from the ledger",
+        description="Requests, prompt / cached / completion tokens and cost of a tenant's requests, from the billing "
+        "ledger (a request is there about a second after it ends). Times: an ISO 8601 date or time (UTC unless it "
+        "names an offset), Unix seconds, or a duration back from now (30m, 24h, 7d). A tenant reads its own with its "
+        "API key: GET /v1/gaas/usage?since=7d&by=model at the ingress.")
+    usage.add_argument("tenant")
+    usage.add_argument("--since", default=None, help="from (inclusive); default: the beginning")
+    usage.add_argument("--until", default=None, help="to (exclusive); default: now")
+    usage.add_argument("--by", choices=["model", "day", "key"], default=None, help="also break the total down")
+    billing_args(usage)
+    usage.set_defaults(func=cmd_usage)
+
+    budget = sub.add_parser("budget", help="tenants' monthly budgets (USD)")
+    bsub = budget.add_subparsers(dest="budget_command", required=True, metavar="ACTION")
+    bset = bsub.add_parser("set", help="set a tenant's monthly budget; 0 removes it",
+                           description="Past its budget a tenant's requests are refused (HTTP 429 / RESOURCE_EXHAUSTED, "
+                           "naming the budget) within seconds, until the budget is raised or the month (UTC) turns. "
+                           "A request is admitted only if its most possible cost still fits.")
+    bset.add_argument("tenant")
+    bset.add_argument("amount", type=float, help="USD per month (0: no budget)")
+    billing_args(bset)
+    bset.set_defaults(func=cmd_budget_set)
+    bshow = bsub.add_parser("show", help="a tenant's budget and this month's spend")
+    bshow.add_argument("tenant")
+    billing_args(bshow)
+    bshow.set_defaults(func=cmd_budget_show)
+
+    invoice = sub.add_parser("invoice", help="invoices")
+    isub = invoice.add_subparsers(dest="invoice_command", required=True, metavar="ACTION")
+    ipreview = isub.add_parser("preview", help="a tenant's month so far, as it would be invoiced",
+                               description="Lines per model and token kind (input, cached input, output) at the "
+                               "prices of deploy/gaas.yaml, the budget, and how much was reported to Stripe.")
+    ipreview.add_argument("tenant")
+    ipreview.add_argument("--month", default=None, help="YYYYMM (default: this month, UTC)")
+    billing_args(ipreview)
+    ipreview.set_defaults(func=cmd_invoice_preview)
 
     kv = sub.add_parser("kv", help="the KV-cache directory")
     kvsub = kv.add_subparsers(dest="kv_command", required=True, metavar="ACTION")

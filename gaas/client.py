@@ -102,6 +102,15 @@ class GaasClient:
             raise from_rpc(exc) from None
         return list(resp.models)
 
+    def usage(self, since: str = "", until: str = "", by: str = "", timeout: float = 10.0):
+        """The calling tenant's own usage (a billing_pb2.UsageReport)."""
+        try:
+            return self._stub.GetUsage(
+                inference_pb2.GetOwnUsageRequest(since=since, until=until, by=by), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc(exc) from None
+
     def close(self) -> None:
         self._channel.close()
 

@@ -4,7 +4,7 @@ the offending entry. Shared by the control plane (which applies it) and `gaas up
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -32,9 +32,17 @@ class ModelSpec:
     is_default: bool
 
 
+# Stripe meter event names per kind of token, unless the deployment file names others.
+DEFAULT_METERS = {"input": "gaas_input_tokens", "cached_input": "gaas_cached_input_tokens", "output": "gaas_output_tokens"}
+
+
 @dataclass(frozen=True, slots=True)
 class DeploySpec:
     models: tuple[ModelSpec, ...]
+    # USD per 1M tokens by tier, then model (or "*").
+    prices: dict = field(default_factory=dict)
+    # Stripe meter event name per kind of token (input, cached_input, output).
+    meters: dict = field(default_factory=lambda: dict(DEFAULT_METERS))
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:
@@ -83,9 +91,29 @@ def _model(entry: object, i: int, root: Path) -> ModelSpec:
     )
 
 
+def _billing(doc: object) -> tuple[dict, dict]:
+    from gaas.pricing import parse_table
+
+    if doc is None:
+        return {}, dict(DEFAULT_METERS)
+    if not isinstance(doc, dict) or set(doc) - {"prices", "meters"}:
+        raise SpecError("billing: expected a mapping with 'prices' (by tier and model) and 'meters'")
+    try:
+        prices = parse_table(doc.get("prices"))
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    meters = {**DEFAULT_METERS, **(doc.get("meters") or {})}
+    if set(meters) != set(DEFAULT_METERS) or not all(isinstance(v, str) and 0 < len(v) <= 100 for v in meters.values()):
+        raise SpecError("billing.meters: name the Stripe meter event of input, cached_input and output (1-100 characters)")
+    return prices, meters
+
+
 def parse(doc: object, root: Path) -> DeploySpec:
     if not isinstance(doc, dict):
         raise SpecError("the deployment file must be a mapping with a 'models' list")
+    unknown = set(doc) - {"models", "billing"}
+    if unknown:
+        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models' and 'billing'")
     entries = doc.get("models") or []
     if not isinstance(entries, list) or not entries:
         raise SpecError("'models' must be a non-empty list")
@@ -96,7 +124,8 @@ def parse(doc: object, root: Path) -> DeploySpec:
         raise SpecError(f"model name(s) listed twice: {', '.join(dupes)}")
     if sum(m.is_default for m in models) > 1:
         raise SpecError("only one model may be marked default: true")
-    return DeploySpec(models=models)
+    prices, meters = _billing(doc.get("billing"))
+    return DeploySpec(models=models, prices=prices, meters=meters)
 
 
 def load(path: Path) -> DeploySpec:

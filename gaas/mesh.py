@@ -72,6 +72,11 @@ def worker_cpus(index: int) -> tuple[int, set[int] | None]:
     return core, others or None
 
 
+# Restart backoff of a child that exits on its own: 1, 2, 4 ... 30 s; reset once it has run this long.
+RESTART_BACKOFF_MAX = 30.0
+RESTART_STABLE_SECONDS = 60.0
+
+
 @dataclass(slots=True)
 class Child:
     name: str
@@ -80,6 +85,14 @@ class Child:
     proc: subprocess.Popen
     log: Path
     started: float = field(default_factory=time.monotonic)
+    # How to start it again.
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: set[int] | None = None
+    # Times it was restarted after exiting on its own; when the next restart is due.
+    restarts: int = 0
+    backoff: float = 0.0
+    restart_at: float = 0.0
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -101,8 +114,10 @@ def redis_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def redis_server_command(host: str, port: int, data_dir: Path) -> list[str]:
-    """The command line of a throw-away Redis (nothing saved to disk); MeshError when none is installed."""
+def redis_server_command(host: str, port: int, data_dir: Path, durable: bool = False) -> list[str]:
+    """The command line of a local Redis; MeshError when none is installed. durable: an append-only
+    file fsynced every second in data_dir (usage events waiting for billing survive a restart);
+    otherwise nothing is saved."""
     binary = shutil.which("redis-server") or next(
         (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None
     )
@@ -111,8 +126,9 @@ def redis_server_command(host: str, port: int, data_dir: Path) -> list[str]:
             "redis-server is not installed: `apt-get install redis-server` (make install does), "
             "or set GAAS_REDIS_URL to a running Redis"
         )
-    data_dir.mkdir(parents=True, exist_ok=True)
-    return [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", str(data_dir)]
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if durable else ["--appendonly", "no"]
+    return [binary, "--port", str(port), "--bind", host, "--save", "", *persistence, "--dir", str(data_dir)]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -192,7 +208,7 @@ class Mesh:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise MeshError(f"Redis at {self.redis_url} does not answer, and it is not local, so gaas cannot start it")
         self.progress(f"starting Redis on {host}:{port} (nothing answered at {self.redis_url})")
-        cmd = redis_server_command(host, port, self.run_dir / "redis")
+        cmd = redis_server_command(host, port, self.run_dir / "redis", durable=True)
         self._spawn("redis", "redis", cmd, os.environ.copy())
         deadline = time.monotonic() + 10
         while not redis_answers(self.redis_url):
@@ -214,9 +230,22 @@ class Mesh:
                 start_new_session=True,  # its own process group: signalled as a whole at the end
                 preexec_fn=_child_setup(cpus),
             )
-        child = Child(name, kind, proc, log)
+        child = Child(name, kind, proc, log, cmd=cmd, env=env, cpus=cpus)
         self.children.append(child)
         return child
+
+    def _respawn(self, child: Child) -> None:
+        """Start an exited child again in its place (same command, environment and log)."""
+        _kill_group(child.proc.pid)  # what the dead leader left behind (an engine's processes)
+        with open(child.log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
+            child.proc = subprocess.Popen(
+                child.cmd, cwd=ROOT, env=child.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_child_setup(child.cpus),
+            )
+        child.started = time.monotonic()
+        child.restarts += 1
+        child.restart_at = 0.0
 
     def service_env(self, inst: Instance) -> dict[str, str]:
         env = {
@@ -229,10 +258,11 @@ class Mesh:
             "GAAS_ADVERTISE": inst.inbound,
             "GAAS_OUTBOUND": inst.outbound,
             "GAAS_REDIS_URL": self.redis_url,
+            "GAAS_SPOOL_DIR": str(self.run_dir / "spool"),
         }
         env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
         env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
-        if inst.service == "control":
+        if inst.service in ("control", "billing"):
             env["GAAS_DEPLOY_FILE"] = str(self.deploy_file)
         if inst.service == "worker":
             m = self.spec.model(str(inst.options["model"]))
@@ -279,6 +309,7 @@ class Mesh:
             "workers": len(self.topo.of("worker")),
             "redis_url": self.redis_url,
             "children": {c.name: c.proc.pid for c in self.children},
+            "restarts": {c.name: c.restarts for c in self.children if c.restarts},
         }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -327,6 +358,30 @@ class Mesh:
         """Children that have exited (for `gaas up`'s watch loop)."""
         return [c for c in self.children if c.proc.poll() is not None]
 
+    def supervise(self, report: Callable[[str], None]) -> None:
+        """Restart children that exited on their own, with backoff (1, 2, 4 ... 30 s; reset after a
+        minute of running), saying so through report. Called every second by `gaas up`."""
+        if self._stopping:
+            return
+        now = time.monotonic()
+        changed = False
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is None:
+                continue
+            if not c.restart_at:
+                ran = now - c.started
+                c.backoff = 1.0 if ran >= RESTART_STABLE_SECONDS else min(RESTART_BACKOFF_MAX, max(1.0, c.backoff * 2))
+                c.restart_at = now + c.backoff
+                report(f"{c.name} exited with code {rc} after {ran:.0f} s; restarting it in {c.backoff:.0f} s "
+                       f"(restart {c.restarts + 1}); its log {c.log} ends:\n{c.tail(8)}")
+            elif now >= c.restart_at:
+                self._respawn(c)
+                changed = True
+                report(f"{c.name} restarted (pid {c.proc.pid}, restart {c.restarts})")
+        if changed:
+            self._write_state()
+
     # ----------------------------------------------------------------- stop
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -354,10 +409,7 @@ class Mesh:
                     self.progress(f"{c.name} did not stop in time; killing it")
         for c in self.children:
             # The leader may be gone while its own children (vLLM's engine processes) linger.
-            try:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_group(c.proc.pid)
             try:
                 c.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -368,6 +420,13 @@ class Mesh:
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def process_group_alive(pgid: int) -> bool:

@@ -31,7 +31,7 @@ TALKS_TO = {
     "kvcache": ("control", "worker"),
     "billing": ("control",),
     "worker": ("control",),
-    "router": ("control", "kvcache", "worker"),
+    "router": ("control", "kvcache", "worker", "billing"),
 }
 
 PORTS_PER_INSTANCE = 10

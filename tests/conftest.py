@@ -89,6 +89,8 @@ class RunningMesh:
     output: Path
     # The demo tenant's key `gaas up` created.
     api_key: str
+    # The local Stripe billing reports to (None when attached to a mesh started elsewhere).
+    stripe: object = None
 
     @property
     def auth(self) -> tuple:
@@ -116,6 +118,15 @@ def mesh(tmp_path_factory) -> RunningMesh:
     ingress_port = base + 190
     redis_port = base + 191
     output = run_dir / "gaas-up.out"
+    from tests.stripefake import FakeStripe
+
+    stripe = FakeStripe("sk_test_mesh").start()
+    env = {
+        **os.environ,
+        # Billing reports to the local Stripe in 2-second windows, so tests see meter events soon.
+        "GAAS_STRIPE_API_KEY": stripe.api_key, "GAAS_STRIPE_API_BASE": stripe.url,
+        "GAAS_STRIPE_WINDOW_SECONDS": "2", "GAAS_STRIPE_GRACE_SECONDS": "1",
+    }
     cmd = [
         sys.executable, "-m", "gaas.cli", "up",
         "--run-dir", str(run_dir),
@@ -127,7 +138,7 @@ def mesh(tmp_path_factory) -> RunningMesh:
         "--json",
     ]
     out = open(output, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True, env=env)
     ready_line = proc.stdout.readline()  # the one JSON line `gaas up --json` prints when ready
     if not ready_line:
         proc.wait(timeout=60)
@@ -135,11 +146,12 @@ def mesh(tmp_path_factory) -> RunningMesh:
     ready = json.loads(ready_line)
     children = json.loads((run_dir / "mesh.json").read_text())["children"]
     api_key = Path(ready["demo_key_file"]).read_text().strip()
-    m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output, api_key)
+    m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output, api_key, stripe)
     yield m
     if proc.poll() is None:
         m.stop()
     out.close()
+    stripe.stop()
 
 
 def _attach(run_dir: Path) -> RunningMesh:

@@ -1,4 +1,6 @@
-"""Billing service: reads the durable usage ledger (SQL).
+"""Billing service: consumes the routers' usage events into the durable ledger (exactly once per
+request), keeps the tenants' monthly budgets (mirrored into Redis for the routers), and reports
+usage to Stripe as meter events through an outbox.
 
 Settings come from GAAS_* variables (see --help); `gaas up` sets them.
 """
@@ -6,20 +8,55 @@ Settings come from GAAS_* variables (see --help); `gaas up` sets them.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import time
+from pathlib import Path
 
+from gaas import deployspec
+from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.runtime.sql import Database
-from gaas.v1 import billing_pb2_grpc
+from gaas.v1 import billing_pb2_grpc, control_pb2, control_pb2_grpc
+from services.billing.budgets import Budgets
 from services.billing.config import BillingConfig
+from services.billing.consumer import UsageConsumer
 from services.billing.ledger import Ledger
 from services.billing.servicer import BillingServicer
+from services.billing.stripe_sync import StripeMeterSender, StripeSync
+
+log = logging.getLogger("gaas.billing")
 
 HELP_ENV = """environment:
-  GAAS_INSTANCE               replica name (billing-0)
+  GAAS_INSTANCE               replica name (billing-0); also its name in the usage stream's consumer group
   GAAS_HOST/GAAS_PORT         where to listen (127.0.0.1:50091)
   GAAS_BILLING_DATABASE_URL   the ledger: sqlite:///path.db (default .gaas/billing.db) or postgresql://...
+  GAAS_REDIS_URL              Redis: the usage stream and the budgets (redis://127.0.0.1:6379/0)
+  GAAS_OUTBOUND               host:port of its sidecar's outbound listener (control: tenants' Stripe customers)
+  GAAS_DEPLOY_FILE            the deployment file (the Stripe meters' event names)
+  GAAS_STRIPE_API_KEY         Stripe secret key; empty: usage is not sent to Stripe (gaas status says so)
+  GAAS_STRIPE_API_BASE        Stripe's API address (https://api.stripe.com)
+  GAAS_STRIPE_WINDOW_SECONDS  usage is reported per window of this length (3600)
+  GAAS_STRIPE_GRACE_SECONDS   ... once the window closed this long ago (120)
+  GAAS_STRIPE_RATE            most meter events per second (100; Stripe allows ~1000 in live mode)
   GAAS_METRICS_PORT           /metrics port (-1: none)
 """
+
+
+def tenant_customers(stub: control_pb2_grpc.ControlStub | None, ttl: float = 10.0):
+    """customers(max_age=ttl) -> {tenant: Stripe customer}, from control, cached up to max_age s."""
+    cache: dict = {"at": -ttl, "value": {}}
+
+    async def customers(max_age: float = ttl) -> dict[str, str]:
+        if stub is None:
+            return {}
+        if time.monotonic() - cache["at"] > max_age:
+            resp = await stub.ListTenants(control_pb2.ListTenantsRequest(), timeout=2.0)
+            cache["value"] = {t.name: t.stripe_customer for t in resp.tenants}
+            cache["at"] = time.monotonic()
+        return cache["value"]
+
+    return customers
 
 
 async def serve(cfg: BillingConfig) -> None:
@@ -28,12 +65,54 @@ async def serve(cfg: BillingConfig) -> None:
     db = Database(cfg.database_url)
     ledger = Ledger(db)
     await ledger.init_schema()
-    rt.add_service(billing_pb2_grpc.add_BillingServicer_to_server, BillingServicer(ledger), "gaas.v1.Billing")
+    redis = redisconn.connect(cfg.redis_url, timeout=5.0)
+    channel = rt.channel(cfg.outbound) if cfg.outbound else None
+    customers = tenant_customers(control_pb2_grpc.ControlStub(channel) if channel else None)
+    meters = deployspec.load(Path(cfg.deploy_file)).meters if cfg.deploy_file else dict(deployspec.DEFAULT_METERS)
+    sender, reason = None, ""
+    if not cfg.stripe_api_key:
+        reason = "no Stripe key: set GAAS_STRIPE_API_KEY to report usage to Stripe"
+    else:
+        sender = StripeMeterSender(cfg.stripe_api_key, cfg.stripe_api_base)
+    sync = StripeSync(db, sender, meters, customers, cfg.stripe_window_seconds, cfg.stripe_grace_seconds, cfg.stripe_rate)
+    recorded = rt.metrics.counter("usage_events_total", "Usage events written to the ledger (new ones)")
+    lag = rt.metrics.histogram("metering_lag_seconds", "From a request's end to its ledger row")
+
+    def on_recorded(new: int, events) -> None:
+        recorded.inc(new)
+        now = time.time() * 1000
+        for e in events:
+            lag.observe(max(0.0, (now - e.finished_ms) / 1000))
+
+    consumer = UsageConsumer(redis, ledger, cfg.instance, on_recorded=on_recorded)
+    budgets = Budgets(ledger, redis)
+    rt.add_service(
+        billing_pb2_grpc.add_BillingServicer_to_server,
+        BillingServicer(ledger, budgets, sync, consumer, customers, reason),
+        "gaas.v1.Billing",
+    )
     await rt.start()
+    tasks = [asyncio.create_task(consumer.run(), name="usage-consumer"),
+             asyncio.create_task(budgets.run(), name="budgets")]
+    if sender is not None:
+        tasks.append(asyncio.create_task(sync.run(), name="stripe-sync"))
+        log.info("reporting usage to Stripe at %s (meters: %s)", cfg.stripe_api_base, ", ".join(meters.values()))
+    else:
+        log.info("Stripe sync is off: %s", reason)
+
+    async def stop_tasks() -> None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await redis.aclose()
+
+    rt.on_stop(stop_tasks)
     await rt.set_serving(True)
     try:
         await rt.run_until_stopped()
     finally:
+        if channel is not None:
+            await channel.close()
         db.close()
 
 

@@ -1,27 +1,99 @@
-"""gaas.v1.Billing: protobuf <-> ledger."""
+"""gaas.v1.Billing: protobuf <-> ledger, budgets and the Stripe sync."""
 
 from __future__ import annotations
 
-from gaas import errors
+from gaas import errors, metering, pricing
 from gaas.v1 import billing_pb2 as pb
 from gaas.v1 import billing_pb2_grpc
-from services.billing.ledger import Ledger
+from services.billing.budgets import Budgets
+from services.billing.consumer import UsageConsumer
+from services.billing.ledger import Ledger, UsageRow
+from services.billing.stripe_sync import StripeSync
+
+
+def row_pb(r: UsageRow) -> pb.UsageRow:
+    return pb.UsageRow(
+        group=r.group, requests=r.requests, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+        completion_tokens=r.completion_tokens, cost_micros=r.cost_micros,
+        cost_usd=pricing.usd(r.cost_micros),
+    )
 
 
 class BillingServicer(billing_pb2_grpc.BillingServicer):
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(
+        self, ledger: Ledger, budgets: Budgets, sync: StripeSync, consumer: UsageConsumer,
+        customers=None, disabled_reason: str = "",
+    ) -> None:
         self._ledger = ledger
+        self._budgets = budgets
+        self._sync = sync
+        self._consumer = consumer
+        self._customers = customers
+        self._disabled_reason = disabled_reason
 
-    async def GetUsage(self, request: pb.GetUsageRequest, context) -> pb.UsageSummary:
-        if not request.tenant:
+    @staticmethod
+    def _tenant(tenant: str) -> str:
+        if not tenant:
             raise errors.InvalidArgument("tenant is required", param="tenant")
+        return tenant
+
+    async def GetUsage(self, request: pb.GetUsageRequest, context) -> pb.UsageReport:
+        tenant = self._tenant(request.tenant)
         if request.end_unix_ms and request.end_unix_ms <= request.start_unix_ms:
             raise errors.InvalidArgument("end_unix_ms must be after start_unix_ms", param="end_unix_ms")
-        t = await self._ledger.totals(request.tenant, request.start_unix_ms, request.end_unix_ms)
-        return pb.UsageSummary(
-            tenant=t.tenant,
-            requests=t.requests,
-            prompt_tokens=t.prompt_tokens,
-            cached_tokens=t.cached_tokens,
-            completion_tokens=t.completion_tokens,
+        if request.group_by and request.group_by not in metering.USAGE_GROUPS:
+            raise errors.InvalidArgument("group_by must be model, day or key", param="group_by")
+        total = await self._ledger.totals(tenant, request.start_unix_ms, request.end_unix_ms)
+        rows = (
+            await self._ledger.usage(tenant, request.start_unix_ms, request.end_unix_ms, request.group_by)
+            if request.group_by else []
+        )
+        return pb.UsageReport(tenant=tenant, total=row_pb(total), rows=[row_pb(r) for r in rows])
+
+    async def _budget(self, tenant: str) -> pb.Budget:
+        month = metering.month_of(metering.now_ms())
+        return pb.Budget(
+            tenant=tenant, amount_usd=pricing.usd(await self._budgets.get(tenant)), month=month,
+            spent_usd=pricing.usd(await self._budgets.spent(tenant, month)),
+        )
+
+    async def SetBudget(self, request: pb.SetBudgetRequest, context) -> pb.Budget:
+        tenant = self._tenant(request.tenant)
+        if not 0 <= request.amount_usd <= 1e9 or request.amount_usd != request.amount_usd:
+            raise errors.InvalidArgument("amount_usd must be between 0 (no budget) and 1e9", param="amount_usd")
+        await self._budgets.set(tenant, pricing.micros(request.amount_usd))
+        return await self._budget(tenant)
+
+    async def GetBudget(self, request: pb.GetBudgetRequest, context) -> pb.Budget:
+        return await self._budget(self._tenant(request.tenant))
+
+    async def GetInvoicePreview(self, request: pb.GetInvoicePreviewRequest, context) -> pb.InvoicePreview:
+        tenant = self._tenant(request.tenant)
+        month = request.month or metering.month_of(metering.now_ms())
+        if len(month) != 6 or not month.isdigit() or not 1 <= int(month[4:]) <= 12:
+            raise errors.InvalidArgument("month is YYYYMM, e.g. 202611", param="month")
+        start, end = metering.month_bounds(month)
+        lines, total, requests = [], 0, 0
+        for model, n, uncached, cached, output, c_in, c_cached, c_out in await self._ledger.invoice_lines(tenant, start, end):
+            requests += n
+            for kind, tokens, cost in (("input", uncached, c_in), ("cached_input", cached, c_cached), ("output", output, c_out)):
+                if tokens:
+                    lines.append(pb.InvoiceLine(model=model, kind=kind, tokens=tokens, amount_usd=pricing.usd(cost)))
+                    total += cost
+        counts = await self._sync.counts(tenant, start, end)
+        customers = await self._customers(max_age=0) if self._customers else {}  # as control has it now
+        return pb.InvoicePreview(
+            tenant=tenant, month=month, lines=lines, total_usd=pricing.usd(total), requests=requests,
+            budget=await self._budget(tenant), stripe_customer=customers.get(tenant, ""),
+            meter_events_sent=counts.sent, meter_events_pending=counts.pending,
+        )
+
+    async def GetStatus(self, request: pb.GetBillingStatusRequest, context) -> pb.BillingStatus:
+        counts = await self._sync.counts()
+        return pb.BillingStatus(
+            stripe_enabled=self._sync.enabled, stripe_disabled_reason=self._disabled_reason,
+            outbox_pending=counts.pending, outbox_sent=counts.sent, outbox_failed=counts.failed,
+            outbox_expired=counts.expired, outbox_reconcile=counts.reconcile, last_stripe_error=self._sync.last_error,
+            stream_backlog=max(0, await self._consumer.backlog()), ledger_rows=await self._ledger.rows(),
+            dead_letters=await self._ledger.dead_letters(),
         )

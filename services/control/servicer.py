@@ -45,7 +45,7 @@ def _lease(r: WorkerRecord, ttl: int) -> pb.Lease:
 
 
 def tenant_to_pb(t: Tenant) -> pb.Tenant:
-    return pb.Tenant(name=t.name, tier=TIER_TO_PB[t.tier], created_unix_ms=t.created_ms)
+    return pb.Tenant(name=t.name, tier=TIER_TO_PB[t.tier], created_unix_ms=t.created_ms, stripe_customer=t.stripe_customer)
 
 
 def key_to_pb(k: ApiKey) -> pb.ApiKey:
@@ -126,6 +126,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def ListModels(self, request: pb.ListRegisteredModelsRequest, context) -> pb.ListRegisteredModelsResponse:
         models = await self._catalog.list()
+        prices = await self._catalog.prices()
         return pb.ListRegisteredModelsResponse(
             models=[
                 pb.RegisteredModel(
@@ -135,6 +136,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     preset=m.preset,
                     max_model_len=m.max_model_len,
                     is_default=m.is_default,
+                    prices=[
+                        pb.TierPrice(tier=TIER_TO_PB[t], input=p.input, cached_input=p.cached_input, output=p.output)
+                        for t, p in prices.get(m.name, {}).items()
+                    ],
                 )
                 for m in models
             ]
@@ -144,6 +149,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         tier = TIER_FROM_PB.get(request.tier, "bronze")
         tenant = await self._tenants.create_tenant(request.name, tier)
         log.info("created tenant %s (%s)", tenant.name, tenant.tier)
+        return tenant_to_pb(tenant)
+
+    async def UpdateTenant(self, request: pb.UpdateTenantRequest, context) -> pb.Tenant:
+        tier = TIER_FROM_PB.get(request.tier) if request.HasField("tier") else None
+        if request.HasField("tier") and tier is None:
+            raise errors.InvalidArgument("tier must be TIER_BRONZE, TIER_SILVER or TIER_GOLD", param="tier")
+        customer = request.stripe_customer if request.HasField("stripe_customer") else None
+        tenant = await self._tenants.update_tenant(request.name, tier, customer)
+        log.info("updated tenant %s (%s, Stripe customer %s)", tenant.name, tenant.tier, tenant.stripe_customer or "none")
         return tenant_to_pb(tenant)
 
     async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsResponse:

@@ -16,6 +16,7 @@ from gaas.tenancy import TIERS
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 KEY_PREFIX = "gaas_"
+STRIPE_CUSTOMER_RE = re.compile(r"^cus_[A-Za-z0-9]{1,64}$")
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tenants (
@@ -31,6 +32,10 @@ SCHEMA = [
         prefix TEXT NOT NULL,
         created_ms BIGINT NOT NULL,
         revoked_ms BIGINT NOT NULL DEFAULT 0
+    )""",
+    """CREATE TABLE IF NOT EXISTS tenant_billing (
+        tenant TEXT PRIMARY KEY REFERENCES tenants(name),
+        stripe_customer TEXT NOT NULL
     )""",
 ]
 
@@ -55,6 +60,8 @@ class Tenant:
     # Secret salt of the tenant's prefix-cache keys.
     cache_salt: str
     created_ms: int
+    # The Stripe customer its usage is billed to ("" for none).
+    stripe_customer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +104,36 @@ class TenantStore:
         )
         return tenant
 
+    _SELECT = (
+        "SELECT t.name, t.tier, t.cache_salt, t.created_ms, COALESCE(b.stripe_customer, '') FROM tenants t"
+        " LEFT JOIN tenant_billing b ON b.tenant = t.name"
+    )
+
     async def get_tenant(self, name: str) -> Tenant | None:
-        rows = await self._db.execute("SELECT name, tier, cache_salt, created_ms FROM tenants WHERE name = ?", (name,))
-        return Tenant(*rows[0][:3], int(rows[0][3])) if rows else None
+        rows = await self._db.execute(self._SELECT + " WHERE t.name = ?", (name,))
+        return Tenant(rows[0][0], rows[0][1], rows[0][2], int(rows[0][3]), rows[0][4]) if rows else None
 
     async def list_tenants(self) -> list[Tenant]:
-        rows = await self._db.execute("SELECT name, tier, cache_salt, created_ms FROM tenants ORDER BY name")
-        return [Tenant(n, t, s, int(c)) for n, t, s, c in rows]
+        rows = await self._db.execute(self._SELECT + " ORDER BY t.name")
+        return [Tenant(n, t, s, int(c), sc) for n, t, s, c, sc in rows]
+
+    async def update_tenant(self, name: str, tier: str | None = None, stripe_customer: str | None = None) -> Tenant:
+        """Change a tenant's tier and/or Stripe customer ("" removes it)."""
+        if await self.get_tenant(name) is None:
+            raise NotFound(f"tenant {name!r} does not exist; create it with `gaas tenant create {name}`")
+        if tier is not None:
+            if tier not in TIERS:
+                raise TenantError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+            await self._db.execute("UPDATE tenants SET tier = ? WHERE name = ?", (tier, name))
+        if stripe_customer is not None:
+            if stripe_customer and not STRIPE_CUSTOMER_RE.match(stripe_customer):
+                raise TenantError(f"a Stripe customer id looks like 'cus_...', got {stripe_customer!r}")
+            await self._db.transaction([
+                ("DELETE FROM tenant_billing WHERE tenant = ?", (name,)),
+                *([("INSERT INTO tenant_billing (tenant, stripe_customer) VALUES (?, ?)", (name, stripe_customer))]
+                  if stripe_customer else []),
+            ])
+        return await self.get_tenant(name)
 
     async def create_key(self, tenant: str) -> tuple[ApiKey, str]:
         """A new key for tenant: (its record, the secret). The secret is not kept."""

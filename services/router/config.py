@@ -51,6 +51,10 @@ class RouterConfig:
     auth_cache_seconds: float
     # Largest OpenAI-API request body accepted.
     max_body_bytes: int
+    # Redis: usage events, budgets.
+    redis_url: str
+    # Where usage events wait while Redis does not answer.
+    spool_dir: str
     grace_seconds: float
 
     @classmethod
@@ -67,4 +71,6 @@ class RouterConfig:
             max_stream_seconds=env_float(env, "GAAS_MAX_STREAM_SECONDS", 600.0),
             auth_cache_seconds=env_float(env, "GAAS_AUTH_CACHE_SECONDS", 2.0),
             max_body_bytes=env_int(env, "GAAS_MAX_BODY_BYTES", 1 << 20),
+            redis_url=env_str(env, "GAAS_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            spool_dir=env_str(env, "GAAS_SPOOL_DIR", ".gaas/spool"),
         )

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from gaas import errors
+from gaas.pricing import Price
 
 from gaas.runtime.context import TenantId
 from gaas.tenancy import TIER_FROM_PB
@@ -39,7 +40,10 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
         for p in prefixes_resp.prefixes:
             public.setdefault(p.model, []).append((p.prefix_id, p.text))
         models = [
-            ModelEntry(m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())))
+            ModelEntry(
+                m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())),
+                {TIER_FROM_PB.get(p.tier, "bronze"): Price(p.input, p.cached_input, p.output) for p in m.prices},
+            )
             for m in models_resp.models
         ]
         workers = [

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 from gaas import errors
+from gaas.pricing import Price
 from services.router.scheduling.types import Candidate, WorkerId
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ class ModelEntry:
     source: str = ""
     # Public prefixes: (prefix id, text) of prompt beginnings every tenant shares in the cache.
     public_prefixes: tuple[tuple[str, str], ...] = ()
+    # Tier -> what its tokens cost (gaas.pricing.Price); a tier not listed pays nothing.
+    prices: Mapping[str, Price] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

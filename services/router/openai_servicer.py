@@ -20,7 +20,8 @@ from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
 from services.router import jsonbody, openai_api
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge
-from services.router.servicer import admit, note_client_id
+from services.router.servicer import admit, admit_usage, metered, note_client_id
+from services.router.metering import Meter
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -63,12 +64,14 @@ class _Usage:
 
 class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     def __init__(
-        self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int, metrics: CollectorRegistry
+        self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int, metrics: CollectorRegistry,
+        meter: Meter | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._auth = authenticator
         self._max_body = max_body_bytes
         self._metrics = metrics
+        self._meter = meter
 
     # ------------------------------------------------------------ models
 
@@ -103,10 +106,13 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             self._dispatcher.stream(p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining, arrived)
             for i, p in enumerate(prepared)
         ]
+        metered_request = await admit_usage(
+            self._meter, principal, prepared, request_id, sum(n * p.request.max_tokens for p in prepared), arrived
+        )
         choices: dict[int, _Choice] = {}
         started = False
         try:
-            async for which, c in merge(streams):
+            async for which, c in metered(self._meter, metered_request, merge(streams), chunk_of=lambda pair: pair[1]):
                 index = which * n + c.index
                 choice = choices.setdefault(index, _Choice())
                 usage.completion += len(c.token_ids)
@@ -205,3 +211,4 @@ def _engine_requests(parsed: openai_api.OpenAIRequest) -> list[inference_pb2.Gen
             r.prompt_token_ids.extend(prompt)
         out.append(r)
     return out
+

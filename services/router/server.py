@@ -9,17 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.tokenizer import TokenizerCache
+from gaas.runtime import redisconn
 from gaas.runtime.metrics import FAST_BUCKETS
-from gaas.v1 import control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
+from gaas.v1 import billing_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
 from services.router.auth import Authenticator
+from services.router.billingclient import usage_reader
 from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
 from services.router.kvclient import KVDirectoryClient
+from services.router.metering import Meter
 from services.router.openai_servicer import OpenAIServicer
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
@@ -38,6 +42,8 @@ HELP_ENV = """environment:
   GAAS_EJECT_SECONDS   seconds a failed worker is skipped (5)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
   GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB)
+  GAAS_REDIS_URL       Redis, where usage events go and budgets are kept (redis://127.0.0.1:6379/0)
+  GAAS_SPOOL_DIR       where usage events wait while Redis does not answer (.gaas/spool)
   GAAS_METRICS_PORT    /metrics port (-1: none)
 """
 
@@ -75,19 +81,28 @@ async def serve(cfg: RouterConfig) -> None:
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,
              ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds)
+    redis = redisconn.connect(cfg.redis_url, timeout=1.0)
+    meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
+    read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))
     rt.add_service(
-        inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(dispatcher, auth), "gaas.v1.Inference"
+        inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(dispatcher, auth, meter, read_usage),
+        "gaas.v1.Inference",
     )
     rt.add_service(
-        openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry), "gaas.v1.OpenAI"
+        openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter), "gaas.v1.OpenAI"
     )
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
+    spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
 
     async def stop_refreshing() -> None:
         refresher.cancel()
-        await asyncio.gather(refresher, return_exceptions=True)
+        spool.cancel()
+        await asyncio.gather(refresher, spool, return_exceptions=True)
         await kv.close()
+        await meter.close()
+        await meter.drain_spool()
+        await redis.aclose()
 
     rt.on_stop(stop_refreshing)
     await rt.set_serving(True)

@@ -3,8 +3,11 @@ Also admit(), the admission step both public APIs share."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+from gaas import errors, metering
+from gaas.pricing import FREE
 from gaas.runtime.context import (
     client_request_id_var,
     current_authorization,
@@ -12,10 +15,10 @@ from gaas.runtime.context import (
     sanitize_client_id,
     tenant_var,
 )
-from gaas.v1 import inference_pb2, inference_pb2_grpc
+from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
-from services.router.dispatch import Dispatcher
-
+from services.router.dispatch import Dispatcher, Prepared
+from services.router.metering import Meter, Metered
 
 async def admit(authenticator: Authenticator) -> Principal:
     """The caller's Principal (errors.Unauthenticated, or Unavailable when the control plane cannot
@@ -31,19 +34,63 @@ def note_client_id(client_id: str) -> None:
         client_request_id_var.set(sanitize_client_id(client_id))
 
 
+async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda item: item):
+    """Relay items (chunks, or what carries them), appending the request's usage event before its
+    last chunk is released; a request cut short (the client went away, a worker failed after
+    tokens) is metered for what was produced, and one that produced nothing releases its budget
+    reservation."""
+    if meter is None or m is None:
+        async for item in items:
+            yield item
+        return
+    outcome = "failed"
+    try:
+        async for item in items:
+            if m.add(chunk_of(item)):
+                await meter.commit(m, "finished")
+            yield item
+        outcome = "finished"
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"
+        raise
+    finally:
+        if not m.done:
+            meter.commit_later(m, outcome)
+
+
+async def admit_usage(
+    meter: Meter | None, principal: Principal, prepared: list[Prepared], request_id: str, parts_tokens: int,
+    arrived: float,
+) -> Metered | None:
+    """The budget check of a request about to start (parts_tokens: the most tokens it generates)."""
+    if meter is None:
+        return None
+    model = prepared[0].model
+    return await meter.admit(
+        principal, request_id, model.name, model.version, model.prices.get(principal.tier, FREE),
+        sum(p.prompt_tokens for p in prepared), parts_tokens, len(prepared), client_request_id_var.get(), arrived,
+    )
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, dispatcher: Dispatcher, authenticator: Authenticator) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, authenticator: Authenticator, meter: Meter | None = None, read_usage=None,
+    ) -> None:
         self._dispatcher = dispatcher
         self._auth = authenticator
+        self._meter = meter
+        self._read_usage = read_usage
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context):
         arrived = time.perf_counter()
         principal = await admit(self._auth)
         note_client_id(request.request_id)
         prepared = await self._dispatcher.prepare(request, principal)
-        async for chunk in self._dispatcher.stream(
-            prepared, principal, current_request_id(), context.time_remaining(), arrived
-        ):
+        request_id = current_request_id()
+        n = prepared.request.n or 1
+        m = await admit_usage(self._meter, principal, [prepared], request_id, n * prepared.request.max_tokens, arrived)
+        chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived)
+        async for chunk in metered(self._meter, m, chunks):
             yield chunk
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context) -> inference_pb2.ListModelsResponse:
@@ -55,3 +102,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 for m, n in models
             ]
         )
+
+    async def GetUsage(self, request: inference_pb2.GetOwnUsageRequest, context) -> billing_pb2.UsageReport:
+        principal = await admit(self._auth)
+        if self._read_usage is None:
+            raise errors.Unimplemented("usage is not available on this router")
+        if request.by and request.by not in metering.USAGE_GROUPS:
+            raise errors.InvalidArgument("by must be model, day or key (or empty for the total only)", param="by")
+        now = metering.now_ms()
+        start = metering.parse_time(request.since, "since", now)
+        end = metering.parse_time(request.until, "until", now)
+        if end and end <= start:
+            raise errors.InvalidArgument("until must be after since", param="until")
+        return await self._read_usage(principal.tenant, start, end, request.by)

@@ -8,13 +8,13 @@ from tests.sqlurls import database_urls, make_url
 @pytest.fixture(params=database_urls())
 async def store(request, tmp_path):
     db = Database(make_url(request.param, tmp_path))
-    for table in ("api_keys", "tenants"):
+    for table in ("api_keys", "tenant_billing", "tenants"):
         db.execute_sync(f"DROP TABLE IF EXISTS {table}")
     s = TenantStore(db)
     await s.init_schema()
     s.db = db
     yield s
-    for table in ("api_keys", "tenants"):
+    for table in ("api_keys", "tenant_billing", "tenants"):
         db.execute_sync(f"DROP TABLE IF EXISTS {table}")
     db.close()
 

@@ -77,7 +77,7 @@ class FakeTokenizer:
         return self.encode("".join(f"<{m.role}>{m.content}" for m in messages), add_special_tokens)
 
 
-async def serve(scripts, workers=("w0", "w1"), retries=2):
+async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None):
     models = [ModelEntry("tiny", "1.0", 64, True)]
     cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 64) for w in workers]
 
@@ -92,7 +92,7 @@ async def serve(scripts, workers=("w0", "w1"), retries=2):
         MeshDirectory(fetch, 1.0, 5.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
         retries=retries, max_stream_seconds=30,
     )
-    servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0))
+    servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0), meter)
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, edge=True))
     rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
     await rt.start()

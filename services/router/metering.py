@@ -1,0 +1,232 @@
+"""The router's side of metering: a tenant's budget checked (and the request's most possible cost
+reserved) before a request starts, and one usage event appended to the Redis Stream when it
+ends, before its last chunk is released: finished, cancelled by the client, or failed after
+tokens were produced. A request retried on a second worker before its first token is one event.
+
+Never losing a record: when Redis does not answer, the event goes to a local spool file (an
+append-only JSON-lines file, flushed and fsynced) and a background task appends it once Redis is
+back; the ledger is written once per request id whatever is replayed twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError, RedisError
+
+from gaas import errors, metering, pricing
+from gaas.metering import UsageEvent
+from gaas.v1 import common_pb2
+from services.router.auth import Principal
+
+log = logging.getLogger(__name__)
+
+# A reservation lapses after this (a router that died mid-request must not hold a budget forever).
+RESERVATION_SECONDS = 900
+
+
+@dataclass(slots=True)
+class Metered:
+    """One client request being metered: what it was admitted for, and what it has produced."""
+
+    request_id: str
+    principal: Principal
+    model: str
+    model_version: str
+    price: pricing.Price
+    # Engine requests it consists of (prompts of a batch); each ends with a usage chunk.
+    parts: int
+    client_request_id: str
+    arrived: float
+    reserved: bool = False
+    # Tokens relayed to the client so far, and the usage chunks received.
+    relayed: int = 0
+    finals: list = field(default_factory=list)
+    # The chunks' prompt tokens as the router counted them (for a request cut short).
+    prompt_tokens: int = 0
+    done: bool = False
+
+    def add(self, chunk: common_pb2.GenerateChunk) -> bool:
+        """Count a chunk; True when it completes the request (every part has its usage)."""
+        self.relayed += len(chunk.token_ids)
+        if chunk.HasField("usage"):
+            self.finals.append(chunk)
+        return len(self.finals) == self.parts and not self.done
+
+    def event(self, outcome: str) -> UsageEvent:
+        if self.finals and len(self.finals) == self.parts:
+            prompt = sum(c.usage.prompt_tokens for c in self.finals)
+            cached = sum(c.usage.cached_tokens for c in self.finals)
+            completion = sum(c.usage.completion_tokens for c in self.finals)
+        else:  # cut short: what the client got, and the prompts it was sent with
+            prompt, cached, completion = self.prompt_tokens, sum(c.usage.cached_tokens for c in self.finals), self.relayed
+        last = self.finals[-1] if self.finals else None
+        cost_in, cost_cached, cost_out = pricing.cost_parts(self.price, prompt, cached, completion)
+        return UsageEvent(
+            request_id=self.request_id, tenant=self.principal.tenant, key_id=self.principal.key_id,
+            tier=self.principal.tier, model=self.model, model_version=self.model_version,
+            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+            cost_input_micros=cost_in, cost_cached_micros=cost_cached, cost_output_micros=cost_out, outcome=outcome,
+            worker=",".join(sorted({c.worker_id for c in self.finals if c.worker_id})),
+            finished_ms=metering.now_ms(),
+            queue_ms=round(last.timings.queue_ms, 3) if last else 0.0,
+            ttft_ms=round(last.timings.ttft_ms, 3) if last else 0.0,
+            e2e_ms=round((time.perf_counter() - self.arrived) * 1000, 3),
+            client_request_id=self.client_request_id,
+        )
+
+
+class Meter:
+    def __init__(self, redis: Redis, spool_dir: Path) -> None:
+        self._redis = redis
+        self._reserve = _Script(redis, metering.RESERVE)
+        self._record = _Script(redis, metering.RECORD)
+        self._release = _Script(redis, metering.RELEASE)
+        spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._spool = spool_dir / "usage.spool"
+        self._spool_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self.spooled = 0
+        self._budgets_unchecked = False
+
+    async def admit(
+        self, principal: Principal, request_id: str, model: str, model_version: str, price: pricing.Price,
+        prompt_tokens: int, max_completion_tokens: int, parts: int, client_request_id: str, arrived: float,
+    ) -> Metered:
+        """Check the tenant's budget and reserve the request's most possible cost;
+        errors.ResourceExhausted (naming the budget) when it does not fit."""
+        m = Metered(request_id, principal, model, model_version, price, parts, client_request_id, arrived,
+                    prompt_tokens=prompt_tokens)
+        estimate = pricing.estimate_micros(price, prompt_tokens, max_completion_tokens)
+        now = metering.now_ms()
+        tenant = principal.tenant
+        keys = [metering.budget_key(tenant), metering.spend_key(tenant, metering.month_of(now)),
+                metering.reserved_key(tenant), metering.reserved_exp_key(tenant)]
+        try:
+            ok, budget, spend, reserved = await self._reserve(
+                keys=keys, args=[request_id, estimate, now, now + RESERVATION_SECONDS * 1000]
+            )
+        except RedisError as exc:
+            # Budgets are enforced from Redis; while it is away, requests are served (and metered).
+            if not self._budgets_unchecked:
+                log.warning("cannot check budgets (%s); serving requests unchecked until Redis answers", exc)
+            self._budgets_unchecked = True
+            return m
+        if self._budgets_unchecked:
+            log.info("Redis answers again; budgets are checked")
+            self._budgets_unchecked = False
+        if not ok:
+            _, month_end = metering.month_bounds(metering.month_of(now))
+            raise errors.ResourceExhausted(
+                f"tenant {tenant} has used its monthly budget of {pricing.format_usd(budget)} "
+                f"({pricing.format_usd(spend)} spent this month, {pricing.format_usd(reserved)} held by requests in "
+                f"flight; this request could cost up to {pricing.format_usd(estimate)}); requests are served again "
+                "when the budget is raised or the month turns",
+                reason="insufficient_quota", retry_after=max(1.0, (month_end - now) / 1000),
+            )
+        m.reserved = budget >= 0
+        return m
+
+    async def commit(self, m: Metered, outcome: str) -> None:
+        """Append the request's usage event (spooled when Redis does not answer). Once per request."""
+        if m.done:
+            return
+        m.done = True
+        if not m.finals and not m.relayed:  # ended before producing anything: nothing to bill
+            await self.release(m)
+            return
+        event = m.event(outcome)
+        try:
+            keys, args = metering.record_args(event)
+            await self._record(keys=keys, args=args)
+        except RedisError as exc:
+            log.warning("cannot append usage of %s to Redis (%s); spooled until it answers", event.request_id, exc)
+            await self._write_spool(event)
+
+    def commit_later(self, m: Metered, outcome: str) -> None:
+        """commit() from a request being torn down (a cancelled stream): runs to its end regardless."""
+        task = asyncio.create_task(self.commit(m, outcome))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def release(self, m: Metered) -> None:
+        if not m.reserved:
+            return
+        try:
+            await self._release(keys=[metering.reserved_key(m.principal.tenant),
+                                      metering.reserved_exp_key(m.principal.tenant)], args=[m.request_id])
+        except RedisError:
+            pass  # the reservation lapses on its own
+
+    # ------------------------------------------------------------ the spool
+
+    async def _write_spool(self, event: UsageEvent) -> None:
+        line = (json.dumps(asdict(event)) + "\n").encode()
+        async with self._spool_lock:
+            await asyncio.to_thread(_append_synced, self._spool, line)
+            self.spooled += 1
+
+    async def drain_spool(self) -> int:
+        """Append the spooled events to Redis; returns how many went (0 while Redis is away)."""
+        async with self._spool_lock:
+            if not self._spool.exists():
+                return 0
+            lines = self._spool.read_text().splitlines()
+            sent = 0
+            try:
+                for line in lines:
+                    event = UsageEvent(**json.loads(line))
+                    keys, args = metering.record_args(event)
+                    await self._record(keys=keys, args=args)
+                    sent += 1
+            except RedisError:
+                rest = lines[sent:]
+                self._spool.write_text("".join(x + "\n" for x in rest))
+                return sent
+            self._spool.unlink()
+            if sent:
+                log.info("appended %d spooled usage events to Redis", sent)
+            return sent
+
+    async def run_spool(self, every_seconds: float = 2.0) -> None:
+        """Keep draining the spool until cancelled."""
+        while True:
+            await self.drain_spool()
+            await asyncio.sleep(every_seconds)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class _Script:
+    """A Lua script called by its SHA (EVALSHA), sent whole once when Redis does not know it (a
+    restarted Redis). Leaner than redis-py's Script on the request path."""
+
+    def __init__(self, redis: Redis, source: str) -> None:
+        self._redis = redis
+        self._source = source
+        self._sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, keys: list[str], args: list) -> object:
+        try:
+            return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._redis.execute_command("EVAL", self._source, len(keys), *keys, *args)
+
+
+def _append_synced(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
