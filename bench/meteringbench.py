@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.kvbench import pct
-from gaas import metering, pricing
+from gaas import admission, metering, pricing
 from gaas.mesh import redis_answers, redis_server_command
 from gaas.metering import GROUP, STREAM, UsageEvent
 from gaas.runtime import redisconn
@@ -176,7 +176,7 @@ async def router_cost(redis_url: str, n: int, spool: Path) -> dict:
     price = pricing.Price(0.6, 0.06, 2.4)
     principal = Principal("bench-tenant", "gold", "key_1", "salt")
     budgeted = Principal("bench-budgeted", "gold", "key_2", "salt")
-    await redis.set(metering.budget_key("bench-budgeted"), 10**12)
+    await redis.set(admission.budget_key("bench-budgeted"), 10**12)
     final = common_pb2.GenerateChunk(token_ids=[1, 2], worker_id="worker-0")
     final.usage.prompt_tokens, final.usage.cached_tokens, final.usage.completion_tokens = 300, 64, 120
     out = {}

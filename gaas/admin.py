@@ -27,6 +27,8 @@ def _tenant(t: pb.Tenant) -> dict:
     return {
         "name": t.name, "tier": TIER_FROM_PB.get(t.tier, "bronze"), "created_unix_ms": t.created_unix_ms,
         "stripe_customer": t.stripe_customer,
+        "limits": {"rpm": t.limits.rpm, "tpm": t.limits.tpm, "concurrency": t.limits.concurrency},
+        "own_limits": list(t.own_limits),
     }
 
 
@@ -85,9 +87,15 @@ class Admin(_Service):
             raise errors.InvalidArgument(f"tier must be one of {', '.join(TIER_TO_PB)}", param="tier")
         return _tenant(self._call("CreateTenant", pb.CreateTenantRequest(name=name, tier=TIER_TO_PB[tier])))
 
-    def update_tenant(self, name: str, tier: str | None = None, stripe_customer: str | None = None) -> dict:
-        """Change a tenant's tier and/or Stripe customer ("" removes it); None leaves it as it is."""
+    def update_tenant(
+        self, name: str, tier: str | None = None, stripe_customer: str | None = None,
+        limits: dict[str, int | None] | None = None,
+    ) -> dict:
+        """Change a tenant's tier, Stripe customer ("" removes it) and/or quotas (name -> value, 0
+        unlimited, None back to its tier's); what is not given stays as it is."""
         request = pb.UpdateTenantRequest(name=name)
+        for key, value in (limits or {}).items():
+            setattr(request, key, -1 if value is None else value)
         if tier is not None:
             if tier not in TIER_TO_PB:
                 raise errors.InvalidArgument(f"tier must be one of {', '.join(TIER_TO_PB)}", param="tier")
@@ -194,3 +202,24 @@ class BillingAdmin(_Service):
             "last_stripe_error": r.last_stripe_error, "stream_backlog": r.stream_backlog,
             "ledger_rows": r.ledger_rows, "dead_letters": r.dead_letters,
         }
+
+
+def router_flow(address: str, timeout: float = 2.0) -> dict | None:
+    """A router's flow control (its queue by band, each worker's window and breaker), through its
+    sidecar; None when it does not answer."""
+    from gaas.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            r = router_pb2_grpc.RouterStub(channel).GetFlowStatus(router_pb2.GetFlowStatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return {
+        "router": r.router, "qos_enabled": r.qos_enabled,
+        "bands": [{"band": b.band, "waiting": b.waiting, "queued": b.queued, "admitted": b.admitted, "shed": b.shed,
+                   "timed_out": b.timed_out, "wait_p95_ms": round(b.wait_p95_ms, 1)} for b in r.bands],
+        "workers": [{"worker_id": w.worker_id, "window": round(w.window, 1), "in_flight": w.in_flight,
+                     "window_shrinks": w.window_shrinks, "window_grows": w.window_grows, "breaker": w.breaker,
+                     "breaker_trips": w.breaker_trips, "ttft_threshold_ms": round(w.ttft_threshold_ms)}
+                    for w in r.workers],
+    }

@@ -30,6 +30,8 @@ DEFAULT_TOPOLOGY = ROOT / "deploy" / "topology.yaml"
 DEFAULT_DEPLOY = ROOT / "deploy" / "gaas.yaml"
 DEFAULT_RUN_DIR = Path(os.environ.get("GAAS_HOME", ROOT / ".gaas"))
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+# An option not given on the command line (where None means something).
+_UNSET = object()
 
 
 def _say(msg: str) -> None:
@@ -66,7 +68,11 @@ def _topology(args, state: dict | None = None):
     for key in ("port_base", "ingress_port", "workers"):
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
-    return topology.load(Path(args.topology), **overrides)
+    path = Path(args.topology)
+    # The running mesh's own topology (its replicas), unless another file is named.
+    if state and state.get("topology") and path == DEFAULT_TOPOLOGY and Path(state["topology"]).exists():
+        path = Path(state["topology"])
+    return topology.load(path, **overrides)
 
 
 def _ingress(args) -> str:
@@ -158,6 +164,7 @@ def cmd_up(args) -> int:
             redis_url=args.redis_url,
             progress=_say,
             extra_env=extra_env,
+            topology_file=Path(args.topology),
         )
         for name in {str(w.options["model"]) for w in topo.of("worker")}:
             mesh.spec.model(name)  # an unknown model is refused here, with the deployment's names
@@ -357,6 +364,7 @@ def cmd_status(args) -> int:
     health = probe.probe(topo, timeout=args.timeout)
     if args.json:
         print(json.dumps({**health.to_dict(), "billing": _billing_status(topo),
+                          "flow": [_router_flow(r.inbound) for r in topo.of("router")],
                           "running_from": str(args.run_dir) if state else None}, indent=2))
         return 0 if health.healthy else 1
     print(f"ingress  {health.ingress:<22} {'READY' if health.ingress_ready else 'DOWN'}")
@@ -376,6 +384,17 @@ def cmd_status(args) -> int:
             print(f"  {'':<10} {load['running']} running, {load['waiting']} waiting, KV cache "
                   f"{load['kv_cache_usage']:.0%} of {load['kv_cache_blocks']} blocks used, {w['cached_blocks']} "
                   f"blocks indexed{mem}, device {load['device_utilization']:.0%} busy")
+    flows = [f for f in (_router_flow(r.inbound) for r in topo.of("router")) if f is not None]
+    for f in flows:
+        print(f"\n{f['router']}: flow control {'on' if f['qos_enabled'] else 'OFF (GAAS_QOS=off)'}")
+        print("  queue  " + " | ".join(
+            f"{b['band']} {b['waiting']} waiting (shed {b['shed']}, timed out {b['timed_out']}, "
+            f"waited p95 {b['wait_p95_ms']:.0f} ms)" for b in f["bands"]))
+        for w in f["workers"]:
+            breaker = w["breaker"] if w["breaker"] == "closed" else w["breaker"].upper()
+            print(f"  {w['worker_id']:<10} window {w['window']:g} ({w['in_flight']} in flight, {w['window_shrinks']} "
+                  f"shrinks, {w['window_grows']} grows)  breaker {breaker} ({w['breaker_trips']} trips, first token "
+                  f"within {w['ttft_threshold_ms']:,} ms)")
     billing = _billing_status(topo)
     if billing is not None:
         if billing["stripe_enabled"]:
@@ -391,6 +410,12 @@ def cmd_status(args) -> int:
     if not state and not any(i.health == "SERVING" for i in health.instances):
         print("\nno mesh seems to be running here: start one with `make run` (or `gaas up`)")
     return 0 if health.healthy else 1
+
+
+def _router_flow(address: str) -> dict | None:
+    from gaas.admin import router_flow
+
+    return router_flow(address)
 
 
 def _billing_status(topo) -> dict | None:
@@ -531,21 +556,46 @@ def cmd_tenant_list(args) -> int:
         print(json.dumps(tenants, indent=2))
     else:
         for t in tenants:
-            print(f"{t['name']:<24} {t['tier']}")
+            print(f"{t['name']:<24} {t['tier']:<7} {_limits_text(t)}")
     return 0
 
 
+def _limit(text: str) -> int | None:
+    """A quota from the command line: a whole number (0: unlimited), or 'default' (the tier's)."""
+    if text == "default":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number (0: unlimited) or 'default', not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 (unlimited) or more")
+    return value
+
+
+def _limits_text(t: dict) -> str:
+    own = set(t.get("own_limits") or ())
+    parts = []
+    for key, label in (("rpm", "requests/min"), ("tpm", "tokens/min"), ("concurrency", "at once")):
+        value = t["limits"][key]
+        parts.append(f"{value:,} {label}" if value else f"unlimited {label}")
+        if key not in own:
+            parts[-1] += " (tier)"
+    return ", ".join(parts)
+
+
 def cmd_tenant_set(args) -> int:
-    if args.tier is None and args.stripe_customer is None:
-        return _fail("nothing to change: give --tier and/or --stripe-customer", 2)
-    tenant, err = _admin_call(args, lambda a: a.update_tenant(args.name, args.tier, args.stripe_customer))
+    limits = {k: getattr(args, k) for k in ("rpm", "tpm", "concurrency") if getattr(args, k) is not _UNSET}
+    if args.tier is None and args.stripe_customer is None and not limits:
+        return _fail("nothing to change: give --tier, --stripe-customer, --rpm, --tpm and/or --concurrency", 2)
+    tenant, err = _admin_call(args, lambda a: a.update_tenant(args.name, args.tier, args.stripe_customer, limits))
     if err is not None:
         return err
     if args.json:
         print(json.dumps(tenant))
     else:
         customer = tenant["stripe_customer"] or "no Stripe customer (its usage is not reported to Stripe)"
-        print(f"tenant {tenant['name']}: {tenant['tier']}, {customer}")
+        print(f"tenant {tenant['name']}: {tenant['tier']}, {customer}\n  quotas: {_limits_text(tenant)}")
     return 0
 
 
@@ -801,12 +851,18 @@ def build_parser() -> argparse.ArgumentParser:
     tcreate.add_argument("--tier", choices=["gold", "silver", "bronze"], default="bronze", help="service tier (bronze)")
     admin_args(tcreate)
     tcreate.set_defaults(func=cmd_tenant_create)
-    tset = tsub.add_parser("set", help="change a tenant's tier or Stripe customer",
-                           description="Change a tenant's tier, or the Stripe customer its usage is reported to "
-                           "(meter events are sent once each usage window closes; an empty --stripe-customer stops it).")
+    tset = tsub.add_parser("set", help="change a tenant's tier, quotas or Stripe customer",
+                           description="Change a tenant's tier (its priority band and default quotas, deploy/gaas.yaml "
+                           "qos), its own quotas (enforced across every router within a second; over them requests get "
+                           "HTTP 429 rate_limit_exceeded with Retry-After), or the Stripe customer its usage is reported "
+                           "to (meter events are sent once each usage window closes; an empty --stripe-customer stops it).")
     tset.add_argument("name")
     tset.add_argument("--tier", choices=["gold", "silver", "bronze"], default=None, help="new service tier")
     tset.add_argument("--stripe-customer", default=None, metavar="CUS_ID", help="Stripe customer id (cus_...); '' removes it")
+    for flag, what in (("rpm", "requests per minute"), ("tpm", "tokens per minute (prompt + completion)"),
+                       ("concurrency", "requests at once")):
+        tset.add_argument(f"--{flag}", type=_limit, default=_UNSET, metavar="N",
+                          help=f"its own quota of {what}: N (0: unlimited), or 'default' for its tier's")
     admin_args(tset)
     tset.set_defaults(func=cmd_tenant_set)
     tlist = tsub.add_parser("list", help="list tenants")

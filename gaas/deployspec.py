@@ -43,6 +43,13 @@ class DeploySpec:
     prices: dict = field(default_factory=dict)
     # Stripe meter event name per kind of token (input, cached_input, output).
     meters: dict = field(default_factory=lambda: dict(DEFAULT_METERS))
+    # Quotas and service targets per tier (gaas.qos).
+    qos: dict = field(default_factory=dict)
+
+    def policy(self, tier: str):
+        from gaas.qos import DEFAULT_POLICIES
+
+        return self.qos.get(tier) or DEFAULT_POLICIES[tier]
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:
@@ -111,9 +118,9 @@ def _billing(doc: object) -> tuple[dict, dict]:
 def parse(doc: object, root: Path) -> DeploySpec:
     if not isinstance(doc, dict):
         raise SpecError("the deployment file must be a mapping with a 'models' list")
-    unknown = set(doc) - {"models", "billing"}
+    unknown = set(doc) - {"models", "billing", "qos"}
     if unknown:
-        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models' and 'billing'")
+        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models', 'billing' and 'qos'")
     entries = doc.get("models") or []
     if not isinstance(entries, list) or not entries:
         raise SpecError("'models' must be a non-empty list")
@@ -125,7 +132,13 @@ def parse(doc: object, root: Path) -> DeploySpec:
     if sum(m.is_default for m in models) > 1:
         raise SpecError("only one model may be marked default: true")
     prices, meters = _billing(doc.get("billing"))
-    return DeploySpec(models=models, prices=prices, meters=meters)
+    from gaas.qos import parse_policies
+
+    try:
+        qos = parse_policies(doc.get("qos"))
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    return DeploySpec(models=models, prices=prices, meters=meters, qos=qos)
 
 
 def load(path: Path) -> DeploySpec:

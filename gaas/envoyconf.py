@@ -119,9 +119,25 @@ def _listener(name: str, host: str, port: int, hcm: dict) -> dict:
     return {"name": name, "address": _address(host, port), "filter_chains": [{"filters": [hcm]}]}
 
 
-def _grpc_route(prefix: str, cluster: str, **match_extra) -> dict:
+# A request that never reached an instance (no connection, a refused stream, a reset before the
+# request was sent) is tried on another replica; one that may have started work never is.
+RETRY_UNREACHED = {
+    "retry_on": "connect-failure,refused-stream,reset-before-request",
+    "num_retries": 2,
+    "retry_host_predicate": [{
+        "name": "envoy.retry_host_predicates.previous_hosts",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+    }],
+    "host_selection_retry_max_attempts": 5,
+}
+
+
+def _grpc_route(prefix: str, cluster: str, *, retry: bool = False, **match_extra) -> dict:
     # timeout 0: no route timeout, generations stream as long as they need.
-    return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": {"cluster": cluster, "timeout": "0s"}}
+    route = {"cluster": cluster, "timeout": "0s"}
+    if retry:
+        route["retry_policy"] = RETRY_UNREACHED
+    return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": route}
 
 
 def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool) -> dict:
@@ -150,6 +166,22 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check
             }
         ]
         cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        # Passive checks too (behind the routers' own circuit breakers): a replica answering 5xx
+        # (gRPC UNAVAILABLE / INTERNAL map there) or unreachable several times in a row is ejected
+        # for a while, at most half of a cluster at once.
+        # A replica that cannot be reached at all (connect failure, reset) is ejected at its first
+        # such failure, without waiting for the health checks' interval.
+        cluster["outlier_detection"] = {
+            "consecutive_5xx": 5,
+            "consecutive_gateway_failure": 3,
+            "enforcing_consecutive_gateway_failure": 100,
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "interval": "2s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 50,
+        }
     return cluster
 
 
@@ -198,7 +230,7 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
                 routes.append(_grpc_route(prefix, "worker_dst", headers=[{"name": WORKER_HEADER, "present_match": True}]))
                 clusters.append(_worker_dst_cluster())
             else:
-                routes.append(_grpc_route(prefix, peer))
+                routes.append(_grpc_route(prefix, peer, retry=True))
                 clusters.append(
                     _static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)], health_check=True)
                 )
@@ -271,9 +303,9 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
         },
     }
     routes = [
-        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router"),
-        _grpc_route(f"/{OPENAI_SERVICE}/", "router"),
-        *(_grpc_route(f"/{name}/", "router") for name in PUBLIC_GRPC_EXTRAS),
+        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=True),
+        _grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=True),
+        *(_grpc_route(f"/{name}/", "router", retry=True) for name in PUBLIC_GRPC_EXTRAS),
         # After transcoding the path is the gRPC one; anything else is not ours.
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]

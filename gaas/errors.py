@@ -72,6 +72,13 @@ def cap(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
+@dataclass(frozen=True, slots=True)
+class QuotaViolation:
+    # Whose quota, e.g. "tenant:acme"; and which one, e.g. "requests per minute: 60".
+    subject: str
+    description: str
+
+
 class GaasError(Exception):
     """Base of GaaS's errors. code: the gRPC status name; message: what to do about it.
 
@@ -84,12 +91,15 @@ class GaasError(Exception):
     retryable: ClassVar[bool] = False
 
     def __init__(
-        self, message: str, *, param: str | None = None, reason: str | None = None, retry_after: float | None = None
+        self, message: str, *, param: str | None = None, reason: str | None = None, retry_after: float | None = None,
+        quota: "QuotaViolation | None" = None,
     ) -> None:
         self.message = cap(message)
         self.param = param
         self.reason = reason
         self.retry_after = retry_after
+        # The quota that refused the request (google.rpc.QuotaFailure), for RESOURCE_EXHAUSTED.
+        self.quota = quota
         super().__init__(self.message)
 
     def __str__(self) -> str:

@@ -114,10 +114,13 @@ def redis_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def redis_server_command(host: str, port: int, data_dir: Path, durable: bool = False) -> list[str]:
+def redis_server_command(
+    host: str, port: int, data_dir: Path, durable: bool = False, config: Path | None = None,
+) -> list[str]:
     """The command line of a local Redis; MeshError when none is installed. durable: an append-only
     file fsynced every second in data_dir (usage events waiting for billing survive a restart);
-    otherwise nothing is saved."""
+    otherwise nothing is saved. config: a file read first (where a password stays off the command
+    line)."""
     binary = shutil.which("redis-server") or next(
         (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None
     )
@@ -128,7 +131,26 @@ def redis_server_command(host: str, port: int, data_dir: Path, durable: bool = F
         )
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if durable else ["--appendonly", "no"]
-    return [binary, "--port", str(port), "--bind", host, "--save", "", *persistence, "--dir", str(data_dir)]
+    first = [str(config)] if config else []
+    return [binary, *first, "--port", str(port), "--bind", host, "--save", "", *persistence, "--dir", str(data_dir)]
+
+
+def private_secret(path: Path) -> str:
+    """The secret kept in path (readable by its owner only), made at first use."""
+    import secrets
+
+    if path.exists():
+        return path.read_text().strip()
+    secret = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
+def with_password(url: str, password: str) -> str:
+    u = urlparse(url)
+    return u._replace(netloc=f":{password}@{u.hostname}:{u.port or 6379}").geturl()
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -145,6 +167,14 @@ def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000)
     raise MeshError("no free block of ports found between 30000 and 60000")
 
 
+# The password of the Redis `gaas up` starts, in the run directory.
+REDIS_PASSWORD_FILE = "redis-password"
+
+
+# How long stopping the mesh waits for requests in flight through the ingress.
+INGRESS_DRAIN_SECONDS = 20.0
+
+
 class Mesh:
     def __init__(
         self,
@@ -155,6 +185,7 @@ class Mesh:
         redis_url: str,
         progress: Callable[[str], None] = lambda msg: None,
         extra_env: dict[str, str] | None = None,
+        topology_file: Path | None = None,
     ) -> None:
         self.topo = topo
         self.run_dir = Path(run_dir).resolve()
@@ -162,6 +193,8 @@ class Mesh:
         self.redis_url = redis_url
         self.progress = progress
         self.extra_env = dict(extra_env or {})
+        # The file the topology came from (recorded, so `gaas status` describes this mesh).
+        self.topology_file = topology_file
         self.children: list[Child] = []
         self.log_dir = self.run_dir / "logs"
         self.spec = deployspec.load(self.deploy_file)
@@ -172,6 +205,8 @@ class Mesh:
     # ----------------------------------------------------------------- start
 
     def start(self) -> None:
+        # Everything the mesh writes (databases, keys, the Redis password, logs) is its owner's alone.
+        os.umask(0o077)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         busy = [p for p in self.topo.all_ports() if port_in_use(self.topo.host, p)]
         if busy:
@@ -208,7 +243,15 @@ class Mesh:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise MeshError(f"Redis at {self.redis_url} does not answer, and it is not local, so gaas cannot start it")
         self.progress(f"starting Redis on {host}:{port} (nothing answered at {self.redis_url})")
-        cmd = redis_server_command(host, port, self.run_dir / "redis", durable=True)
+        # The Redis gaas starts asks for a password (made at first start, kept in the run directory).
+        data = self.run_dir / "redis"
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        password = private_secret(self.run_dir / REDIS_PASSWORD_FILE)
+        conf = data / "redis.conf"
+        conf.write_text(f"requirepass {password}\n")
+        conf.chmod(0o600)
+        cmd = redis_server_command(host, port, data, durable=True, config=conf)
+        self.redis_url = with_password(self.redis_url, password)
         self._spawn("redis", "redis", cmd, os.environ.copy())
         deadline = time.monotonic() + 10
         while not redis_answers(self.redis_url):
@@ -262,7 +305,7 @@ class Mesh:
         }
         env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
         env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
-        if inst.service in ("control", "billing"):
+        if inst.service in ("control", "billing", "router"):
             env["GAAS_DEPLOY_FILE"] = str(self.deploy_file)
         if inst.service == "worker":
             m = self.spec.model(str(inst.options["model"]))
@@ -275,6 +318,9 @@ class Mesh:
                 GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
                 GAAS_KV_CACHE_BLOCKS=str(inst.options["kv_cache_blocks"]),
                 GAAS_ENFORCE_EAGER=str(bool(inst.options["enforce_eager"])).lower(),
+                GAAS_MAX_NUM_SEQS=str(inst.options["max_num_seqs"]),
+                GAAS_MAX_NUM_BATCHED_TOKENS=str(inst.options["max_num_batched_tokens"]),
+                GAAS_MAX_WAITING=str(inst.options["max_waiting"]),
             )
             if self.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[inst.index % len(self.gpus)].index)
@@ -307,6 +353,7 @@ class Mesh:
             "port_base": self.topo.port_base,
             "ingress_port": self.topo.ingress_port,
             "workers": len(self.topo.of("worker")),
+            "topology": str(Path(self.topology_file).resolve()) if self.topology_file else None,
             "redis_url": self.redis_url,
             "children": {c.name: c.proc.pid for c in self.children},
             "restarts": {c.name: c.restarts for c in self.children if c.restarts},
@@ -388,13 +435,14 @@ class Mesh:
         """Ingress first (no new requests), then the services (they drain, workers deregister),
         then the sidecars, then Redis; whatever is left after timeout is killed with its group."""
         self._stopping = True
+        deadline = time.monotonic() + timeout
+        self._drain_ingress(min(timeout / 2, INGRESS_DRAIN_SECONDS))
         order = [
             [c for c in self.children if c.name == "ingress-0"],
             [c for c in self.children if c.kind in SERVICE_MODULES],
             [c for c in self.children if c.kind == "envoy" and c.name != "ingress-0"],
             [c for c in self.children if c.kind == "redis"],
         ]
-        deadline = time.monotonic() + timeout
         for group in order:
             for c in group:
                 if c.proc.poll() is None:
@@ -417,6 +465,36 @@ class Mesh:
         state = self.run_dir / STATE_FILE
         if state.exists():
             state.unlink()
+
+    def _drain_ingress(self, seconds: float) -> None:
+        """Close the ingress's listener (no new connections) and wait, up to seconds, for the
+        requests in flight through it to finish."""
+        import urllib.request
+
+        ingress = next((c for c in self.children if c.name == "ingress-0" and c.proc.poll() is None), None)
+        if ingress is None:
+            return
+        admin = f"http://{self.topo.host}:{self.topo.ingress_admin_port}"
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{admin}/drain_listeners", method="POST"), timeout=2).read()
+        except OSError:
+            return
+        deadline = time.monotonic() + seconds
+        said = False
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{admin}/stats?filter=^http.ingress.downstream_rq_active$", timeout=2) as r:
+                    active = int(r.read().decode().rsplit(":", 1)[-1].strip() or 0)
+            except (OSError, ValueError):
+                return
+            if active == 0:
+                return
+            if not said:
+                self.progress(f"the ingress takes no new connections; waiting up to {seconds:.0f} s for {active} "
+                              "request(s) in flight to finish")
+                said = True
+            time.sleep(0.2)
+        self.progress("requests still in flight through the ingress are cut")
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]

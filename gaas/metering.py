@@ -1,18 +1,7 @@
 """Token metering's shared contract: the usage event (one per request, appended by the router to a
 Redis Stream before it releases the request's last chunk, consumed by billing into the ledger),
-and the Redis keys and atomic scripts behind monthly budgets.
-
-Budgets, in Redis so every router replica enforces one figure:
-  gaas:budget:{tenant}           the tenant's monthly budget, micro-dollars (absent: no budget)
-  gaas:spend:{tenant}:YYYYMM     what its requests cost this month (added with each usage event)
-  gaas:reserved:{tenant}         request id -> the most a request in flight can still cost
-  gaas:reserved-exp:{tenant}     request id -> when that reservation lapses (a router that died)
-A request is admitted only if spend + reservations + its own estimate fit the budget, atomically
-(RESERVE), so concurrent requests cannot race past it; its usage event then adds its real cost
-and drops its reservation in the same step as the event is appended (RECORD). Billing rebuilds a
-lost spend counter from the ledger. (Single-Redis deployments; in Redis Cluster the tenant's keys
-share a hash slot but the stream does not.)
-"""
+its months and the time bounds of usage queries. The Redis keys and scripts that admit a request
+(quotas, budgets) and append its event are gaas.admission's."""
 
 from __future__ import annotations
 
@@ -156,69 +145,3 @@ def parse_time(text: str, param: str, now: int | None = None) -> int:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return max(0, int(moment.timestamp() * 1000))
-
-
-def budget_key(tenant: str) -> str:
-    return f"gaas:budget:{{{tenant}}}"
-
-
-def spend_key(tenant: str, month: str) -> str:
-    return f"gaas:spend:{{{tenant}}}:{month}"
-
-
-def reserved_key(tenant: str) -> str:
-    return f"gaas:reserved:{{{tenant}}}"
-
-
-def reserved_exp_key(tenant: str) -> str:
-    return f"gaas:reserved-exp:{{{tenant}}}"
-
-
-# KEYS: budget, spend, reserved, reserved-exp. ARGV: request id, estimate, now ms, expiry ms.
-# -> {1, budget or -1, spend, reserved} when admitted, {0, budget, spend, reserved} when not.
-RESERVE = """
-local budget = redis.call('GET', KEYS[1])
-if not budget then return {1, -1, 0, 0} end
-budget = tonumber(budget)
-local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[3])
-if #stale > 0 then
-  redis.call('HDEL', KEYS[3], unpack(stale))
-  redis.call('ZREM', KEYS[4], unpack(stale))
-end
-local spend = tonumber(redis.call('GET', KEYS[2]) or '0')
-local reserved = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[3])) do reserved = reserved + tonumber(v) end
-local estimate = tonumber(ARGV[2])
-if spend + reserved + estimate > budget then return {0, budget, spend, reserved} end
-redis.call('HSET', KEYS[3], ARGV[1], estimate)
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
-return {1, budget, spend, reserved}
-"""
-
-# KEYS: stream, spend, reserved, reserved-exp. ARGV: request id, cost, spend ttl, then the event's
-# field/value pairs. Appends the event, adds its cost, drops its reservation: all or nothing.
-RECORD = """
-local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
-redis.call('INCRBY', KEYS[2], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-return entry
-"""
-
-# KEYS: reserved, reserved-exp. ARGV: request id. A request that ends without usage.
-RELEASE = """
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
-"""
-
-
-def record_args(event: UsageEvent) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of RECORD for an event."""
-    flat: list[str] = []
-    for k, v in event.to_fields().items():
-        flat += [k, v]
-    keys = [STREAM, spend_key(event.tenant, month_of(event.finished_ms)), reserved_key(event.tenant),
-            reserved_exp_key(event.tenant)]
-    return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), *flat]

@@ -37,7 +37,11 @@ TALKS_TO = {
 PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
 
-WORKER_DEFAULTS = {"model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": True}
+WORKER_DEFAULTS = {
+    "model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": True,
+    # vLLM's batch limits (0: its default tokens per step) and the bound on requests waiting.
+    "max_num_seqs": 64, "max_num_batched_tokens": 0, "max_waiting": 128,
+}
 
 
 class TopologyError(ValueError):

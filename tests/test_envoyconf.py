@@ -102,3 +102,33 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     # Its tables come from gaas/errors.py: a status shows the same in a stream's error event and at the edge.
     assert '[3] = "invalid_request_error"' in lua and '[8] = "rate_limit_exceeded"' in lua
     assert "function envoy_on_response" in lua
+
+
+def test_peer_clusters_eject_failing_replicas(rendered):
+    _, configs, _ = rendered
+    clusters = {c["name"]: c for c in configs["sidecar-router-0"]["static_resources"]["clusters"]}
+    assert clusters["control"]["outlier_detection"]["consecutive_5xx"] == 5
+    ingress = {c["name"]: c for c in configs["ingress-0"]["static_resources"]["clusters"]}
+    assert ingress["router"]["outlier_detection"]["max_ejection_percent"] == 50
+    # One that cannot be reached at all is ejected at its first such failure.
+    assert ingress["router"]["outlier_detection"]["consecutive_local_origin_failure"] == 1
+
+
+def routes_of(config: dict, listener: str) -> list[dict]:
+    lis = next(x for x in config["static_resources"]["listeners"] if x["name"] == listener)
+    return lis["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_others(rendered):
+    _, configs, _ = rendered
+    for config, listener in ((configs["ingress-0"], "ingress"), (configs["sidecar-router-0"], "outbound")):
+        for r in routes_of(config, listener):
+            if "route" not in r:
+                continue
+            policy = r["route"].get("retry_policy")
+            if r["route"]["cluster"] == "worker_dst":
+                # The router picked that worker and retries elsewhere itself, before the first token.
+                assert policy is None
+                continue
+            assert policy["retry_on"] == "connect-failure,refused-stream,reset-before-request", r
+            assert policy["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"

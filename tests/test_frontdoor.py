@@ -424,7 +424,7 @@ def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
     stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True,
                                   extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices
-    os.killpg(mesh.children["worker-1"], signal.SIGKILL)
+    os.killpg(json.loads((mesh.run_dir / "mesh.json").read_text())["children"]["worker-1"], signal.SIGKILL)
     with pytest.raises(openai.APIError) as err:
         for _ in stream:
             pass

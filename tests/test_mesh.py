@@ -209,6 +209,23 @@ def test_workers_hold_leases_in_redis(mesh):
     r.close()
 
 
+def test_the_launched_redis_asks_for_a_password_and_secrets_are_owner_only(mesh):
+    from urllib.parse import urlparse
+
+    url = json.loads((mesh.run_dir / "mesh.json").read_text())["redis_url"]
+    u = urlparse(url)
+    assert u.password, "gaas up started Redis without a password"
+    anonymous = redis.Redis(host=u.hostname, port=u.port)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    for name in ("redis-password", "mesh.json", "demo-key", "control.db", "billing.db", "redis/redis.conf"):
+        path = mesh.run_dir / name
+        if path.exists():
+            assert path.stat().st_mode & 0o077 == 0, f"{name} is readable by others: {oct(path.stat().st_mode)}"
+    assert (mesh.run_dir / "redis-password").exists()
+
+
 def test_cli_generate_prints_text_and_stats(mesh):
     r = gaas(mesh, "generate", "Once upon a time", "--max-tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stderr
@@ -253,7 +270,7 @@ def test_access_logs_show_the_path_under_gaas_own_id(mesh):
 @pytest.mark.destructive
 def test_a_dead_worker_is_routed_around(mesh):
     try:
-        os.killpg(mesh.children["worker-1"], signal.SIGKILL)
+        os.killpg(json.loads((mesh.run_dir / "mesh.json").read_text())["children"]["worker-1"], signal.SIGKILL)
     except ProcessLookupError:
         pass  # an earlier destructive test already took it down
     # Until its lease lapses the router may still pick it: the stream is retried on worker-0.

@@ -107,7 +107,9 @@ async def call_lookup(rt, raise_next):
 async def test_domain_errors_become_their_status_with_details():
     rt = await start()
     try:
-        err = await call_lookup(rt, errors.ResourceExhausted("over quota", param="max_tokens", reason="quota", retry_after=1.5))
+        err = await call_lookup(rt, errors.ResourceExhausted(
+            "over quota", param="max_tokens", reason="quota", retry_after=1.5,
+            quota=errors.QuotaViolation("tenant:acme", "requests per minute: 60")))
         big = await call_lookup(rt, errors.InvalidArgument("x" * 100_000))
     finally:
         await rt.shutdown()
@@ -115,6 +117,7 @@ async def test_domain_errors_become_their_status_with_details():
     back = status.from_rpc(err)
     assert isinstance(back, errors.ResourceExhausted)
     assert (back.param, back.reason, back.retry_after) == ("max_tokens", "quota", 1.5)
+    assert back.quota == errors.QuotaViolation("tenant:acme", "requests per minute: 60")
     assert big.code() == grpc.StatusCode.INVALID_ARGUMENT and len(big.details()) <= errors.MAX_MESSAGE_CHARS
 
 

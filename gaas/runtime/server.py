@@ -3,7 +3,8 @@
 
 Shutdown order: health goes NOT_SERVING (Envoy's health checks and new callers see it), the
 service's own stop hooks run (e.g. a worker deregisters), the drain period passes, then
-server.stop(grace) lets running calls finish before cancelling them.
+server.stop(grace) lets running calls finish before cancelling them, and last the after-stop
+hooks release what those calls needed (e.g. a worker's engine).
 """
 
 from __future__ import annotations
@@ -83,18 +84,29 @@ class ServiceRuntime:
         )
         self.port = 0
         self._names: list[str] = []
+        self._unlisted: set[str] = set()
         self._stop_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._after_stop_hooks: list[Callable[[], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
+        # The process's exit status once stopped (request_stop can set a failure).
+        self.exit_code = 0
         self._metrics_server: MetricsServer | None = None
 
-    def add_service(self, add_to_server: Callable, servicer: object, full_name: str) -> None:
-        """Register a servicer (e.g. worker_pb2_grpc.add_WorkerServicer_to_server) under its full name."""
+    def add_service(self, add_to_server: Callable, servicer: object, full_name: str, *, listed: bool = True) -> None:
+        """Register a servicer (e.g. worker_pb2_grpc.add_WorkerServicer_to_server) under its full name;
+        listed=False keeps it out of server reflection (an internal API of a service the ingress exposes)."""
         add_to_server(servicer, self.server)
         self._names.append(full_name)
+        if not listed:
+            self._unlisted.add(full_name)
 
     def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run hook during shutdown, after NOT_SERVING and before the port closes (last added runs first)."""
         self._stop_hooks.append(hook)
+
+    def after_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run hook once the server has stopped (running calls finished or cancelled); last added runs first."""
+        self._after_stop_hooks.append(hook)
 
     def channel(self, target: str) -> grpc.aio.Channel:
         """A client channel carrying request context and trace headers (to a sidecar's outbound port)."""
@@ -107,7 +119,7 @@ class ServiceRuntime:
     async def start(self) -> int:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [*(n for n in self._names if n not in self._unlisted), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -137,9 +149,12 @@ class ServiceRuntime:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
 
-    def request_stop(self, why: str = "requested") -> None:
+    def request_stop(self, why: str = "requested", exit_code: int = 0) -> None:
+        """Shut down gracefully; a non-zero exit_code makes the process exit with it (a supervisor
+        then knows it failed)."""
         if not self._stopping.is_set():
-            log.info("shutting down (%s)", why)
+            (log.error if exit_code else log.info)("shutting down (%s)", why)
+            self.exit_code = exit_code
             self._stopping.set()
 
     @property
@@ -165,6 +180,11 @@ class ServiceRuntime:
         if self.opts.drain_seconds > 0:
             await asyncio.sleep(self.opts.drain_seconds)
         await self.server.stop(self.opts.grace_seconds)
+        for hook in reversed(self._after_stop_hooks):
+            try:
+                await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)
+            except Exception:
+                log.exception("after-stop hook %s failed", getattr(hook, "__qualname__", hook))
         if self._metrics_server:
             self._metrics_server.stop()
         telemetry.shutdown(self.tracer_provider)

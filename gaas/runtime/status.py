@@ -21,7 +21,7 @@ DOMAIN = "gaas"
 
 
 def status_details(err: errors.GaasError) -> bytes:
-    """The serialized google.rpc.Status of err (code, message, ErrorInfo, RetryInfo)."""
+    """The serialized google.rpc.Status of err (code, message, ErrorInfo, QuotaFailure, RetryInfo)."""
     status = status_pb2.Status(code=grpc.StatusCode[err.code].value[0], message=err.message)
     info = error_details_pb2.ErrorInfo(reason=err.openai_code, domain=DOMAIN)
     if err.param:
@@ -29,6 +29,12 @@ def status_details(err: errors.GaasError) -> bytes:
     packed = any_pb2.Any()
     packed.Pack(info)
     status.details.append(packed)
+    if err.quota is not None:
+        failure = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
+            subject=errors.cap(err.quota.subject, 128), description=errors.cap(err.quota.description, 256))])
+        packed = any_pb2.Any()
+        packed.Pack(failure)
+        status.details.append(packed)
     if err.retry_after is not None:
         seconds = max(0.0, err.retry_after)
         retry = error_details_pb2.RetryInfo(
@@ -62,6 +68,12 @@ def _details(metadata) -> dict:
                 if info.domain == DOMAIN:
                     out["reason"] = info.reason or None
                     out["param"] = info.metadata.get("param") or None
+            elif packed.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
+                failure = error_details_pb2.QuotaFailure()
+                packed.Unpack(failure)
+                if failure.violations:
+                    v = failure.violations[0]
+                    out["quota"] = errors.QuotaViolation(v.subject, v.description)
             elif packed.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
                 retry = error_details_pb2.RetryInfo()
                 packed.Unpack(retry)

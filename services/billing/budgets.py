@@ -10,7 +10,7 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas import metering
+from gaas import admission, metering
 from services.billing.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,13 @@ class Budgets:
 
     async def _mirror_one(self, tenant: str, micros: int) -> None:
         if micros:
-            await self._redis.set(metering.budget_key(tenant), micros)
+            await self._redis.set(admission.budget_key(tenant), micros)
             month = metering.month_of(metering.now_ms())
             spent = await self.spent(tenant, month)
             # NX: a live counter already holds requests the ledger has not caught up with.
-            await self._redis.set(metering.spend_key(tenant, month), spent, nx=True, ex=metering.SPEND_TTL_SECONDS)
+            await self._redis.set(admission.spend_key(tenant, month), spent, nx=True, ex=admission.SPEND_TTL_SECONDS)
         else:
-            await self._redis.delete(metering.budget_key(tenant))
+            await self._redis.delete(admission.budget_key(tenant))
 
     async def mirror(self) -> None:
         """Every budget into Redis (and every lost spend counter rebuilt)."""

@@ -9,7 +9,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from gaas import deployspec
+from gaas import deployspec, qos
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.runtime.sql import Database
@@ -42,16 +42,18 @@ async def serve(cfg: ControlConfig) -> None:
     db = Database(cfg.database_url)
     catalog = ModelCatalog(db)
     await catalog.init_schema()
+    policies = dict(qos.DEFAULT_POLICIES)
     if cfg.deploy_file:
         spec = deployspec.load(Path(cfg.deploy_file))
         await catalog.apply(spec)
+        policies = spec.qos or policies
         log.info("applied %s: models %s", cfg.deploy_file, ", ".join(spec.names()))
     tenants = TenantStore(db)
     await tenants.init_schema()
     prefixes = PrefixStore(db)
     await prefixes.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
-    servicer = ControlServicer(registry, catalog, tenants, prefixes)
+    servicer = ControlServicer(registry, catalog, tenants, prefixes, policies)
     rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
     await rt.start()
     await rt.set_serving(True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from google.protobuf import json_format
 
-from gaas import errors
+from gaas import errors, qos
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
@@ -14,7 +15,7 @@ from gaas.v1 import control_pb2_grpc
 from services.control.catalog import ModelCatalog
 from services.control.prefixes import PrefixStore, PublicPrefix
 from services.control.registry import DRAINING, SERVING, WorkerId, WorkerRecord, WorkerRegistry
-from services.control.tenants import ApiKey, Tenant, TenantStore
+from services.control.tenants import LIMIT_NAMES, ApiKey, Tenant, TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,13 @@ def _lease(r: WorkerRecord, ttl: int) -> pb.Lease:
     return pb.Lease(worker_id=r.worker_id, expires_unix_ms=r.lease_expires_ms, ttl_seconds=ttl)
 
 
-def tenant_to_pb(t: Tenant) -> pb.Tenant:
-    return pb.Tenant(name=t.name, tier=TIER_TO_PB[t.tier], created_unix_ms=t.created_ms, stripe_customer=t.stripe_customer)
+def tenant_to_pb(t: Tenant, policies: Mapping[str, qos.TierPolicy] = qos.DEFAULT_POLICIES) -> pb.Tenant:
+    tier_limits = policies.get(t.tier, qos.DEFAULT_POLICIES[t.tier]).limits
+    effective = {name: getattr(tier_limits, name) if own is None else own for name, own in zip(LIMIT_NAMES, t.own_limits)}
+    return pb.Tenant(
+        name=t.name, tier=TIER_TO_PB[t.tier], created_unix_ms=t.created_ms, stripe_customer=t.stripe_customer,
+        limits=pb.Limits(**effective), own_limits=[n for n, own in zip(LIMIT_NAMES, t.own_limits) if own is not None],
+    )
 
 
 def key_to_pb(k: ApiKey) -> pb.ApiKey:
@@ -69,12 +75,15 @@ def prefix_to_pb(p: PublicPrefix) -> pb.PublicPrefix:
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(
-        self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore, prefixes: PrefixStore | None = None
+        self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore, prefixes: PrefixStore | None = None,
+        policies: Mapping[str, qos.TierPolicy] = qos.DEFAULT_POLICIES,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
         self._tenants = tenants
         self._prefixes = prefixes
+        # The tiers' quotas and targets (the deployment file's qos section).
+        self._policies = policies
 
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.Lease:
         w = request.worker
@@ -149,19 +158,31 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         tier = TIER_FROM_PB.get(request.tier, "bronze")
         tenant = await self._tenants.create_tenant(request.name, tier)
         log.info("created tenant %s (%s)", tenant.name, tenant.tier)
-        return tenant_to_pb(tenant)
+        return self._tenant_pb(tenant)
 
     async def UpdateTenant(self, request: pb.UpdateTenantRequest, context) -> pb.Tenant:
         tier = TIER_FROM_PB.get(request.tier) if request.HasField("tier") else None
         if request.HasField("tier") and tier is None:
             raise errors.InvalidArgument("tier must be TIER_BRONZE, TIER_SILVER or TIER_GOLD", param="tier")
         customer = request.stripe_customer if request.HasField("stripe_customer") else None
-        tenant = await self._tenants.update_tenant(request.name, tier, customer)
-        log.info("updated tenant %s (%s, Stripe customer %s)", tenant.name, tenant.tier, tenant.stripe_customer or "none")
-        return tenant_to_pb(tenant)
+        limits = {}
+        for name in LIMIT_NAMES:
+            if request.HasField(name):
+                value = getattr(request, name)
+                if value < -1:
+                    raise errors.InvalidArgument(f"{name} must be >= 0 (0: unlimited), or -1 for the tier's", param=name)
+                limits[name] = None if value == -1 else value
+        tenant = await self._tenants.update_tenant(request.name, tier, customer, limits)
+        out = self._tenant_pb(tenant)
+        log.info("updated tenant %s (%s, Stripe customer %s, limits rpm %d tpm %d concurrency %d)", tenant.name,
+                 tenant.tier, tenant.stripe_customer or "none", out.limits.rpm, out.limits.tpm, out.limits.concurrency)
+        return out
+
+    def _tenant_pb(self, tenant: Tenant) -> pb.Tenant:
+        return tenant_to_pb(tenant, self._policies)
 
     async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsResponse:
-        return pb.ListTenantsResponse(tenants=[tenant_to_pb(t) for t in await self._tenants.list_tenants()])
+        return pb.ListTenantsResponse(tenants=[self._tenant_pb(t) for t in await self._tenants.list_tenants()])
 
     async def CreateApiKey(self, request: pb.CreateApiKeyRequest, context) -> pb.CreateApiKeyResponse:
         key, secret = await self._tenants.create_key(request.tenant)
@@ -181,7 +202,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if found is None:
             raise errors.Unauthenticated("unknown or revoked API key")
         tenant, key = found
-        return pb.AuthenticateResponse(tenant=tenant_to_pb(tenant), key_id=key.key_id, cache_salt=tenant.cache_salt)
+        return pb.AuthenticateResponse(tenant=self._tenant_pb(tenant), key_id=key.key_id, cache_salt=tenant.cache_salt)
 
     def _prefix_store(self) -> PrefixStore:
         if self._prefixes is None:

@@ -37,7 +37,17 @@ SCHEMA = [
         tenant TEXT PRIMARY KEY REFERENCES tenants(name),
         stripe_customer TEXT NOT NULL
     )""",
+    # A tenant's own quotas; NULL: its tier's.
+    """CREATE TABLE IF NOT EXISTS tenant_limits (
+        tenant TEXT PRIMARY KEY REFERENCES tenants(name),
+        rpm BIGINT,
+        tpm BIGINT,
+        concurrency BIGINT
+    )""",
 ]
+LIMIT_NAMES = ("rpm", "tpm", "concurrency")
+# Its tables, those referring to others first (the order to drop them in).
+TABLES = ("api_keys", "tenant_billing", "tenant_limits", "tenants")
 
 
 class TenantError(errors.InvalidArgument):
@@ -62,6 +72,8 @@ class Tenant:
     created_ms: int
     # The Stripe customer its usage is billed to ("" for none).
     stripe_customer: str = ""
+    # Its own quotas (rpm, tpm, concurrency; None: its tier's; 0: unlimited).
+    own_limits: tuple[int | None, int | None, int | None] = (None, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,22 +117,46 @@ class TenantStore:
         return tenant
 
     _SELECT = (
-        "SELECT t.name, t.tier, t.cache_salt, t.created_ms, COALESCE(b.stripe_customer, '') FROM tenants t"
-        " LEFT JOIN tenant_billing b ON b.tenant = t.name"
+        "SELECT t.name, t.tier, t.cache_salt, t.created_ms, COALESCE(b.stripe_customer, ''), l.rpm, l.tpm,"
+        " l.concurrency FROM tenants t LEFT JOIN tenant_billing b ON b.tenant = t.name"
+        " LEFT JOIN tenant_limits l ON l.tenant = t.name"
     )
+
+    @staticmethod
+    def _tenant(row) -> Tenant:
+        name, tier, salt, created, customer, rpm, tpm, concurrency = row
+        own = tuple(None if v is None else int(v) for v in (rpm, tpm, concurrency))
+        return Tenant(name, tier, salt, int(created), customer, own)
 
     async def get_tenant(self, name: str) -> Tenant | None:
         rows = await self._db.execute(self._SELECT + " WHERE t.name = ?", (name,))
-        return Tenant(rows[0][0], rows[0][1], rows[0][2], int(rows[0][3]), rows[0][4]) if rows else None
+        return self._tenant(rows[0]) if rows else None
 
     async def list_tenants(self) -> list[Tenant]:
-        rows = await self._db.execute(self._SELECT + " ORDER BY t.name")
-        return [Tenant(n, t, s, int(c), sc) for n, t, s, c, sc in rows]
+        return [self._tenant(r) for r in await self._db.execute(self._SELECT + " ORDER BY t.name")]
 
-    async def update_tenant(self, name: str, tier: str | None = None, stripe_customer: str | None = None) -> Tenant:
-        """Change a tenant's tier and/or Stripe customer ("" removes it)."""
-        if await self.get_tenant(name) is None:
+    async def update_tenant(
+        self, name: str, tier: str | None = None, stripe_customer: str | None = None,
+        limits: dict[str, int | None] | None = None,
+    ) -> Tenant:
+        """Change a tenant's tier, Stripe customer ("" removes it) and/or quotas (limits: name ->
+        value, 0 unlimited, None back to the tier's); what is not given stays as it is."""
+        current = await self.get_tenant(name)
+        if current is None:
             raise NotFound(f"tenant {name!r} does not exist; create it with `gaas tenant create {name}`")
+        if limits:
+            unknown = set(limits) - set(LIMIT_NAMES)
+            if unknown:
+                raise TenantError(f"unknown quota(s) {', '.join(sorted(unknown))}; quotas: {', '.join(LIMIT_NAMES)}")
+            for key, value in limits.items():
+                if value is not None and not 0 <= value <= 10**12:
+                    raise TenantError(f"{key} must be between 0 (unlimited) and 10^12, got {value}")
+            own = dict(zip(LIMIT_NAMES, current.own_limits)) | limits
+            await self._db.transaction([
+                ("DELETE FROM tenant_limits WHERE tenant = ?", (name,)),
+                ("INSERT INTO tenant_limits (tenant, rpm, tpm, concurrency) VALUES (?, ?, ?, ?)",
+                 (name, own["rpm"], own["tpm"], own["concurrency"])),
+            ])
         if tier is not None:
             if tier not in TIERS:
                 raise TenantError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
@@ -179,4 +215,5 @@ class TenantStore:
         if not rows:
             return None
         key_id, prefix, key_created, name, tier, salt, tenant_created = rows[0]
-        return Tenant(name, tier, salt, int(tenant_created)), ApiKey(key_id, name, prefix, int(key_created), 0)
+        tenant = await self.get_tenant(name) or Tenant(name, tier, salt, int(tenant_created))
+        return tenant, ApiKey(key_id, name, prefix, int(key_created), 0)

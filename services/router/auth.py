@@ -4,13 +4,17 @@ cached briefly (a revoked key stops working within the cache's TTL, a few second
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gaas.errors import Unauthenticated
+from gaas.errors import GaasError, Unauthenticated
+from gaas.qos import Limits
 from gaas.runtime.context import TenantId
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,8 @@ class Principal:
     key_id: str
     # The tenant's prefix-cache salt, set on every engine request.
     cache_salt: str
+    # Its quotas (its own, else its tier's, as control resolved them).
+    limits: Limits = Limits()
 
 
 def bearer_key(authorization: str) -> str:
@@ -36,7 +42,9 @@ def bearer_key(authorization: str) -> str:
 
 class Authenticator:
     """lookup(key) returns the Principal of a live key, or None for an unknown or revoked one;
-    answers are reused for ttl seconds (misses for negative_ttl)."""
+    answers are reused for ttl seconds (misses for negative_ttl). While the lookup cannot be made
+    (the control plane is unreachable), a key verified within the last stale_seconds is still
+    accepted; any other key is refused with what lookup raised."""
 
     def __init__(
         self,
@@ -45,14 +53,17 @@ class Authenticator:
         negative_ttl_seconds: float = 1.0,
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        stale_seconds: float = 60.0,
     ) -> None:
         self._lookup = lookup
         self._ttl = ttl_seconds
         self._negative_ttl = negative_ttl_seconds
+        self._stale = stale_seconds
         self._max = max_entries
         self._clock = clock
-        # sha256(key) -> (expires, principal or None): the cache never holds a key in plain text.
-        self._cache: OrderedDict[str, tuple[float, Principal | None]] = OrderedDict()
+        # sha256(key) -> (expires, principal or None, verified at): the cache never holds a key in plain text.
+        self._cache: OrderedDict[str, tuple[float, Principal | None, float]] = OrderedDict()
+        self._degraded = False
 
     async def authenticate(self, authorization: str) -> Principal:
         key = bearer_key(authorization)
@@ -62,8 +73,20 @@ class Authenticator:
         if hit is not None and hit[0] > now:
             principal = hit[1]
         else:
-            principal = await self._lookup(key)
-            self._cache[digest] = (now + (self._ttl if principal else self._negative_ttl), principal)
+            try:
+                principal = await self._lookup(key)
+            except GaasError as exc:
+                if hit is None or hit[1] is None or now - hit[2] > self._stale:
+                    raise
+                if not self._degraded:
+                    log.warning("cannot verify API keys (%s); accepting keys verified in the last %.0f s", exc,
+                                self._stale)
+                    self._degraded = True
+                return hit[1]
+            if self._degraded:
+                log.info("API keys are verified again")
+                self._degraded = False
+            self._cache[digest] = (now + (self._ttl if principal else self._negative_ttl), principal, now)
             self._cache.move_to_end(digest)
             while len(self._cache) > self._max:
                 self._cache.popitem(last=False)

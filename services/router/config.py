@@ -23,6 +23,12 @@ def _weights(spec: str) -> dict:
         raise ConfigError(f"GAAS_ROUTER_WEIGHTS: {exc}") from None
 
 
+def _on_off(value: str) -> bool:
+    if value.lower() not in ("on", "off"):
+        raise ConfigError(f"GAAS_QOS must be on or off, got {value!r}")
+    return value.lower() == "on"
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     instance: str
@@ -43,12 +49,23 @@ class RouterConfig:
     kv_lookup_timeout_seconds: float
     # Other workers tried when one fails before its first token.
     retries: int
-    # Seconds a worker that failed is skipped.
-    eject_seconds: float
+    # Flow control (services/router/flow.py): on, or off for comparison.
+    qos: bool
+    # Most requests waiting in the router's queue; batching windows' start, floor and ceiling.
+    max_waiting: int
+    window_initial: int
+    window_min: int
+    window_max: int
+    # Seconds a worker whose circuit breaker opened is left alone before a probe.
+    breaker_cooldown_seconds: float
+    # The deployment file (the tiers' TTFT targets and queue timeouts); "" for the defaults.
+    deploy_file: str
     # Longest a generation may stream when the client set no deadline.
     max_stream_seconds: float
     # Seconds an API key lookup is reused (a revoked key stops working within this).
     auth_cache_seconds: float
+    # While control is unreachable: how long the last view of the mesh and verified keys are used.
+    max_stale_seconds: float
     # Largest OpenAI-API request body accepted.
     max_body_bytes: int
     # Redis: usage events, budgets.
@@ -67,9 +84,16 @@ class RouterConfig:
             registry_refresh_seconds=env_float(env, "GAAS_REGISTRY_REFRESH_SECONDS", 0.5),
             kv_lookup_timeout_seconds=env_float(env, "GAAS_KV_LOOKUP_TIMEOUT", 0.05),
             retries=env_int(env, "GAAS_ROUTER_RETRIES", 2),
-            eject_seconds=env_float(env, "GAAS_EJECT_SECONDS", 5.0),
+            qos=_on_off(env_str(env, "GAAS_QOS", "on")),
+            max_waiting=env_int(env, "GAAS_QUEUE_MAX", 256),
+            window_initial=env_int(env, "GAAS_WINDOW_INITIAL", 8),
+            window_min=env_int(env, "GAAS_WINDOW_MIN", 4),
+            window_max=env_int(env, "GAAS_WINDOW_MAX", 64),
+            breaker_cooldown_seconds=env_float(env, "GAAS_BREAKER_COOLDOWN_SECONDS", 5.0),
+            deploy_file=env_str(env, "GAAS_DEPLOY_FILE", ""),
             max_stream_seconds=env_float(env, "GAAS_MAX_STREAM_SECONDS", 600.0),
             auth_cache_seconds=env_float(env, "GAAS_AUTH_CACHE_SECONDS", 2.0),
+            max_stale_seconds=env_float(env, "GAAS_MAX_STALE_SECONDS", 60.0),
             max_body_bytes=env_int(env, "GAAS_MAX_BODY_BYTES", 1 << 20),
             redis_url=env_str(env, "GAAS_REDIS_URL", "redis://127.0.0.1:6379/0"),
             spool_dir=env_str(env, "GAAS_SPOOL_DIR", ".gaas/spool"),

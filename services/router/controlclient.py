@@ -10,6 +10,7 @@ import grpc
 
 from gaas import errors
 from gaas.pricing import Price
+from gaas.qos import Limits
 
 from gaas.runtime.context import TenantId
 from gaas.tenancy import TIER_FROM_PB
@@ -84,6 +85,8 @@ def key_lookup(stub: control_pb2_grpc.ControlStub):
             tier=TIER_FROM_PB.get(resp.tenant.tier, "bronze"),
             key_id=resp.key_id,
             cache_salt=resp.cache_salt,
+            limits=Limits(rpm=resp.tenant.limits.rpm, tpm=resp.tenant.limits.tpm,
+                          concurrency=resp.tenant.limits.concurrency),
         )
 
     return lookup

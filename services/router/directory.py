@@ -51,23 +51,25 @@ class MeshDirectory:
         self,
         fetch: Callable[[], Awaitable[tuple[list[ModelEntry], list[Candidate]]]],
         refresh_seconds: float,
-        eject_seconds: float,
-        max_stale_seconds: float = 10.0,
+        max_stale_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        on_refresh: Callable[[Snapshot], None] | None = None,
     ) -> None:
         self._fetch = fetch
+        # Told each new view (the flow forgets the windows and breakers of workers that left).
+        self._on_refresh = on_refresh
         self._refresh = refresh_seconds
         self._max_stale = max_stale_seconds
-        self._eject_seconds = eject_seconds
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._lock = asyncio.Lock()
-        self._ejected: dict[WorkerId, float] = {}
 
     async def _refresh_now(self) -> Snapshot:
         async with self._lock:
             models, workers = await self._fetch()
             self._snapshot = Snapshot(models, workers, self._clock())
+            if self._on_refresh is not None:
+                self._on_refresh(self._snapshot)
             return self._snapshot
 
     async def run(self) -> None:
@@ -81,7 +83,8 @@ class MeshDirectory:
                 failing = False
             except errors.GaasError as exc:
                 if not failing:
-                    log.warning("cannot refresh the view of the mesh: %s", exc)
+                    log.warning("cannot refresh the view of the mesh (%s); routing on the last one for up to %.0f s",
+                                exc, self._max_stale)
                 failing = True
             await asyncio.sleep(self._refresh)
 
@@ -99,7 +102,11 @@ class MeshDirectory:
         registered, a model just applied) and the current one is not brand new; else None."""
         snap = self._snapshot
         if missing and (snap is None or self._clock() - snap.taken_at > FRESH_SECONDS):
-            return await self._refresh_now()
+            try:
+                return await self._refresh_now()
+            except errors.GaasError:
+                if snap is None:
+                    raise
         return None
 
     async def resolve_model(self, name: str) -> ModelEntry:
@@ -127,11 +134,3 @@ class MeshDirectory:
         if not serving:
             raise errors.Unavailable(f"no worker is serving {model!r} right now; retry in a few seconds")
         return serving
-
-    def ejected(self) -> frozenset[WorkerId]:
-        now = self._clock()
-        return frozenset(w for w, until in self._ejected.items() if until > now)
-
-    def eject(self, worker_id: WorkerId) -> None:
-        """Skip worker_id for a while (it failed before producing a token)."""
-        self._ejected[worker_id] = self._clock() + self._eject_seconds

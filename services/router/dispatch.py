@@ -1,9 +1,11 @@
 """Taking a generation to a worker: resolve the model, tokenize the prompt once (the worker gets
 token ids), check the request against the model, hash its blocks and ask the KV directory where
-its prefix lives (the one async step before scheduling), schedule (filters, scorers, picker),
-forward the stream through the sidecar (naming the worker in x-gaas-worker), relay the chunks.
-Retries on another worker only while no token has been relayed, so a client never sees a token
-twice.
+its prefix lives (the one async step before scheduling), schedule (filters, scorers, picker) within
+the workers' batching windows, or wait in the router's queue by priority band when no window has
+room (services/router/flow.py), forward the stream through the sidecar (naming the worker in
+x-gaas-worker) with the tier's engine priority, relay the chunks, and tell the flow how the worker
+did (first token time, failures: windows and circuit breakers). Retries on another worker only
+while no token has been relayed, so a client never sees a token twice.
 
 Both public APIs (gaas.v1.Inference and the OpenAI-compatible one) go through here; failures are
 gaas.errors, which the server interceptor turns into statuses.
@@ -20,13 +22,14 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Histogram
 
-from gaas import errors, genrequest, kvhash
+from gaas import errors, genrequest, kvhash, qos
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
 from gaas.tokenizer import ChatMessage, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.auth import Principal
 from services.router.directory import MeshDirectory, ModelEntry
+from services.router.flow import Flow
 from services.router.kvclient import KVDirectoryClient
 from services.router.scheduling import RequestContext, Scheduler, WorkerId
 
@@ -112,6 +115,7 @@ class Dispatcher:
         max_stream_seconds: float,
         kv: KVDirectoryClient | None = None,
         metrics: RouterMetrics = RouterMetrics(),
+        flow: Flow | None = None,
     ) -> None:
         self._directory = directory
         self._scheduler = scheduler
@@ -122,7 +126,12 @@ class Dispatcher:
         self._kv = kv
         self._metrics = metrics
         self._inflight = Inflight()
+        self._flow = flow or Flow(qos.DEFAULT_POLICIES)
         self._last_miss_log = 0.0
+
+    @property
+    def flow(self) -> Flow:
+        return self._flow
 
     @property
     def in_flight(self) -> int:
@@ -269,13 +278,24 @@ class Dispatcher:
         worker_request = worker_pb2.WorkerGenerateRequest(
             request=prepared.request, request_id=request_id, cache_salt=prepared.cache_salt
         )
-        timeout = self._max_stream_seconds if time_remaining is None else min(time_remaining, self._max_stream_seconds)
 
         tried: set[WorkerId] = set()
         sent_any = False
+        started = time.monotonic()
+
+        def remaining() -> float | None:
+            return None if time_remaining is None else max(0.0, time_remaining - (time.monotonic() - started))
+
+        priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
+        if priority is not None:
+            worker_request.engine_priority = priority
+        loop = asyncio.get_running_loop()
         for attempt in range(self._retries + 1):
-            ctx.tried, ctx.ejected = frozenset(tried), self._directory.ejected()
-            worker = self._scheduler.schedule(ctx, workers).worker
+            ctx.tried = frozenset(tried)
+            placing = time.perf_counter()
+            decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, remaining())
+            queued_s = time.perf_counter() - placing
+            worker = decision.worker
             tried.add(worker.worker_id)
             if ctx.block_hashes and self._kv is not None:
                 owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
@@ -284,9 +304,24 @@ class Dispatcher:
                 self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
             router_ms = (time.perf_counter() - arrived) * 1000
             token = self._inflight.start(worker.worker_id)
+            left = remaining()
+            timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)
+            sent_at = time.perf_counter()
+            threshold = self._flow.breakers.threshold_ms(worker.worker_id)
+            watchdog = loop.call_later(threshold / 1000, self._flow.slow, worker.worker_id, threshold)
             call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
+            first = True
             try:
                 async for chunk in call:
+                    if first and chunk.token_ids:
+                        first = False
+                        watchdog.cancel()
+                        now = time.perf_counter()
+                        # The worker's breaker judges the worker's own time; the window judges what the
+                        # tenant waits for, less the queue the window itself decides (the router's
+                        # own delays under load count: a smaller window relieves them too).
+                        self._flow.first_token(worker.worker_id, principal.tier, (now - sent_at) * 1000,
+                                               (now - arrived - queued_s) * 1000)
                     if chunk.HasField("usage"):
                         chunk.timings.router_ms = router_ms
                         chunk.tenant = principal.tenant
@@ -303,21 +338,23 @@ class Dispatcher:
                         )
                     sent_any = True
                     yield chunk
+                if first:
+                    self._flow.succeeded(worker.worker_id)
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self._directory.eject(worker.worker_id)
+                self._flow.failed(worker.worker_id, code, exc.details() or "")
                 if not sent_any and code in RETRYABLE and attempt < self._retries:
                     log.warning("worker %s failed before its first token (%s: %s); trying another",
                                 worker.worker_id, code.name, exc.details())
-                    self._directory.eject(worker.worker_id)
                     continue
                 raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
             finally:
+                watchdog.cancel()
                 # A client that went away cancels the caller; take the worker's stream with it.
                 call.cancel()
                 self._inflight.finish(worker.worker_id, token)
+                self._flow.finished(worker.worker_id)
 
 
 async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]]) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:

@@ -1,7 +1,8 @@
-"""The router's side of metering: a tenant's budget checked (and the request's most possible cost
-reserved) before a request starts, and one usage event appended to the Redis Stream when it
-ends, before its last chunk is released: finished, cancelled by the client, or failed after
-tokens were produced. A request retried on a second worker before its first token is one event.
+"""The router's side of admission and metering: a tenant's quotas and budget checked (and the
+request's place, tokens and most possible cost reserved; gaas.admission) before a request starts,
+and one usage event appended to the Redis Stream when it ends, before its last chunk is released:
+finished, cancelled by the client, or failed after tokens were produced. A request retried on a
+second worker before its first token is one event.
 
 Never losing a record: when Redis does not answer, the event goes to a local spool file (an
 append-only JSON-lines file, flushed and fsynced) and a background task appends it once Redis is
@@ -16,13 +17,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from gaas import errors, metering, pricing
+from gaas import admission, errors, metering, pricing
 from gaas.metering import UsageEvent
 from gaas.v1 import common_pb2
 from services.router.auth import Principal
@@ -46,7 +48,8 @@ class Metered:
     parts: int
     client_request_id: str
     arrived: float
-    reserved: bool = False
+    # Whether Redis admitted it (and holds its place, tokens and cost until it ends).
+    admitted: bool = False
     # Tokens relayed to the client so far, and the usage chunks received.
     relayed: int = 0
     finals: list = field(default_factory=list)
@@ -85,54 +88,51 @@ class Metered:
 
 
 class Meter:
-    def __init__(self, redis: Redis, spool_dir: Path) -> None:
+    def __init__(self, redis: Redis, spool_dir: Path, clock: Callable[[], int] = metering.now_ms) -> None:
+        # Unix ms (tests move it).
+        self._clock = clock
         self._redis = redis
-        self._reserve = _Script(redis, metering.RESERVE)
-        self._record = _Script(redis, metering.RECORD)
-        self._release = _Script(redis, metering.RELEASE)
+        self._admit = _Script(redis, admission.ADMIT)
+        self._record = _Script(redis, admission.RECORD)
+        self._release = _Script(redis, admission.RELEASE)
         spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._spool = spool_dir / "usage.spool"
         self._spool_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.spooled = 0
-        self._budgets_unchecked = False
+        self._unchecked = False
 
     async def admit(
         self, principal: Principal, request_id: str, model: str, model_version: str, price: pricing.Price,
         prompt_tokens: int, max_completion_tokens: int, parts: int, client_request_id: str, arrived: float,
     ) -> Metered:
-        """Check the tenant's budget and reserve the request's most possible cost;
-        errors.ResourceExhausted (naming the budget) when it does not fit."""
+        """Admit a request against its tenant's quotas and budget, reserving its place, its tokens
+        and its most possible cost; errors.ResourceExhausted (naming the limit, with when to retry)
+        when one does not fit."""
         m = Metered(request_id, principal, model, model_version, price, parts, client_request_id, arrived,
                     prompt_tokens=prompt_tokens)
         estimate = pricing.estimate_micros(price, prompt_tokens, max_completion_tokens)
-        now = metering.now_ms()
-        tenant = principal.tenant
-        keys = [metering.budget_key(tenant), metering.spend_key(tenant, metering.month_of(now)),
-                metering.reserved_key(tenant), metering.reserved_exp_key(tenant)]
+        tokens = prompt_tokens + max_completion_tokens
+        now = self._clock()
+        limits = principal.limits
         try:
-            ok, budget, spend, reserved = await self._reserve(
-                keys=keys, args=[request_id, estimate, now, now + RESERVATION_SECONDS * 1000]
+            answer, a, b, c, retry_ms = await self._admit(
+                keys=admission.admit_keys(principal.tenant, metering.month_of(now)),
+                args=[request_id, estimate, tokens, now, now + RESERVATION_SECONDS * 1000, limits.rpm, limits.tpm,
+                      limits.concurrency],
             )
         except RedisError as exc:
-            # Budgets are enforced from Redis; while it is away, requests are served (and metered).
-            if not self._budgets_unchecked:
-                log.warning("cannot check budgets (%s); serving requests unchecked until Redis answers", exc)
-            self._budgets_unchecked = True
+            # Quotas and budgets are enforced from Redis; while it is away, requests are served (and metered).
+            if not self._unchecked:
+                log.warning("cannot check quotas and budgets (%s); serving requests unchecked until Redis answers", exc)
+            self._unchecked = True
             return m
-        if self._budgets_unchecked:
-            log.info("Redis answers again; budgets are checked")
-            self._budgets_unchecked = False
-        if not ok:
-            _, month_end = metering.month_bounds(metering.month_of(now))
-            raise errors.ResourceExhausted(
-                f"tenant {tenant} has used its monthly budget of {pricing.format_usd(budget)} "
-                f"({pricing.format_usd(spend)} spent this month, {pricing.format_usd(reserved)} held by requests in "
-                f"flight; this request could cost up to {pricing.format_usd(estimate)}); requests are served again "
-                "when the budget is raised or the month turns",
-                reason="insufficient_quota", retry_after=max(1.0, (month_end - now) / 1000),
-            )
-        m.reserved = budget >= 0
+        if self._unchecked:
+            log.info("Redis answers again; quotas and budgets are checked")
+            self._unchecked = False
+        if answer != admission.ADMITTED:
+            raise refusal(principal.tenant, answer, a, b, c, retry_ms, estimate, tokens, now)
+        m.admitted = True
         return m
 
     async def commit(self, m: Metered, outcome: str) -> None:
@@ -145,7 +145,7 @@ class Meter:
             return
         event = m.event(outcome)
         try:
-            keys, args = metering.record_args(event)
+            keys, args = admission.record_args(event)
             await self._record(keys=keys, args=args)
         except RedisError as exc:
             log.warning("cannot append usage of %s to Redis (%s); spooled until it answers", event.request_id, exc)
@@ -158,11 +158,10 @@ class Meter:
         task.add_done_callback(self._tasks.discard)
 
     async def release(self, m: Metered) -> None:
-        if not m.reserved:
+        if not m.admitted:
             return
         try:
-            await self._release(keys=[metering.reserved_key(m.principal.tenant),
-                                      metering.reserved_exp_key(m.principal.tenant)], args=[m.request_id])
+            await self._release(keys=admission.release_keys(m.principal.tenant), args=[m.request_id])
         except RedisError:
             pass  # the reservation lapses on its own
 
@@ -184,7 +183,7 @@ class Meter:
             try:
                 for line in lines:
                     event = UsageEvent(**json.loads(line))
-                    keys, args = metering.record_args(event)
+                    keys, args = admission.record_args(event)
                     await self._record(keys=keys, args=args)
                     sent += 1
             except RedisError:
@@ -204,6 +203,42 @@ class Meter:
 
     async def close(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def refusal(
+    tenant: str, answer: int, a: int, b: int, c: int, retry_ms: int, estimate: int, tokens: int, now: int,
+) -> errors.ResourceExhausted:
+    """The error of an ADMIT answer that refused a request (its figures as the script returned them)."""
+    retry = max(1.0, retry_ms / 1000)
+    subject = f"tenant:{tenant}"
+    if answer == admission.OVER_CONCURRENCY:
+        return errors.ResourceExhausted(
+            f"tenant {tenant} has {a} requests in flight, its limit is {b} at once: retry when one has finished",
+            reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"concurrent requests: {b}"))
+    if answer == admission.OVER_RPM:
+        return errors.ResourceExhausted(
+            f"tenant {tenant} has made {a} requests in the last minute, its quota is {b} requests per minute: "
+            f"retry in {retry:.0f} s", reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"requests per minute: {b}"))
+    if answer == admission.OVER_TPM:
+        return errors.ResourceExhausted(
+            f"tenant {tenant} has used {a} tokens in the last minute (prompts plus the most each request may "
+            f"generate), its quota is {b} tokens per minute and this request needs up to {tokens}: retry in "
+            f"{retry:.0f} s, or ask for fewer max_tokens", reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"tokens per minute: {b}"))
+    if answer == admission.TOO_LARGE_FOR_TPM:
+        return errors.ResourceExhausted(
+            f"this request needs up to {a} tokens (its prompt plus max_tokens), more than tenant {tenant}'s quota "
+            f"of {b} tokens per minute: ask for fewer max_tokens or a shorter prompt", param="max_tokens",
+            reason="rate_limit_exceeded", quota=errors.QuotaViolation(subject, f"tokens per minute: {b}"))
+    _, month_end = metering.month_bounds(metering.month_of(now))
+    return errors.ResourceExhausted(
+        f"tenant {tenant} has used its monthly budget of {pricing.format_usd(a)} ({pricing.format_usd(b)} spent "
+        f"this month, {pricing.format_usd(c)} held by requests in flight; this request could cost up to "
+        f"{pricing.format_usd(estimate)}); requests are served again when the budget is raised or the month turns",
+        reason="insufficient_quota", retry_after=max(1.0, (month_end - now) / 1000),
+        quota=errors.QuotaViolation(subject, f"monthly budget: {pricing.format_usd(a)}"))
 
 
 class _Script:

@@ -11,17 +11,23 @@ import asyncio
 import logging
 from pathlib import Path
 
-from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.tokenizer import TokenizerCache
+from gaas import deployspec, qos
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import FAST_BUCKETS
-from gaas.v1 import billing_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
+from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.tokenizer import TokenizerCache
+from gaas.v1 import (
+    billing_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
+    worker_pb2_grpc,
+)
 from services.router.auth import Authenticator
 from services.router.billingclient import usage_reader
 from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.flow import Flow, FlowCollector, FlowSettings
+from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
 from services.router.metering import Meter
 from services.router.openai_servicer import OpenAIServicer
@@ -39,7 +45,11 @@ HELP_ENV = """environment:
   GAAS_REGISTRY_REFRESH_SECONDS  how often workers and their load are read from control (0.5)
   GAAS_KV_LOOKUP_TIMEOUT  seconds to wait for the KV directory before routing without it (0.05)
   GAAS_ROUTER_RETRIES  other workers tried before the first token (2)
-  GAAS_EJECT_SECONDS   seconds a failed worker is skipped (5)
+  GAAS_QOS             flow control by tier: bands, batching windows, the queue (on; off to compare)
+  GAAS_QUEUE_MAX       most requests waiting for a worker in this router (256)
+  GAAS_WINDOW_INITIAL / _MIN / _MAX  each worker's batching window, requests (8 / 2 / 64)
+  GAAS_BREAKER_COOLDOWN_SECONDS  how long a worker whose breaker opened is left alone (5)
+  GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
   GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB)
   GAAS_REDIS_URL       Redis, where usage events go and budgets are kept (redis://127.0.0.1:6379/0)
@@ -55,7 +65,18 @@ async def serve(cfg: RouterConfig) -> None:
     channel = rt.channel(cfg.outbound)
     control = control_pb2_grpc.ControlStub(channel)
     tokenizers = TokenizerCache()
-    directory = MeshDirectory(control_fetcher(control), cfg.registry_refresh_seconds, cfg.eject_seconds)
+    policies = deployspec.load(Path(cfg.deploy_file)).qos if cfg.deploy_file else dict(qos.DEFAULT_POLICIES)
+    flow = Flow(policies, FlowSettings(
+        enabled=cfg.qos, max_waiting=cfg.max_waiting, window_initial=cfg.window_initial, window_min=cfg.window_min,
+        window_max=cfg.window_max, breaker_cooldown_seconds=cfg.breaker_cooldown_seconds,
+    ))
+    directory = MeshDirectory(
+        control_fetcher(control), cfg.registry_refresh_seconds, cfg.max_stale_seconds,
+        on_refresh=lambda snap: flow.forget([w.worker_id for w in snap.workers]),
+    )
+    rt.metrics.registry.register(FlowCollector(flow))
+    log.info("flow control %s: targets %s", "on" if cfg.qos else "OFF",
+             ", ".join(f"{t} TTFT {p.ttft_target_ms:g} ms, queue {p.queue_timeout_s:g} s" for t, p in policies.items()))
     plugin_seconds = rt.metrics.histogram(
         "scheduler_plugin_seconds", "Time each scheduling plugin took per request", ("plugin",), buckets=FAST_BUCKETS
     )
@@ -69,6 +90,7 @@ async def serve(cfg: RouterConfig) -> None:
         retries=cfg.retries,
         max_stream_seconds=cfg.max_stream_seconds,
         kv=kv,
+        flow=flow,
         metrics=RouterMetrics(
             routed=rt.metrics.counter("routed_total", "Requests sent to each worker, by policy", ("policy", "worker")),
             prediction_misses=rt.metrics.counter(
@@ -80,7 +102,7 @@ async def serve(cfg: RouterConfig) -> None:
     )
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,
              ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
-    auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds)
+    auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
     read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))
@@ -91,6 +113,8 @@ async def serve(cfg: RouterConfig) -> None:
     rt.add_service(
         openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter), "gaas.v1.OpenAI"
     )
+    rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow), "gaas.v1.Router",
+                   listed=False)  # reached through the router's sidecar only, never the ingress
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")

@@ -36,8 +36,12 @@ class WorkerConfig:
     gpu_memory_utilization: float
     # Skip torch.compile and CUDA graphs (faster start, slower steps).
     enforce_eager: bool
-    # Most sequences batched together.
+    # Most sequences batched together, and most tokens in one engine step (0: vLLM's default).
     max_num_seqs: int
+    max_num_batched_tokens: int
+    # Most requests waiting for their first token; more are refused (RESOURCE_EXHAUSTED, which the
+    # router takes elsewhere); 0: no bound.
+    max_waiting: int
     # KV-cache size in blocks (vLLM's num_gpu_blocks_override); 0 sizes it by memory.
     kv_cache_blocks: int
     # Publish the engine's KV events to the directories.
@@ -62,6 +66,8 @@ class WorkerConfig:
             gpu_memory_utilization=env_float(env, "GAAS_GPU_MEMORY_UTILIZATION", 0.85),
             enforce_eager=env_bool(env, "GAAS_ENFORCE_EAGER", True),
             max_num_seqs=env_int(env, "GAAS_MAX_NUM_SEQS", 64),
+            max_num_batched_tokens=env_int(env, "GAAS_MAX_NUM_BATCHED_TOKENS", 0),
+            max_waiting=env_int(env, "GAAS_MAX_WAITING", 128),
             kv_cache_blocks=env_int(env, "GAAS_KV_CACHE_BLOCKS", 0),
             kv_events=env_bool(env, "GAAS_KV_EVENTS", True),
             lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 0.5),

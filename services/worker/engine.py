@@ -139,6 +139,11 @@ class Engine(ABC):
     @abstractmethod
     def load(self) -> EngineLoad: ...
 
+    @property
+    def dead(self) -> bool:
+        """The engine's processes failed (not a shutdown this worker asked for)."""
+        return not self._closed and bool(self._llm.errored)
+
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False when the engine cannot now."""
         return False
@@ -158,6 +163,8 @@ class VllmSettings:
     gpu_memory_utilization: float
     enforce_eager: bool
     max_num_seqs: int
+    # Most tokens in one engine step; None: vLLM's default.
+    max_num_batched_tokens: int | None = None
     # The engine's KV-cache size in blocks (vLLM's num_gpu_blocks_override); None sizes it by memory.
     kv_cache_blocks: int | None = None
     # Directory for the KV-event sockets (ipc://), private to the worker; None publishes none.
@@ -223,6 +230,8 @@ class VllmEngine(Engine):
                     f"({s.max_model_len} tokens in blocks of {s.block_size}): give it at least {need} blocks"
                 )
             extra["num_gpu_blocks_override"] = s.kv_cache_blocks
+        if s.max_num_batched_tokens:
+            extra["max_num_batched_tokens"] = s.max_num_batched_tokens
         args = AsyncEngineArgs(
             model=s.model_path,
             served_model_name=[s.model],

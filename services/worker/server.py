@@ -32,12 +32,18 @@ HELP_ENV = """environment:
   GAAS_MODEL, GAAS_MODEL_PATH, GAAS_MODEL_VERSION   what it serves (required: name and path)
   GAAS_MAX_MODEL_LEN (2048)  GAAS_BLOCK_SIZE (32)  GAAS_KV_CACHE_GIB (1, CPU only)
   GAAS_ENFORCE_EAGER (true)  GAAS_MAX_NUM_SEQS (64)  GAAS_GPU_MEMORY_UTILIZATION (0.85)
+  GAAS_MAX_NUM_BATCHED_TOKENS  most tokens per engine step (0: vLLM's default)
+  GAAS_MAX_WAITING     most requests waiting for their first token; more get RESOURCE_EXHAUSTED (128; 0: no bound)
   GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
   GAAS_KV_CACHE_BLOCKS KV-cache size in blocks (vLLM's num_gpu_blocks_override; 0: sized by memory)
   GAAS_KV_EVENTS       publish the engine's KV events to the KV directories (true)
   GAAS_LEASE_RENEW_SECONDS  lease renewals, each with a load report (0.5)
   VLLM_CPU_OMP_THREADS_BIND  the core(s) a CPU worker is pinned to (`gaas up` sets one per worker)
 """
+
+
+# The exit status of a worker whose engine died (gaas up restarts it).
+ENGINE_DIED_EXIT = 3
 
 
 def device_monitor(engine: VllmEngine):
@@ -70,12 +76,13 @@ async def serve(cfg: WorkerConfig) -> None:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 enforce_eager=cfg.enforce_eager,
                 max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens or None,
                 kv_cache_blocks=cfg.kv_cache_blocks or None,
                 kv_events_dir=events_dir,
             )
         )
     )
-    servicer = WorkerServicer(cfg.instance)
+    servicer = WorkerServicer(cfg.instance, max_waiting=cfg.max_waiting)
     rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "gaas.v1.Worker")
     # The port is open (and NOT_SERVING) while the engine loads, so health checks get an answer.
     await rt.start()
@@ -93,9 +100,11 @@ async def serve(cfg: WorkerConfig) -> None:
         await rt.shutdown()
         raise SystemExit(1) from None
     servicer.engine = engine
-    rt.on_stop(engine.shutdown)  # runs last
+    # The engine stops after the server has (streams in flight finish first), its sockets after it.
     if events_dir:
-        rt.on_stop(lambda: asyncio.to_thread(shutil.rmtree, events_dir, True))
+        rt.after_stop(lambda: asyncio.to_thread(shutil.rmtree, events_dir, True))
+    rt.after_stop(engine.shutdown)
+    watch = asyncio.create_task(watch_engine(engine, rt), name="engine-watch")
     servicer.monitor = await asyncio.to_thread(device_monitor, engine)
     relay_task = None
     if engine.info.kv_events_endpoint:
@@ -139,8 +148,21 @@ async def serve(cfg: WorkerConfig) -> None:
     try:
         await rt.run_until_stopped()
     finally:
+        watch.cancel()
         if channel is not None:
             await channel.close()
+    if rt.exit_code:
+        raise SystemExit(rt.exit_code)
+
+
+async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: float = 0.5) -> None:
+    """A worker whose engine died is no worker: leave the registry (NOT_SERVING, deregistered) and
+    exit with ENGINE_DIED_EXIT, so `gaas up` (or any supervisor) starts a fresh one."""
+    while not rt.stopping:
+        if engine.dead:
+            rt.request_stop("the engine died; exiting so that a fresh worker is started", ENGINE_DIED_EXIT)
+            return
+        await asyncio.sleep(every_seconds)
 
 
 def main() -> None:

@@ -30,8 +30,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine: Engine | None = None,
         monitor: CpuMonitor | GpuMonitor | None = None,
         relay: KVEventRelay | None = None,
+        max_waiting: int = 0,
     ) -> None:
         self._worker_id = worker_id
+        # Requests waiting for their first token, and how many may (0: any number).
+        self._waiting = 0
+        self._max_waiting = max_waiting
         # Set once the engine is up; until then calls get UNAVAILABLE.
         self.engine = engine
         # The device it computes on, and its engine's KV events (both set with the engine).
@@ -60,7 +64,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             messages=[(m.role, m.content) for m in r.messages],
             sampling=genrequest.sampling_dict(r.sampling),
             stop=list(r.stop),
-            priority=genrequest.VLLM_PRIORITY[r.priority],
+            priority=(request.engine_priority if request.HasField("engine_priority")
+                      else genrequest.VLLM_PRIORITY[r.priority]),
             cache_salt=request.cache_salt,
             n=r.n or 1,
             logprobs=r.logprobs if r.HasField("logprobs") else None,
@@ -68,13 +73,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
             continue_final_message=r.continue_final_message,
         )
+        if self._max_waiting and self._waiting >= self._max_waiting:
+            raise errors.ResourceExhausted(
+                f"this worker's queue is full ({self._waiting} requests waiting for their first token); another "
+                "worker, or a retry shortly, may serve it", reason="worker_busy", retry_after=1.0,
+            )
         started = time.perf_counter()
         first_token_ms = 0.0
         produced = 0
+        self._waiting += 1
+        waiting = True
         try:
             async for d in engine.generate(gen):
                 if not first_token_ms and d.token_ids:
                     first_token_ms = (time.perf_counter() - started) * 1000
+                    self._waiting -= 1
+                    waiting = False
                 produced = d.completion_tokens
                 chunk = self._chunk(request.request_id, d)
                 if d.done:
@@ -92,6 +106,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except asyncio.CancelledError:
             log.info("cancelled by the caller after %d tokens; engine request aborted", produced)
             raise
+        finally:
+            if waiting:
+                self._waiting -= 1
 
     @staticmethod
     def _chunk(request_id: str, d: Delta) -> common_pb2.GenerateChunk:

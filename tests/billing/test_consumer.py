@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gaas import metering
+from gaas import admission, metering
 from gaas.metering import GROUP, STREAM, UsageEvent
 from gaas.runtime import redisconn
 from services.billing.budgets import Budgets
@@ -114,15 +114,15 @@ async def test_budgets_reach_redis_and_a_lost_spend_counter_is_rebuilt_from_the_
     budgets = Budgets(ledger, redis)
     await budgets.set(t, 5_000_000)
     month = metering.month_of(metering.now_ms())
-    assert int(await redis.get(metering.budget_key(t))) == 5_000_000
+    assert int(await redis.get(admission.budget_key(t))) == 5_000_000
     spent = (await ledger.totals(t)).cost_micros
-    assert int(await redis.get(metering.spend_key(t, month))) == spent
-    await redis.delete(metering.spend_key(t, month), metering.budget_key(t))  # Redis lost them
+    assert int(await redis.get(admission.spend_key(t, month))) == spent
+    await redis.delete(admission.spend_key(t, month), admission.budget_key(t))  # Redis lost them
     await budgets.mirror()
-    assert int(await redis.get(metering.spend_key(t, month))) == spent
-    assert int(await redis.get(metering.budget_key(t))) == 5_000_000
+    assert int(await redis.get(admission.spend_key(t, month))) == spent
+    assert int(await redis.get(admission.budget_key(t))) == 5_000_000
     await budgets.set(t, 0)
-    assert await redis.get(metering.budget_key(t)) is None
+    assert await redis.get(admission.budget_key(t)) is None
 
 
 async def _until(read, ok, timeout=10.0):

@@ -1,20 +1,20 @@
 import pytest
 
 from gaas.runtime.sql import Database
-from services.control.tenants import AlreadyExists, NotFound, TenantError, TenantStore, hash_key
+from services.control.tenants import TABLES, AlreadyExists, NotFound, TenantError, TenantStore, hash_key
 from tests.sqlurls import database_urls, make_url
 
 
 @pytest.fixture(params=database_urls())
 async def store(request, tmp_path):
     db = Database(make_url(request.param, tmp_path))
-    for table in ("api_keys", "tenant_billing", "tenants"):
+    for table in TABLES:
         db.execute_sync(f"DROP TABLE IF EXISTS {table}")
     s = TenantStore(db)
     await s.init_schema()
     s.db = db
     yield s
-    for table in ("api_keys", "tenant_billing", "tenants"):
+    for table in TABLES:
         db.execute_sync(f"DROP TABLE IF EXISTS {table}")
     db.close()
 
@@ -68,3 +68,28 @@ async def test_keys_need_a_tenant_and_list_by_tenant(store):
     await store.create_key("b")
     assert [k.tenant for k in await store.list_keys("b")] == ["b"]
     assert len(await store.list_keys()) == 2
+
+
+async def test_a_tenants_own_quotas_override_its_tiers_until_reset(store):
+    from gaas import qos
+    from services.control.servicer import tenant_to_pb
+
+    await store.create_tenant("acme", "bronze")
+    tier = qos.DEFAULT_POLICIES["bronze"].limits
+    pb = tenant_to_pb(await store.get_tenant("acme"))
+    assert (pb.limits.rpm, pb.limits.tpm, pb.limits.concurrency) == (tier.rpm, tier.tpm, tier.concurrency)
+    assert list(pb.own_limits) == []
+    await store.update_tenant("acme", limits={"rpm": 60, "concurrency": 0})
+    t = await store.update_tenant("acme", limits={"tpm": 1000})
+    assert t.own_limits == (60, 1000, 0)
+    pb = tenant_to_pb(t)
+    assert (pb.limits.rpm, pb.limits.tpm, pb.limits.concurrency) == (60, 1000, 0) and list(pb.own_limits) == [
+        "rpm", "tpm", "concurrency"]
+    t = await store.update_tenant("acme", limits={"rpm": None})
+    assert t.own_limits == (None, 1000, 0) and tenant_to_pb(t).limits.rpm == tier.rpm
+    with pytest.raises(TenantError, match="rpm must be between 0"):
+        await store.update_tenant("acme", limits={"rpm": -5})
+    with pytest.raises(TenantError, match="unknown quota"):
+        await store.update_tenant("acme", limits={"rph": 5})
+    found, _ = await store.authenticate((await store.create_key("acme"))[1])
+    assert found.own_limits == (None, 1000, 0)

@@ -9,7 +9,7 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from gaas import errors, metering, pricing
+from gaas import admission, errors, metering, pricing
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
 from services.router.auth import Principal
@@ -26,13 +26,6 @@ def principal(tenant: str) -> Principal:
 
 def fresh_tenant() -> str:
     return f"t{next(_ids)}-{time.monotonic_ns()}"
-
-
-@pytest.fixture
-async def redis(redis_url):
-    client = redisconn.connect(redis_url)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture
@@ -62,7 +55,7 @@ async def stream_events(redis: Redis, request_id: str) -> list[metering.UsageEve
 async def test_concurrent_requests_cannot_race_past_a_budget(meter, redis):
     tenant = fresh_tenant()
     estimate = pricing.estimate_micros(PRICE, 10, 20)
-    await redis.set(metering.budget_key(tenant), 5 * estimate + estimate // 2)  # room for five, not six
+    await redis.set(admission.budget_key(tenant), 5 * estimate + estimate // 2)  # room for five, not six
 
     async def one(i):
         try:
@@ -76,8 +69,8 @@ async def test_concurrent_requests_cannot_race_past_a_budget(meter, redis):
 
 async def test_a_refusal_names_the_budget_and_when_to_retry(meter, redis):
     tenant = fresh_tenant()
-    await redis.set(metering.budget_key(tenant), 12_500_000)
-    await redis.set(metering.spend_key(tenant, metering.month_of(metering.now_ms())), 12_499_999)
+    await redis.set(admission.budget_key(tenant), 12_500_000)
+    await redis.set(admission.spend_key(tenant, metering.month_of(metering.now_ms())), 12_499_999)
     with pytest.raises(errors.ResourceExhausted) as info:
         await admit(meter, tenant, "r")
     err = info.value
@@ -88,14 +81,14 @@ async def test_a_refusal_names_the_budget_and_when_to_retry(meter, redis):
 
 async def test_a_finished_request_turns_its_reservation_into_spend(meter, redis):
     tenant = fresh_tenant()
-    await redis.set(metering.budget_key(tenant), 10**9)
+    await redis.set(admission.budget_key(tenant), 10**9)
     m = await admit(meter, tenant, f"{tenant}-r")
-    assert await redis.hlen(metering.reserved_key(tenant)) == 1
+    assert await redis.hlen(admission.inflight_key(tenant)) == 1
     chunks = [chunk(3), chunk(2, usage=(10, 4, 5))]
     got = [c async for c in metered(meter, m, _agen(chunks))]
     assert got == chunks
-    assert await redis.hlen(metering.reserved_key(tenant)) == 0
-    spend = int(await redis.get(metering.spend_key(tenant, metering.month_of(metering.now_ms()))))
+    assert await redis.hlen(admission.inflight_key(tenant)) == 0
+    spend = int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms()))))
     assert spend == pricing.cost_micros(PRICE, 10, 4, 5) == 6 + 0 + 10  # 0.4 rounds to 0
     [e] = await stream_events(redis, f"{tenant}-r")
     assert (e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.outcome) == (10, 4, 5, "finished")
@@ -135,7 +128,7 @@ async def test_a_client_that_goes_away_is_billed_for_what_it_received(meter, red
 
 async def test_a_request_that_produced_nothing_releases_its_reservation(meter, redis):
     tenant = fresh_tenant()
-    await redis.set(metering.budget_key(tenant), 10**9)
+    await redis.set(admission.budget_key(tenant), 10**9)
     m = await admit(meter, tenant, f"{tenant}-r")
 
     async def failing():
@@ -146,17 +139,17 @@ async def test_a_request_that_produced_nothing_releases_its_reservation(meter, r
         async for _ in metered(meter, m, failing()):
             pass
     await meter.close()
-    assert await redis.hlen(metering.reserved_key(tenant)) == 0
+    assert await redis.hlen(admission.inflight_key(tenant)) == 0
     assert await stream_events(redis, f"{tenant}-r") == []
 
 
 async def test_a_reservation_of_a_router_that_died_lapses(meter, redis):
     tenant = fresh_tenant()
     estimate = pricing.estimate_micros(PRICE, 10, 20)
-    await redis.set(metering.budget_key(tenant), estimate)
+    await redis.set(admission.budget_key(tenant), estimate)
     now = metering.now_ms()
-    await redis.hset(metering.reserved_key(tenant), "dead-router-request", estimate)
-    await redis.zadd(metering.reserved_exp_key(tenant), {"dead-router-request": now - 1})
+    await redis.hset(admission.inflight_key(tenant), "dead-router-request", estimate)
+    await redis.zadd(admission.inflight_exp_key(tenant), {"dead-router-request": now - 1})
     assert await admit(meter, tenant, f"{tenant}-r") is not None
 
 
@@ -216,8 +209,8 @@ async def test_a_request_that_fails_after_tokens_is_billed_for_them_as_failed(me
 
 async def test_last_months_spend_does_not_count_against_this_months_budget(meter, redis):
     tenant = fresh_tenant()
-    await redis.set(metering.budget_key(tenant), 1_000_000)
-    await redis.set(metering.spend_key(tenant, "202001"), 999_999_999)
+    await redis.set(admission.budget_key(tenant), 1_000_000)
+    await redis.set(admission.spend_key(tenant, "202001"), 999_999_999)
     assert await admit(meter, tenant, f"{tenant}-r") is not None
 
 

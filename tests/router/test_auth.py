@@ -71,3 +71,30 @@ async def test_control_failures_propagate():
 
     with pytest.raises(ConnectionError):
         await Authenticator(lookup, 2).authenticate("Bearer k")
+
+
+async def test_while_control_is_unreachable_keys_verified_within_the_bound_still_work():
+    from gaas.errors import Unavailable
+
+    down = False
+
+    async def lookup(key):
+        if down:
+            raise Unavailable("the control plane does not answer")
+        return ACME if key == "good" else None
+
+    clock = Clock()
+    auth = Authenticator(lookup, ttl_seconds=2, clock=clock, stale_seconds=60)
+    assert await auth.authenticate("Bearer good") == ACME
+    down = True
+    clock.now = 30.0  # the cache entry expired, the lookup fails: verified 30 s ago is recent enough
+    assert await auth.authenticate("Bearer good") == ACME
+    with pytest.raises(Unavailable):  # never verified: refused
+        await auth.authenticate("Bearer other")
+    clock.now = 61.0
+    with pytest.raises(Unavailable):  # verified too long ago
+        await auth.authenticate("Bearer good")
+    down = False
+    assert await auth.authenticate("Bearer good") == ACME
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate("Bearer other")

@@ -30,7 +30,7 @@ def setup():
 
     fetch.fail = None
     clock = Clock()
-    return MeshDirectory(fetch, refresh_seconds=0.01, eject_seconds=5.0, max_stale_seconds=10.0, clock=clock), clock, calls, fetch
+    return MeshDirectory(fetch, refresh_seconds=0.01, max_stale_seconds=10.0, clock=clock), clock, calls, fetch
 
 
 async def test_requests_reuse_the_view_until_it_is_too_stale(setup):
@@ -67,15 +67,11 @@ async def test_resolve_model(setup):
     assert len(err.value.message) < 200, "a huge name is cut before it is echoed"
 
 
-async def test_workers_of_a_model_and_ejection(setup):
+async def test_workers_of_a_model(setup):
     d, clock, _, _ = setup
     assert len(await d.workers("tiny")) == 2
     with pytest.raises(errors.Unavailable, match="no worker is serving 'small'"):
         await d.workers("small")
-    d.eject(WorkerId("worker-0"))
-    assert d.ejected() == {"worker-0"}
-    clock.now = 6.0
-    assert d.ejected() == frozenset()
 
 
 async def test_a_miss_looks_again_unless_the_view_is_brand_new():
@@ -87,9 +83,31 @@ async def test_a_miss_looks_again_unless_the_view_is_brand_new():
     async def fetch():
         return views.pop(0) if len(views) > 1 else views[0]
 
-    d = MeshDirectory(fetch, refresh_seconds=1.0, eject_seconds=5.0, clock=clock)
+    d = MeshDirectory(fetch, refresh_seconds=1.0, clock=clock)
     await d.snapshot()
     with pytest.raises(errors.Unavailable):
         await d.workers("tiny")  # the view is brand new: no second fetch
     clock.now = 0.5
     assert len(await d.workers("tiny")) == 2
+
+
+async def test_with_control_unreachable_requests_route_on_the_last_view_until_it_is_too_old():
+    up = True
+    clock = Clock()
+
+    async def fetch():
+        if not up:
+            raise errors.Unavailable("the control plane does not answer")
+        return MODELS, WORKERS
+
+    d = MeshDirectory(fetch, refresh_seconds=0.5, max_stale_seconds=60.0, clock=clock)
+    await d.snapshot()
+    up = False
+    clock.now = 59.0
+    assert len(await d.workers("tiny")) == 2
+    await d.resolve_model("tiny")
+    with pytest.raises(errors.NotFound):  # an unknown model looks again, fails, and keeps the last view's answer
+        await d.resolve_model("nope")
+    clock.now = 61.0
+    with pytest.raises(errors.Unavailable):
+        await d.workers("tiny")

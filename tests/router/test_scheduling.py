@@ -7,7 +7,9 @@ import pytest
 from gaas import errors
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
 from services.router.scheduling.filters.context_fit import ContextFitFilter
-from services.router.scheduling.filters.health import HealthFilter, NotTriedFilter
+from services.router.scheduling.filters.breaker import BreakerFilter
+from services.router.scheduling.filters.not_tried import NotTriedFilter
+from services.router.scheduling.filters.window import WindowFilter
 from services.router.scheduling.filters.model import ModelFilter
 from services.router.scheduling.filters.saturation import SaturationFilter
 from services.router.scheduling.pickers.max_score import MaxScorePicker
@@ -34,7 +36,11 @@ def ctx(**kw):
         (ModelFilter(), ctx(), cand(model="other"), False),
         (NotTriedFilter(), ctx(tried=frozenset({"w0"})), cand("w0"), False),
         (NotTriedFilter(), ctx(tried=frozenset({"w1"})), cand("w0"), True),
-        (HealthFilter(), ctx(ejected=frozenset({"w0"})), cand("w0"), False),
+        (BreakerFilter(), ctx(blocked=frozenset({"w0"})), cand("w0"), False),
+        (BreakerFilter(), ctx(blocked=frozenset({"w1"})), cand("w0"), True),
+        (WindowFilter(), ctx(room={"w0": 0}), cand("w0"), False),
+        (WindowFilter(), ctx(room={"w0": 2}), cand("w0"), True),
+        (WindowFilter(), ctx(room=None), cand("w0"), True),
         (ContextFitFilter(), ctx(prompt_tokens=2000, max_tokens=48), cand(ctx_len=2048), True),
         (ContextFitFilter(), ctx(prompt_tokens=2000, max_tokens=49), cand(ctx_len=2048), False),
         (SaturationFilter(max_queue=4), ctx(), cand(running=2, waiting=1), True),
@@ -56,6 +62,8 @@ def test_filters(plugin, context, candidate, keep):
         (QueueScorer(half_at=4), ctx(inflight={"w0": 1}), cand(running=2, waiting=1), 0.5),
         (KVUsageScorer(), ctx(), cand(kv_usage=0.25), 0.75),
         (DeviceMemoryScorer(), ctx(), cand(memory_used=30, memory_total=120), 0.75),
+        # Same host's RAM read a moment apart: a tie, not a preference.
+        (DeviceMemoryScorer(), ctx(), cand(memory_used=30_100, memory_total=120_000), 0.75),
         (DeviceMemoryScorer(), ctx(), cand(), 0.5),
     ],
 )
@@ -123,5 +131,19 @@ def test_every_plugin_reports_its_time():
     seen = []
     s = make_scheduler("kv_aware", observe=lambda plugin, seconds: seen.append(plugin))
     s.schedule(ctx(block_hashes=[1]), [cand()])
-    assert set(seen) == {"model", "not_tried", "health", "context_fit", "saturation", "prefix", "queue", "kv_usage",
+    assert set(seen) == {"model", "not_tried", "breaker", "context_fit", "window", "saturation", "prefix", "queue", "kv_usage",
                          "device_memory", "max_score"}
+
+
+def test_no_room_in_any_window_is_a_wait_not_a_refusal():
+    from gaas import errors
+    from services.router.scheduling.types import NoCapacity
+
+    s = make_scheduler("kv_aware")
+    with pytest.raises(NoCapacity):
+        s.schedule(ctx(room={"w0": 0, "w1": 0}), [cand("w0"), cand("w1")])
+    assert s.schedule(ctx(room={"w0": 0, "w1": 1}), [cand("w0"), cand("w1")]).worker.worker_id == "w1"
+    # A worker that cannot take the model at all is a refusal, not a wait.
+    with pytest.raises(errors.Unavailable) as info:
+        s.schedule(RequestContext(model="other", room={"w0": 1}), [cand("w0")])
+    assert not isinstance(info.value, NoCapacity)

@@ -89,7 +89,7 @@ async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None):
 
     fake = FakeWorkers(scripts)
     dispatcher = Dispatcher(
-        MeshDirectory(fetch, 1.0, 5.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
+        MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
         retries=retries, max_stream_seconds=30,
     )
     servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0), meter)
@@ -229,3 +229,20 @@ def test_a_public_prefix_replaces_the_tenants_salt_only_for_prompts_that_begin_w
     assert cache_salt(model, chat(("user", "You are helpful.")), "tenant") == "tenant"
     assert cache_salt(model, inference_pb2.GenerateRequest(prompt="You are helpful. Go."), "tenant") == "public:pub_1"
     assert cache_salt(model, inference_pb2.GenerateRequest(prompt="Go."), "tenant") == "tenant"
+
+
+async def test_the_engine_gets_the_tiers_band_whatever_priority_the_client_asks_for():
+    from gaas import qos
+
+    KEYS["key-cheap"] = Principal("cheap", "bronze", "key_2", "salt-cheap")
+    rt, fake = await serve({"w0": OK, "w1": OK})
+    try:
+        await collect(rt, metadata=(("authorization", "Bearer key-cheap"),), prompt="hi", priority=common_pb2.PRIORITY_HIGH)
+        await collect(rt, prompt="hi", priority=common_pb2.PRIORITY_LOW)
+    finally:
+        await rt.shutdown()
+        del KEYS["key-cheap"]
+    bronze_high, gold_low = (req.engine_priority for _, req in fake.calls)
+    assert bronze_high == qos.engine_priority("bronze", common_pb2.PRIORITY_HIGH)
+    assert gold_low == qos.engine_priority("gold", common_pb2.PRIORITY_LOW)
+    assert gold_low < bronze_high  # vLLM serves lower values first

@@ -61,9 +61,10 @@ class FakeEngine(Engine):
         pass
 
 
-async def serve(engine):
+async def serve(engine, max_waiting=0):
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1))
-    rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer("worker-7", engine), "gaas.v1.Worker")
+    rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer("worker-7", engine, max_waiting=max_waiting),
+                   "gaas.v1.Worker")
     await rt.start()
     return rt
 
@@ -187,3 +188,26 @@ async def test_engine_faults(error, code):
     assert "secret internal detail" not in err.value.details(), "internal exception text never reaches a caller"
     if code == grpc.StatusCode.INTERNAL:
         assert "internal error (request id req-" in err.value.details()
+
+
+async def test_a_full_waiting_queue_refuses_with_resource_exhausted_and_the_tier_priority_reaches_the_engine():
+    engine = FakeEngine(tokens=2, delay=0.3)
+    rt = await serve(engine, max_waiting=2)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            calls = [stub.Generate(wreq(f"r{i}", prompt_token_ids=[1, 2]), timeout=5) for i in range(2)]
+            firsts = [asyncio.create_task(c.read()) for c in calls]
+            await asyncio.sleep(0.1)  # both are waiting for their first token
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in stub.Generate(wreq("r3", prompt_token_ids=[1]), timeout=5)]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
+            await asyncio.gather(*firsts)
+            prioritized = wreq("r4", prompt_token_ids=[1], priority=common_pb2.PRIORITY_HIGH)
+            prioritized.engine_priority = 7
+            [c async for c in stub.Generate(prioritized, timeout=5)]  # room again once they streamed
+            for c in calls:
+                c.cancel()
+    finally:
+        await rt.shutdown()
+    assert engine.requests[-1].priority == 7, "the router's tier-bound priority, not the client's"

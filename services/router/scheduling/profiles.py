@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from services.router.scheduling.filters.context_fit import ContextFitFilter
-from services.router.scheduling.filters.health import HealthFilter, NotTriedFilter
+from services.router.scheduling.filters.breaker import BreakerFilter
+from services.router.scheduling.filters.not_tried import NotTriedFilter
 from services.router.scheduling.filters.model import ModelFilter
 from services.router.scheduling.filters.saturation import SaturationFilter
+from services.router.scheduling.filters.window import WindowFilter
 from services.router.scheduling.pickers.max_score import MaxScorePicker
 from services.router.scheduling.pickers.round_robin import RoundRobinPicker
 from services.router.scheduling.scheduler import Scheduler
@@ -18,7 +20,8 @@ from services.router.scheduling.scorers.queue import QueueScorer
 
 SCORERS = {s.name: s for s in (PrefixScorer, QueueScorer, KVUsageScorer, DeviceMemoryScorer)}
 
-# profile -> (scorer weights, picker). Every profile filters by model, failures, health and context.
+# profile -> (scorer weights, picker). Every profile filters by model, failures, circuit breakers,
+# context and batching windows.
 PROFILES: dict[str, tuple[dict[str, float], str]] = {
     "round_robin": ({}, "round_robin"),
     "least_load": ({"queue": 2.0, "kv_usage": 1.0}, "max_score"),
@@ -53,7 +56,7 @@ def make_scheduler(
     except KeyError:
         raise ValueError(f"unknown routing policy {profile!r}; choose one of {', '.join(PROFILES)}") from None
     merged = {**defaults, **(weights or {})}
-    filters = [ModelFilter(), NotTriedFilter(), HealthFilter(), ContextFitFilter()]
+    filters = [ModelFilter(), NotTriedFilter(), BreakerFilter(), ContextFitFilter(), WindowFilter()]
     if picker != "round_robin":
         filters.append(SaturationFilter())
     scorers = [(SCORERS[name](), w) for name, w in merged.items()]

@@ -9,7 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gaas import errors
-from services.router.scheduling.types import Candidate, Filter, Picker, RequestContext, Scorer, WorkerId, clamp
+from services.router.scheduling.types import (
+    Candidate, Filter, NoCapacity, Picker, RequestContext, Scorer, WorkerId, clamp,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +39,8 @@ class Scheduler:
         self._observe = observe
 
     def schedule(self, ctx: RequestContext, candidates: Sequence[Candidate]) -> Decision:
-        """The worker for ctx; errors.Unavailable (saying why) when no candidate may take it."""
+        """The worker for ctx; errors.Unavailable (saying why) when no candidate may take it,
+        NoCapacity when they may but none has room now."""
         clock = time.perf_counter
         kept = list(candidates)
         for f in self.filters:
@@ -47,7 +50,7 @@ class Scheduler:
             if not passed:
                 if f.soft and kept:
                     continue
-                raise errors.Unavailable(f.why(ctx))
+                raise (NoCapacity if f.waitable else errors.Unavailable)(f.why(ctx))
             kept = passed
         scores = {c.worker_id: 0.0 for c in kept}
         for scorer, weight in self.scorers:

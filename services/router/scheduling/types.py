@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
+from gaas import errors
+
 WorkerId = NewType("WorkerId", str)
 
 
@@ -57,9 +59,13 @@ class RequestContext:
     max_tokens: int = 0
     # GaaS's hashes of the prompt's full blocks (gaas/kvhash.py), tenant-salted.
     block_hashes: Sequence[int] = ()
-    # Workers that already failed this request, and workers recently seen failing.
+    # The request's priority band (gaas.qos: 0 gold, 1 silver, 2 bronze).
+    band: int = 0
+    # Workers that already failed this request, and workers whose circuit breaker is open.
     tried: frozenset[WorkerId] = frozenset()
-    ejected: frozenset[WorkerId] = frozenset()
+    blocked: frozenset[WorkerId] = frozenset()
+    # Requests of this band each worker's batching window has room for now; None: no windows.
+    room: Mapping[WorkerId, int] | None = None
     # Gathered before scheduling: leading blocks of the prompt each worker holds (the directory's
     # answer), and requests this router sent each worker since its last load report.
     prefix: Mapping[WorkerId, int] = field(default_factory=dict)
@@ -80,6 +86,9 @@ class Filter(Plugin):
 
     # A soft filter that would remove every candidate removes none: better a busy worker than none.
     soft: bool = False
+    # A filter that removes every candidate only for now (no room yet): the request may wait for
+    # room (NoCapacity) rather than be refused.
+    waitable: bool = False
 
     @abstractmethod
     def keep(self, ctx: RequestContext, c: Candidate) -> bool: ...
@@ -104,6 +113,10 @@ class Picker(Plugin):
 
     @abstractmethod
     def pick(self, ctx: RequestContext, candidates: Sequence[Candidate], scores: Mapping[WorkerId, float]) -> Candidate: ...
+
+
+class NoCapacity(errors.Unavailable):
+    """Every candidate is able but busy right now: the request may wait for room."""
 
 
 def clamp(x: float) -> float:

@@ -1,5 +1,4 @@
-"""Workers that have not failed this request, preferring those not seen failing recently (when
-every one failed recently, they are tried again rather than refusing)."""
+"""Workers that have not failed this request."""
 
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
@@ -12,11 +11,3 @@ class NotTriedFilter(Filter):
 
     def why(self, ctx: RequestContext) -> str:
         return f"every worker serving {ctx.model!r} failed this request; retry shortly"
-
-
-class HealthFilter(Filter):
-    name = "health"
-    soft = True
-
-    def keep(self, ctx: RequestContext, c: Candidate) -> bool:
-        return c.worker_id not in ctx.ejected

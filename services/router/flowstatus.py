@@ -1,0 +1,39 @@
+"""gaas.v1.Router: the router's flow control, as `gaas status` shows it."""
+
+from __future__ import annotations
+
+import math
+
+from gaas.qos import BAND_NAMES
+from gaas.v1 import router_pb2 as pb
+from gaas.v1 import router_pb2_grpc
+from services.router.flow import Flow
+
+
+def _p95(values) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)] if s else 0.0
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, name: str, flow: Flow) -> None:
+        self._name = name
+        self._flow = flow
+
+    async def GetFlowStatus(self, request: pb.GetFlowStatusRequest, context) -> pb.FlowStatus:
+        flow = self._flow
+        bands = [
+            pb.BandFlow(band=BAND_NAMES[i], waiting=s.waiting, queued=s.queued, admitted=s.admitted, shed=s.shed,
+                        timed_out=s.timed_out, wait_p95_ms=_p95(s.waits) * 1000)
+            for i, s in enumerate(flow.queue.stats)
+        ]
+        breakers = flow.breakers.state()
+        workers = []
+        for worker, w in sorted(flow.windows.state().items()):
+            b = breakers.get(worker)
+            workers.append(pb.WorkerFlow(
+                worker_id=worker, window=w.limit, in_flight=w.in_flight, window_shrinks=w.shrinks,
+                window_grows=w.grows, breaker=b.state if b else "closed", breaker_trips=b.trips if b else 0,
+                ttft_threshold_ms=flow.breakers.threshold_ms(worker),
+            ))
+        return pb.FlowStatus(router=self._name, qos_enabled=flow.settings.enabled, bands=bands, workers=workers)

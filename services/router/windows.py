@@ -1,0 +1,135 @@
+"""The dynamic batching window: per worker, how many requests this router keeps in its engine at
+once, adapted to the time to first token it observes there (SITS2026's dynamic batching
+dimension, on top of vLLM's own max_num_seqs / max_num_batched_tokens).
+
+Each tier has a TTFT target (deploy/gaas.yaml, qos). When a tier's p95 TTFT on a worker passes its
+target, that worker's window halves; when every tier is under 80% of its target while the window
+was full, it grows by a fifth (at least one); it grows too while every tier meets its target but
+a gold request found the window full (gold waiting in the router's queue costs gold more than a
+fuller batch would). Priority bands share a window unequally: gold
+may fill it, silver three quarters of it, bronze half, so a flood of bronze never takes the room a
+gold request needs. Requests that find no room wait in the router's queue (services/router/
+waitqueue.py), in band order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from services.router.scheduling import WorkerId
+
+# Share of a worker's window each band may fill (gold, silver, bronze).
+BAND_SHARE = (1.0, 0.75, 0.5)
+# Samples a tier needs in the recent past before its p95 counts.
+MIN_SAMPLES = 8
+SAMPLE_SECONDS = 10.0
+# At most one change per this long (the last change must show in new samples first).
+ADJUST_EVERY_SECONDS = 1.0
+# Grow a full window while every tier's p95 is under this share of its target.
+GROW_BELOW = 0.8
+
+
+@dataclass(slots=True)
+class Window:
+    limit: float
+    in_flight: int = 0
+    # Whether a request found it full since the last change (growing an unused window proves nothing).
+    full: bool = False
+    # Whether a gold (band 0) request found no room since the last change.
+    starved: bool = False
+    changed_at: float = 0.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, tier, ttft ms)
+    shrinks: int = 0
+    grows: int = 0
+
+    def room(self, band: int) -> int:
+        return max(0, math.floor(self.limit * BAND_SHARE[band] + 1e-9) - self.in_flight)
+
+    def p95(self, tier: str, since: float) -> float | None:
+        values = sorted(ms for t, tr, ms in self.samples if tr == tier and t >= since)
+        if len(values) < MIN_SAMPLES:
+            return None
+        return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]
+
+
+class Windows:
+    def __init__(
+        self, targets_ms: Mapping[str, float], *, initial: int = 8, minimum: int = 2, maximum: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._targets = dict(targets_ms)
+        self._initial, self._min, self._max = initial, minimum, maximum
+        self._clock = clock
+        self._windows: dict[WorkerId, Window] = {}
+
+    def _get(self, worker: WorkerId) -> Window:
+        w = self._windows.get(worker)
+        if w is None:
+            w = self._windows[worker] = Window(float(self._initial), changed_at=self._clock())
+        return w
+
+    def room(self, workers: Iterable[WorkerId], band: int) -> dict[WorkerId, int]:
+        """Requests of this band each worker can take now."""
+        out = {}
+        for worker in workers:
+            w = self._get(worker)
+            out[worker] = w.room(band)
+            if out[worker] == 0:
+                w.full = True
+                w.starved = w.starved or band == 0
+        return out
+
+    def acquire(self, worker: WorkerId) -> None:
+        w = self._get(worker)
+        w.in_flight += 1
+        if w.in_flight >= math.floor(w.limit):
+            w.full = True
+
+    def release(self, worker: WorkerId) -> None:
+        w = self._get(worker)
+        w.in_flight = max(0, w.in_flight - 1)
+
+    def observe(self, worker: WorkerId, tier: str, ttft_ms: float) -> None:
+        """A request of tier got its first token from worker after ttft_ms: maybe adjust the window."""
+        w = self._get(worker)
+        now = self._clock()
+        w.samples.append((now, tier, ttft_ms))
+        if now - w.changed_at < ADJUST_EVERY_SECONDS:
+            return
+        since = max(w.changed_at, now - SAMPLE_SECONDS)
+        ratios = [p / self._targets[t] for t in self._targets if (p := w.p95(t, since)) is not None]
+        if not ratios:
+            return
+        if max(ratios) > 1.0:
+            self.shrink(worker)
+        elif w.starved or (max(ratios) < GROW_BELOW and w.full):
+            self._grow(w, now)
+
+    def _grow(self, w: Window, now: float) -> None:
+        if w.limit < self._max:
+            w.limit = min(float(self._max), max(w.limit + 1, w.limit * 1.2))
+            w.grows += 1
+        w.changed_at, w.full, w.starved = now, False, False
+
+    def shrink(self, worker: WorkerId) -> None:
+        """Halve worker's window (its TTFT passed a target, or its engine refused for a full queue)."""
+        w = self._get(worker)
+        now = self._clock()
+        if now - w.changed_at < ADJUST_EVERY_SECONDS and w.shrinks:
+            return
+        w.limit = max(float(self._min), w.limit / 2)
+        w.shrinks += 1
+        w.changed_at, w.full, w.starved = now, False, False
+
+    def forget(self, keep: Iterable[WorkerId]) -> None:
+        """Drop the windows of workers that left (keeping any with requests still in flight)."""
+        keep = set(keep)
+        for worker in [w for w, win in self._windows.items() if w not in keep and not win.in_flight]:
+            del self._windows[worker]
+
+    def state(self) -> dict[WorkerId, Window]:
+        return dict(self._windows)

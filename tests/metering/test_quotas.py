@@ -1,0 +1,141 @@
+"""Quotas in Redis, as every router replica enforces them: requests and tokens per minute over a
+sliding minute, requests at once, tokens reserved at admission and settled from the usage event,
+refusals with a QuotaFailure and when to retry; two routers sharing one quota admit exactly it."""
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from gaas import admission, errors, pricing
+from gaas.qos import Limits
+from gaas.runtime import redisconn
+from gaas.v1 import common_pb2
+from services.router.auth import Principal
+from services.router.metering import Meter
+from services.router.servicer import metered
+
+_ids = itertools.count()
+T0 = 1_800_000_000_000  # a Unix-ms moment on a whole minute
+
+
+class Clock:
+    def __init__(self, ms: int = T0) -> None:
+        self.ms = ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+def tenant() -> str:
+    return f"q{next(_ids)}-{time.monotonic_ns()}"
+
+
+def who(name: str, **limits) -> Principal:
+    return Principal(name, "silver", "key_q", "salt", Limits(**limits))
+
+
+async def admit(meter, p: Principal, prompt=10, max_tokens=10):
+    """'ok' (and the request's handle), or the refusal."""
+    rid = f"{p.tenant}-{next(_ids)}"
+    try:
+        return await meter.admit(p, rid, "m", "1", pricing.FREE, prompt, max_tokens, 1, "", time.perf_counter())
+    except errors.ResourceExhausted as exc:
+        return exc
+
+
+async def finish(meter, m, completion: int, prompt: int = 10) -> None:
+    c = common_pb2.GenerateChunk(token_ids=list(range(completion)), worker_id="w")
+    c.usage.prompt_tokens, c.usage.completion_tokens = prompt, completion
+
+    async def one():
+        yield c
+
+    async for _ in metered(meter, m, one()):
+        pass
+
+
+@pytest.mark.parametrize("limits, requests, admitted, refused_by", [
+    ({"rpm": 3}, 5, 3, "requests per minute: 3"),
+    ({"concurrency": 2}, 4, 2, "concurrent requests: 2"),
+    ({"tpm": 100}, 5, 5, None),           # 20 tokens each: 100 fit exactly
+    ({"tpm": 99}, 5, 4, "tokens per minute: 99"),
+    ({"rpm": 10, "concurrency": 3}, 6, 3, "concurrent requests: 3"),
+    ({}, 50, 50, None),                   # 0: unlimited
+])
+async def test_quota_arithmetic(redis, tmp_path, limits, requests, admitted, refused_by):
+    meter = Meter(redis, tmp_path, clock=Clock())
+    p = who(tenant(), **limits)
+    results = [await admit(meter, p) for _ in range(requests)]
+    refusals = [r for r in results if isinstance(r, errors.ResourceExhausted)]
+    assert requests - len(refusals) == admitted
+    if refused_by:
+        assert {r.quota.description for r in refusals} == {refused_by}
+        assert all(r.quota.subject == f"tenant:{p.tenant}" and r.reason == "rate_limit_exceeded" for r in refusals)
+        assert all(r.retry_after >= 1 for r in refusals)
+
+
+async def test_the_minute_slides_and_says_when_to_come_back(redis, tmp_path):
+    clock = Clock()
+    meter = Meter(redis, tmp_path, clock=clock)
+    p = who(tenant(), rpm=2)
+    assert not isinstance(await admit(meter, p), Exception)
+    clock.ms += 30_000
+    assert not isinstance(await admit(meter, p), Exception)
+    clock.ms += 10_000
+    refused = await admit(meter, p)
+    assert isinstance(refused, errors.ResourceExhausted) and refused.retry_after == pytest.approx(20, abs=1)
+    assert "made 2 requests in the last minute" in refused.message
+    clock.ms += 20_000  # the first request's second has left the minute
+    assert not isinstance(await admit(meter, p), Exception)
+    assert isinstance(await admit(meter, p), errors.ResourceExhausted)
+
+
+async def test_tokens_are_reserved_at_admission_and_settled_from_usage(redis, tmp_path):
+    meter = Meter(redis, tmp_path, clock=Clock())
+    p = who(tenant(), tpm=1000)
+    first = await admit(meter, p, prompt=100, max_tokens=400)  # reserves 500
+    second = await admit(meter, p, prompt=100, max_tokens=400)  # 1000
+    assert isinstance(await admit(meter, p, prompt=100, max_tokens=400), errors.ResourceExhausted)
+    await finish(meter, first, completion=50, prompt=100)  # used 150 of its 500
+    assert not isinstance(await admit(meter, p, prompt=100, max_tokens=200), Exception)  # 150 + 500 + 300
+    await meter.release(second)  # produced nothing: all 500 back
+    assert not isinstance(await admit(meter, p, prompt=100, max_tokens=400), Exception)
+
+
+async def test_a_request_larger_than_the_token_quota_is_told_so(redis, tmp_path):
+    meter = Meter(redis, tmp_path, clock=Clock())
+    refused = await admit(meter, who(tenant(), tpm=100), prompt=50, max_tokens=500)
+    assert isinstance(refused, errors.ResourceExhausted) and refused.param == "max_tokens"
+    assert refused.retry_after is None and "more than tenant" in refused.message
+
+
+async def test_a_finished_request_frees_its_place(redis, tmp_path):
+    meter = Meter(redis, tmp_path, clock=Clock())
+    p = who(tenant(), concurrency=1)
+    m = await admit(meter, p)
+    assert isinstance(await admit(meter, p), errors.ResourceExhausted)
+    await finish(meter, m, completion=3)
+    assert not isinstance(await admit(meter, p), Exception)
+
+
+async def test_the_place_of_a_router_that_died_lapses(redis, tmp_path):
+    clock = Clock()
+    meter = Meter(redis, tmp_path, clock=clock)
+    p = who(tenant(), concurrency=1)
+    await admit(meter, p)  # its router dies: never finished, never released
+    assert isinstance(await admit(meter, p), errors.ResourceExhausted)
+    clock.ms += 16 * 60_000
+    assert not isinstance(await admit(meter, p), Exception)
+
+
+async def test_two_routers_sharing_one_redis_admit_exactly_the_quota(redis_url, tmp_path):
+    a, b = redisconn.connect(redis_url), redisconn.connect(redis_url)
+    clock = Clock()
+    routers = [Meter(a, tmp_path / "a", clock=clock), Meter(b, tmp_path / "b", clock=clock)]
+    p = who(tenant(), rpm=50)
+    results = await asyncio.gather(*(admit(routers[i % 2], p) for i in range(200)))
+    await a.aclose()
+    await b.aclose()
+    assert sum(not isinstance(r, Exception) for r in results) == 50
