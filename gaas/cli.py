@@ -769,6 +769,57 @@ def cmd_envoy_render(args) -> int:
     return 0
 
 
+RESTARTABLE = ("control", "kvcache", "billing", "worker", "router")
+
+
+def cmd_restart(args) -> int:
+    """Restart instances one at a time: SIGTERM (the instance drains: NOT_SERVING, deregistered,
+    calls in flight finish), `gaas up` starts it again, and the next waits until it serves."""
+    from gaas.probe import grpc_health
+    from gaas.topology import TopologyError
+
+    run_dir = Path(args.run_dir)
+    state = _state(run_dir)
+    if state is None:
+        return _fail(f"no mesh is running from {run_dir} (start one with `gaas up`, or give --run-dir)", 2)
+    try:
+        topo = _topology(args, state)
+    except TopologyError as exc:
+        return _fail(str(exc), 2)
+    kinds = RESTARTABLE if args.target == "all" else (args.target,)
+    instances = [i for k in kinds if k in RESTARTABLE for i in topo.of(k)] if args.target in (*RESTARTABLE, "all") \
+        else [i for i in topo.instances if i.name == args.target]
+    if not instances:
+        names = ", ".join(i.name for i in topo.instances)
+        return _fail(f"nothing called {args.target!r} to restart: give a service ({', '.join(RESTARTABLE)}), "
+                     f"'all', or an instance ({names})", 2)
+    for kind in sorted({i.service for i in instances}):
+        if len(topo.of(kind)) == 1:
+            print(f"note: {kind} has one replica: requests that need it fail while it restarts; run two "
+                  f"(topology replicas, or --workers 2) for a restart nobody notices", file=sys.stderr)
+    for inst in instances:
+        pid = _state(run_dir)["children"].get(inst.name)
+        if not pid:
+            return _fail(f"{inst.name} is not among the processes gaas up runs", 1)
+        print(f"restarting {inst.name} (pid {pid}): draining", flush=True)
+        started = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = started + args.timeout
+        while True:
+            current = (_state(run_dir) or {}).get("children", {}).get(inst.name)
+            if current and current != pid and grpc_health(inst.inbound, timeout=1.0)[0] == "SERVING":
+                break
+            if time.monotonic() > deadline:
+                return _fail(f"{inst.name} is not serving {args.timeout:.0f} s after its restart; see "
+                             f"{run_dir / 'logs' / (inst.name + '.log')}", 1)
+            time.sleep(0.5)
+        print(f"{inst.name} serves again (pid {current}) after {time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -831,6 +882,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=1.0, help="seconds per probe (1)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=cmd_status)
+
+    rs = sub.add_parser("restart", help="restart instances one at a time, each drained first",
+                        description="A rolling restart of a running mesh: each instance gets SIGTERM (it stops "
+                        "taking requests, finishes those in flight, and a worker deregisters), `gaas up` starts it "
+                        "again, and the next one waits until it serves. With two or more replicas of a service "
+                        "no request fails.")
+    rs.add_argument("target", help="a service (control, kvcache, billing, worker, router), 'all', or one "
+                    "instance (e.g. worker-1)")
+    rs.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds each instance may take to serve again (300: a worker loads its model)")
+    mesh_args(rs, workers=False)
+    rs.set_defaults(func=cmd_restart)
 
     models = sub.add_parser("models", help="models the mesh serves, with their ready workers")
     models.add_argument("--ingress", default=None, help="host:port of the ingress")

@@ -3,7 +3,7 @@ service instance. `gaas up` writes them into its run directory; `gaas envoy rend
 
 Paths of a request:
   client -> ingress (HTTP/1.1 + HTTP/2, gRPC-JSON transcoding) -> router's sidecar inbound -> router
-  router -> router's sidecar outbound -> (x-gaas-worker header, ORIGINAL_DST) -> worker's sidecar
+  router -> router's sidecar outbound -> (x-gaas-worker header: one of the mesh's workers) -> worker's sidecar
   inbound -> worker
 
 Every sidecar has an inbound listener in front of its service and, when the service calls
@@ -169,33 +169,35 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check
         # Passive checks too (behind the routers' own circuit breakers): a replica answering 5xx
         # (gRPC UNAVAILABLE / INTERNAL map there) or unreachable several times in a row is ejected
         # for a while, at most half of a cluster at once.
-        # A replica that cannot be reached at all (connect failure, reset) is ejected at its first
-        # such failure, without waiting for the health checks' interval.
         cluster["outlier_detection"] = {
             "consecutive_5xx": 5,
             "consecutive_gateway_failure": 3,
             "enforcing_consecutive_gateway_failure": 100,
-            "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": 1,
-            "enforcing_consecutive_local_origin_failure": 100,
             "interval": "2s",
             "base_ejection_time": "10s",
             "max_ejection_percent": 50,
         }
+        if len(endpoints) > 1:
+            # A replica that cannot be reached at all (connect failure, reset) is ejected at its
+            # first such failure, without waiting for the health checks' interval (with one
+            # replica there is nowhere else to go: it stays, and its health checks decide).
+            cluster["outlier_detection"].update({
+                "split_external_local_origin_errors": True,
+                "consecutive_local_origin_failure": 1,
+                "enforcing_consecutive_local_origin_failure": 100,
+            })
     return cluster
 
 
-def _worker_dst_cluster() -> dict:
-    """Sends each stream to the worker sidecar named in x-gaas-worker (host:port)."""
-    return {
-        "name": "worker_dst",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "1s",
-        "cleanup_interval": "60s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": WORKER_HEADER},
-        "typed_extension_protocol_options": HTTP2,
-    }
+def _worker_clusters(topo: Topology) -> list[dict]:
+    """One cluster per worker sidecar of the topology, named by its address (what x-gaas-worker
+    carries): a caller can aim only at a worker of this mesh, never at an arbitrary host:port.
+    Not health-checked: the router's circuit breakers judge workers, and retries before the first
+    token go through the router."""
+    return [
+        {**_static_cluster(f"{w.host}:{w.inbound_port}", [(w.host, w.inbound_port)], health_check=False)}
+        for w in topo.of("worker")
+    ]
 
 
 def _bootstrap(name: str, admin_host: str, admin_port: int, listeners: list[dict], clusters: list[dict]) -> dict:
@@ -226,9 +228,13 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
         for peer in peers:
             prefix = f"/{GRPC_SERVICE[peer]}/"
             if peer == "worker":
-                # The caller picked the worker; the header names its sidecar.
-                routes.append(_grpc_route(prefix, "worker_dst", headers=[{"name": WORKER_HEADER, "present_match": True}]))
-                clusters.append(_worker_dst_cluster())
+                # The caller picked the worker; the header names its sidecar, which must be one of
+                # this mesh's (an unknown one has no cluster: 503, and the router tries another).
+                routes.append({
+                    "match": {"prefix": prefix, "grpc": {}, "headers": [{"name": WORKER_HEADER, "present_match": True}]},
+                    "route": {"cluster_header": WORKER_HEADER, "timeout": "0s"},
+                })
+                clusters.extend(_worker_clusters(topo))
             else:
                 routes.append(_grpc_route(prefix, peer, retry=True))
                 clusters.append(

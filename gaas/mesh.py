@@ -358,7 +358,10 @@ class Mesh:
             "children": {c.name: c.proc.pid for c in self.children},
             "restarts": {c.name: c.restarts for c in self.children if c.restarts},
         }
-        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        # Readers (`gaas status`, `gaas restart`) must never see half a file: write, then rename.
+        tmp = self.run_dir / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / STATE_FILE)
 
     # ----------------------------------------------------------------- ready
 

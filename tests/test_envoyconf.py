@@ -45,12 +45,12 @@ def test_router_sidecar_routes_workers_by_header(rendered):
     topo, configs, _ = rendered
     cfg = configs["sidecar-router-0"]
     clusters = _clusters(cfg)
-    dst = clusters["worker_dst"]
-    assert dst["type"] == "ORIGINAL_DST"
-    assert dst["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-gaas-worker"}
+    # Only the mesh's own workers can be named: one cluster each, called by its sidecar's address.
+    workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
+    assert workers <= set(clusters) and not any(c.get("type") == "ORIGINAL_DST" for c in clusters.values())
     outbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "outbound")
     worker_route = next(r for r in _routes(outbound)["routes"] if r["match"]["prefix"] == "/gaas.v1.Worker/")
-    assert worker_route["route"]["cluster"] == "worker_dst"
+    assert worker_route["route"]["cluster_header"] == "x-gaas-worker"
     assert worker_route["match"]["headers"][0]["name"] == "x-gaas-worker"
     # Peers are reached at their sidecars' inbound listeners, health-checked over gRPC.
     control = clusters["control"]
@@ -71,11 +71,12 @@ def test_inbound_forwards_to_the_local_service(rendered):
 
 
 def test_control_has_no_outbound_and_worker_reaches_only_its_peers(rendered):
-    _, configs, _ = rendered
+    topo, configs, _ = rendered
     assert [x["name"] for x in configs["sidecar-control-0"]["static_resources"]["listeners"]] == ["inbound"]
     assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control"}
     # The KV directory watches the workers (each named in x-gaas-worker).
-    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control", "worker_dst"}
+    workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
+    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control"} | workers
 
 
 def test_ingress_strips_trusted_headers_and_transcodes(rendered):
@@ -110,8 +111,11 @@ def test_peer_clusters_eject_failing_replicas(rendered):
     assert clusters["control"]["outlier_detection"]["consecutive_5xx"] == 5
     ingress = {c["name"]: c for c in configs["ingress-0"]["static_resources"]["clusters"]}
     assert ingress["router"]["outlier_detection"]["max_ejection_percent"] == 50
-    # One that cannot be reached at all is ejected at its first such failure.
-    assert ingress["router"]["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    # With several replicas, one that cannot be reached at all is ejected at its first such failure;
+    # a lone replica is left to its health checks.
+    assert "consecutive_local_origin_failure" not in ingress["router"]["outlier_detection"]
+    two = envoyconf._static_cluster("router", [("127.0.0.1", 1), ("127.0.0.1", 2)], health_check=True)
+    assert two["outlier_detection"]["consecutive_local_origin_failure"] == 1
 
 
 def routes_of(config: dict, listener: str) -> list[dict]:
@@ -126,7 +130,7 @@ def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_oth
             if "route" not in r:
                 continue
             policy = r["route"].get("retry_policy")
-            if r["route"]["cluster"] == "worker_dst":
+            if "cluster_header" in r["route"]:
                 # The router picked that worker and retries elsewhere itself, before the first token.
                 assert policy is None
                 continue

@@ -1,6 +1,7 @@
 """Faults inside the mesh, through the real `gaas up`: a worker's engine never outlives it (kill -9
 of the worker's own process, not its group), a worker whose engine dies leaves the registry and
-is restarted, and SIGTERM on a worker lets the stream it is serving finish before the engine stops.
+is restarted, and SIGTERM on a worker lets the stream it is serving finish before the engine stops, and with control
+paused known keys are still served.
 Each ends with worker-1 serving again, for the destructive tests after it."""
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import pytest
 
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import process_alive
-from tests.meshutil import generate
-from tests.test_metering import (MODEL, children, client, instance, needs_own_mesh, wait_restarted,
-                                 wait_serving)
+from tests.meshutil import gaas, generate
+from tests.test_metering import (MODEL, Load, children, client, instance, needs_own_mesh, new_tenant,
+                                 wait_restarted, wait_serving)
 
 pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
 WORKER = "worker-1"
@@ -134,3 +135,23 @@ def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
     assert "the engine died" in log
     wait_worker_back(mesh, pid)
     assert f"{WORKER} exited with code 3" in mesh.output.read_text()
+
+
+def test_with_control_paused_known_keys_are_served_and_unknown_ones_refused(mesh):
+    needs_own_mesh(mesh)
+    _, key = new_tenant(mesh)
+    _, unused_key = new_tenant(mesh)
+    client(mesh, key).completions.create(model=MODEL, prompt="verify me", max_tokens=2)
+    control = children(mesh)["control-0"]
+    with Load(mesh, key) as load:
+        os.kill(control, signal.SIGSTOP)  # alive but answering nothing
+        try:
+            time.sleep(8)
+            with pytest.raises(Exception) as refused:
+                client(mesh, unused_key).completions.create(model=MODEL, prompt="who am I", max_tokens=2)
+        finally:
+            os.kill(control, signal.SIGCONT)
+    assert load.errors == [] and load.received.requests > 5
+    assert getattr(refused.value, "status_code", None) == 503, refused.value
+    log = (mesh.run_dir / "logs" / "router-0.log").read_text()
+    assert "accepting keys verified in the last 60 s" in log

@@ -170,6 +170,23 @@ def test_forged_worker_header_from_outside_is_ignored(mesh):
     assert chunks[-1].worker_id in worker_addresses(mesh)
 
 
+def test_the_router_sidecar_reaches_only_the_meshs_own_workers(mesh):
+    """x-gaas-worker picks one of the mesh's workers; any other host:port has nowhere to go."""
+    from gaas import topology
+
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base,
+                         ingress_port=int(mesh.ingress.rsplit(":", 1)[1]), workers=MESH_WORKERS)
+    outbound = topo.instance("router-0").outbound
+    with grpc.insecure_channel(outbound) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        real = next(iter(worker_addresses(mesh).values()))
+        stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5, metadata=(("x-gaas-worker", real),))
+        for elsewhere in ("127.0.0.1:1", f"127.0.0.1:{mesh.port_base + 1}", "10.0.0.1:443"):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5, metadata=(("x-gaas-worker", elsewhere),))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, elsewhere
+
+
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer gaas_not_a_key"),)])
 def test_grpc_needs_a_valid_key(mesh, metadata):
     with pytest.raises(grpc.RpcError) as err:

@@ -2,6 +2,10 @@
 
 Both speak DB-API; queries are written with '?' placeholders and translated for psycopg. Calls
 run in a worker thread so they never block a service's event loop.
+
+PostgreSQL: every statement is bounded (statement_timeout), and a connection that was lost (a
+restarted server) is replaced at the next call; the call that found it lost fails with
+errors.Unavailable (it is not retried: it may have been a write whose commit nobody saw).
 """
 
 from __future__ import annotations
@@ -9,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+from gaas import errors
 
 T = TypeVar("T")
 
@@ -19,8 +26,9 @@ T = TypeVar("T")
 class Database:
     """One connection guarded by a lock; plenty for the control plane's and billing's rates."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, statement_timeout_seconds: float = 30.0) -> None:
         self.url = url
+        self._statement_timeout_ms = int(statement_timeout_seconds * 1000)
         self._lock = threading.Lock()
         if url.startswith("sqlite:///"):
             # As SQLAlchemy spells it: sqlite:///relative.db, sqlite:////absolute.db, sqlite:///:memory:
@@ -33,55 +41,81 @@ class Database:
         elif url.startswith(("postgresql://", "postgres://")):
             import psycopg
 
-            self._conn = psycopg.connect(url, autocommit=True, connect_timeout=10)
+            self._lost_errors: tuple[type[BaseException], ...] = (psycopg.OperationalError,)
             self.dialect = "postgresql"
+            self._conn = self._connect_postgres()
         else:
             raise ValueError(f"unsupported database URL {url!r}: use sqlite:///path.db or postgresql://...")
+
+    def _connect_postgres(self):
+        import psycopg
+
+        return psycopg.connect(self.url, autocommit=True, connect_timeout=10,
+                               options=f"-c statement_timeout={self._statement_timeout_ms}")
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """The connection, under the lock; a PostgreSQL one that was lost is replaced first, and
+        losing it during the call is errors.Unavailable."""
+        with self._lock:
+            if self.dialect != "postgresql":
+                yield self._conn
+                return
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._conn = self._connect_postgres()
+                yield self._conn
+            except self._lost_errors as exc:
+                if self._conn is not None and (self._conn.closed or self._conn.broken):
+                    self._conn.close()
+                    self._conn = None
+                raise errors.Unavailable(
+                    f"the database did not answer ({type(exc).__name__}); retry shortly") from exc
 
     def _sql(self, query: str) -> str:
         return query.replace("?", "%s") if self.dialect == "postgresql" else query
 
     def execute_sync(self, query: str, params: Sequence[Any] = ()) -> list[tuple]:
-        with self._lock:
-            cur = self._conn.execute(self._sql(query), tuple(params))
+        with self._connection() as conn:
+            cur = conn.execute(self._sql(query), tuple(params))
             rows = cur.fetchall() if cur.description else []
             return [tuple(r) for r in rows]
 
     def transaction_sync(self, statements: Iterable[tuple[str, Sequence[Any]]]) -> None:
         """Run statements atomically."""
-        with self._lock:
+        with self._connection() as conn:
             if self.dialect == "sqlite":
-                self._conn.execute("BEGIN IMMEDIATE")
+                conn.execute("BEGIN IMMEDIATE")
                 try:
                     for q, p in statements:
-                        self._conn.execute(q, tuple(p))
-                    self._conn.execute("COMMIT")
+                        conn.execute(q, tuple(p))
+                    conn.execute("COMMIT")
                 except BaseException:
-                    self._conn.execute("ROLLBACK")
+                    conn.execute("ROLLBACK")
                     raise
             else:
-                with self._conn.transaction():
+                with conn.transaction():
                     for q, p in statements:
-                        self._conn.execute(self._sql(q), tuple(p))
+                        conn.execute(self._sql(q), tuple(p))
 
     def run_sync(self, fn: Callable[[Callable[..., list[tuple]]], T]) -> T:
         """fn(execute) inside one transaction (execute(query, params) -> rows); its result."""
 
-        def execute(query: str, params: Sequence[Any] = ()) -> list[tuple]:
-            cur = self._conn.execute(self._sql(query), tuple(params))
-            return [tuple(r) for r in cur.fetchall()] if cur.description else []
+        with self._connection() as conn:
+            def execute(query: str, params: Sequence[Any] = ()) -> list[tuple]:
+                cur = conn.execute(self._sql(query), tuple(params))
+                return [tuple(r) for r in cur.fetchall()] if cur.description else []
 
-        with self._lock:
             if self.dialect == "sqlite":
-                self._conn.execute("BEGIN IMMEDIATE")
+                conn.execute("BEGIN IMMEDIATE")
                 try:
                     result = fn(execute)
-                    self._conn.execute("COMMIT")
+                    conn.execute("COMMIT")
                     return result
                 except BaseException:
-                    self._conn.execute("ROLLBACK")
+                    conn.execute("ROLLBACK")
                     raise
-            with self._conn.transaction():
+            with conn.transaction():
                 return fn(execute)
 
     def insert_new_sync(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], key: str) -> int:
@@ -92,34 +126,34 @@ class Database:
         if not rows:
             return 0
         cols = ", ".join(columns)
-        with self._lock:
+        with self._connection() as conn:
             if self.dialect == "sqlite":
                 new = 0
-                self._conn.execute("BEGIN IMMEDIATE")
+                conn.execute("BEGIN IMMEDIATE")
                 try:
                     per = max(1, 30000 // len(columns))  # under SQLite's limit of bound parameters
                     row_marks = "(" + ", ".join("?" * len(columns)) + ")"
                     for start in range(0, len(rows), per):
                         chunk = rows[start:start + per]
-                        cur = self._conn.execute(
+                        cur = conn.execute(
                             f"INSERT INTO {table} ({cols}) VALUES {', '.join([row_marks] * len(chunk))}"
                             f" ON CONFLICT ({key}) DO NOTHING", [v for row in chunk for v in row],
                         )
                         new += cur.rowcount
-                    self._conn.execute("COMMIT")
+                    conn.execute("COMMIT")
                 except BaseException:
-                    self._conn.execute("ROLLBACK")
+                    conn.execute("ROLLBACK")
                     raise
                 return new
             staging = f"{table}_incoming"
-            with self._conn.transaction():
-                self._conn.execute(
+            with conn.transaction():
+                conn.execute(
                     f"CREATE TEMP TABLE IF NOT EXISTS {staging} (LIKE {table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
                 )
-                with self._conn.cursor().copy(f"COPY {staging} ({cols}) FROM STDIN") as copy:
+                with conn.cursor().copy(f"COPY {staging} ({cols}) FROM STDIN") as copy:
                     for row in rows:
                         copy.write_row(row)
-                cur = self._conn.execute(
+                cur = conn.execute(
                     f"INSERT INTO {table} ({cols}) SELECT DISTINCT ON ({key}) {cols} FROM {staging}"
                     f" ON CONFLICT ({key}) DO NOTHING"
                 )
@@ -139,4 +173,5 @@ class Database:
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            if self._conn is not None:
+                self._conn.close()

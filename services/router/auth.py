@@ -16,6 +16,9 @@ from gaas.runtime.context import TenantId
 
 log = logging.getLogger(__name__)
 
+# While control does not answer, how often a request still tries it (the others use what was verified).
+RECHECK_SECONDS = 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class Principal:
@@ -64,6 +67,7 @@ class Authenticator:
         # sha256(key) -> (expires, principal or None, verified at): the cache never holds a key in plain text.
         self._cache: OrderedDict[str, tuple[float, Principal | None, float]] = OrderedDict()
         self._degraded = False
+        self._failed_at = float("-inf")
 
     async def authenticate(self, authorization: str) -> Principal:
         key = bearer_key(authorization)
@@ -72,10 +76,15 @@ class Authenticator:
         hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
             principal = hit[1]
+        elif (self._degraded and hit is not None and hit[1] is not None and now - hit[2] <= self._stale
+              and now - self._failed_at < RECHECK_SECONDS):
+            # Control just failed to answer: don't make every request wait for it to fail again.
+            return hit[1]
         else:
             try:
                 principal = await self._lookup(key)
             except GaasError as exc:
+                self._failed_at = self._clock()
                 if hit is None or hit[1] is None or now - hit[2] > self._stale:
                     raise
                 if not self._degraded:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import shutil
+import sys
 import tempfile
 
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
@@ -151,8 +152,13 @@ async def serve(cfg: WorkerConfig) -> None:
         watch.cancel()
         if channel is not None:
             await channel.close()
-    if rt.exit_code:
-        raise SystemExit(rt.exit_code)
+    # Everything that matters has stopped (the engine too). vLLM can leave threads behind (its
+    # output handler, a blocked executor call) that hold an interpreter's exit for minutes, and
+    # `gaas up` restarts a worker only once its process is gone: leave at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rt.exit_code)
 
 
 async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: float = 0.5) -> None:

@@ -98,3 +98,26 @@ async def test_while_control_is_unreachable_keys_verified_within_the_bound_still
     assert await auth.authenticate("Bearer good") == ACME
     with pytest.raises(Unauthenticated):
         await auth.authenticate("Bearer other")
+
+
+async def test_while_control_is_unreachable_only_one_request_a_second_waits_for_it():
+    from gaas.errors import Unavailable
+
+    calls = []
+
+    async def lookup(key):
+        calls.append(key)
+        if len(calls) > 1:
+            raise Unavailable("the control plane does not answer")
+        return ACME
+
+    clock = Clock()
+    auth = Authenticator(lookup, ttl_seconds=2, clock=clock, stale_seconds=60)
+    await auth.authenticate("Bearer good")
+    clock.now = 3.0
+    for _ in range(5):
+        assert await auth.authenticate("Bearer good") == ACME
+    assert len(calls) == 2  # one failed lookup, then the verified key is used without asking
+    clock.now = 4.5
+    await auth.authenticate("Bearer good")
+    assert len(calls) == 3  # a second later, control is tried again
