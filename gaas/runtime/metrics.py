@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,6 +16,13 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # For steps measured in microseconds (a scheduling plugin, a directory lookup).
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+
+
+def nearest_rank(values, q: float) -> float:
+    """The q-quantile (0 < q <= 1) of values by the nearest-rank method (a value that occurred);
+    0.0 for none."""
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)] if s else 0.0
 
 
 class ServiceMetrics:

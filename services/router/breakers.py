@@ -13,12 +13,12 @@ success closes it.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gaas.runtime.metrics import nearest_rank
 from services.router.scheduling import WorkerId
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
@@ -77,10 +77,10 @@ class Breakers:
         """How long a first token may take on worker before the request counts as failed."""
         b = self._get(worker)
         since = self._clock() - 60.0
-        values = sorted(ms for t, ms in b.ttfts if t >= since)
+        values = [ms for t, ms in b.ttfts if t >= since]
         if len(values) < 20:
             return self._max_ms
-        p99 = values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+        p99 = nearest_rank(values, 0.99)
         return min(self._max_ms, max(self._min_ms, 1.3 * p99))
 
     def success(self, worker: WorkerId, ttft_ms: float | None = None) -> None:

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 from gaas.qos import BAND_NAMES
+from gaas.runtime.metrics import nearest_rank
 from gaas.v1 import router_pb2 as pb
 from gaas.v1 import router_pb2_grpc
 from services.router.flow import Flow
-
-
-def _p95(values) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)] if s else 0.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -24,7 +18,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         flow = self._flow
         bands = [
             pb.BandFlow(band=BAND_NAMES[i], waiting=s.waiting, queued=s.queued, admitted=s.admitted, shed=s.shed,
-                        timed_out=s.timed_out, wait_p95_ms=_p95(s.waits) * 1000)
+                        timed_out=s.timed_out, wait_p95_ms=nearest_rank(s.waits, 0.95) * 1000)
             for i, s in enumerate(flow.queue.stats)
         ]
         breakers = flow.breakers.state()

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gaas.runtime.metrics import nearest_rank
 from services.router.scheduling import WorkerId
 
 # Share of a worker's window each band may fill (gold, silver, bronze).
@@ -50,10 +51,10 @@ class Window:
         return max(0, math.floor(self.limit * BAND_SHARE[band] + 1e-9) - self.in_flight)
 
     def p95(self, tier: str, since: float) -> float | None:
-        values = sorted(ms for t, tr, ms in self.samples if tr == tier and t >= since)
+        values = [ms for t, tr, ms in self.samples if tr == tier and t >= since]
         if len(values) < MIN_SAMPLES:
             return None
-        return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]
+        return nearest_rank(values, 0.95)
 
 
 class Windows:
