@@ -137,7 +137,7 @@ def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
     assert f"{WORKER} exited with code 3" in mesh.output.read_text()
 
 
-def test_with_control_paused_known_keys_are_served_and_unknown_ones_refused(mesh):
+def test_with_control_stopped_30_s_known_keys_are_served_and_unknown_ones_refused(mesh):
     needs_own_mesh(mesh)
     _, key = new_tenant(mesh)
     _, unused_key = new_tenant(mesh)
@@ -146,12 +146,17 @@ def test_with_control_paused_known_keys_are_served_and_unknown_ones_refused(mesh
     with Load(mesh, key) as load:
         os.kill(control, signal.SIGSTOP)  # alive but answering nothing
         try:
-            time.sleep(8)
+            time.sleep(30)  # three times a worker's lease
             with pytest.raises(Exception) as refused:
                 client(mesh, unused_key).completions.create(model=MODEL, prompt="who am I", max_tokens=2)
         finally:
             os.kill(control, signal.SIGCONT)
+        time.sleep(3)  # and on, as control catches up
     assert load.errors == [] and load.received.requests > 5
     assert getattr(refused.value, "status_code", None) == 503, refused.value
     log = (mesh.run_dir / "logs" / "router-0.log").read_text()
     assert "accepting keys verified in the last 60 s" in log
+    # The leases ran out while control was stopped; they were extended when it answered again, and
+    # every worker renewed its own.
+    assert sorted(registered(mesh)) == ["worker-0", "worker-1"]
+    assert "extended 2 worker lease(s)" in (mesh.run_dir / "logs" / "control-0.log").read_text()

@@ -1,9 +1,15 @@
 """The worker registry: registrations with leases that lapse unless renewed, kept in Redis so
-every control replica (and a restarted one) sees the same workers."""
+every control replica (and a restarted one) sees the same workers.
+
+A lease can only be renewed while some control replica answers. When none did for a while (all
+stopped, paused, restarting), the leases that were live when the last one went quiet are extended by
+one TTL as soon as one answers again, as etcd does for its leases on a leader change: workers are not
+dropped from every router's view for a gap that was control's, not theirs."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -13,14 +19,41 @@ import redis.asyncio as aioredis
 
 from gaas import errors
 
+log = logging.getLogger(__name__)
+
 WorkerId = NewType("WorkerId", str)
 
 SERVING = "serving"
 DRAINING = "draining"
 STATES = (SERVING, DRAINING)
 
-_KEY = "gaas:worker:{}"  # one JSON record per worker, expiring with its lease
-_INDEX = "gaas:workers"  # sorted set: worker id -> lease expiry (ms), for listing
+_KEY = "gaas:worker:{}"  # one JSON record per worker, kept RETAIN_SECONDS past its lease
+_INDEX = "gaas:workers"  # sorted set: worker id -> lease expiry (ms): the lease's truth
+_ALIVE = "gaas:control:alive"  # Unix ms of the latest call any control replica handled
+
+# A record outlives its lease this long, so a lease that lapsed in a gap of control can be extended.
+RETAIN_SECONDS = 300
+# Control silent longer than this (no call handled, no heartbeat) was a gap.
+GAP_MS = 3000
+
+# KEYS: alive, index. ARGV: now ms, gap ms, ttl ms, retain ms. Records the heartbeat; after a gap,
+# extends every lease still live when the gap began to now + ttl. Returns how many it extended.
+_HEARTBEAT = """
+local prev = tonumber(redis.call('GET', KEYS[1]))
+local now, gap, ttl, retain = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if prev and prev >= now then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', retain)
+if not prev or now - prev <= gap then return 0 end
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], prev, '+inf', 'WITHSCORES')
+local n = 0
+for i = 1, #live, 2 do
+  if tonumber(live[i + 1]) < now + ttl then
+    redis.call('ZADD', KEYS[2], now + ttl, live[i])
+    n = n + 1
+  end
+end
+return n
+"""
 
 
 class LeaseExpired(errors.NotFound):
@@ -66,8 +99,21 @@ class WorkerRegistry:
         self._redis = redis
         self.ttl_seconds = ttl_seconds
         self._clock = clock
+        self._heartbeat_script = redis.register_script(_HEARTBEAT)
+
+    async def heartbeat(self) -> int:
+        """Says control answers (every call does, and a timer every second); after a gap in which
+        none did, extends the leases that were live when it began. Returns how many it extended."""
+        extended = int(await self._heartbeat_script(
+            keys=[_ALIVE, _INDEX],
+            args=[self._clock(), GAP_MS, self.ttl_seconds * 1000, RETAIN_SECONDS * 1000],
+        ))
+        if extended:
+            log.warning("control was silent for a while: extended %d worker lease(s) by %d s", extended, self.ttl_seconds)
+        return extended
 
     async def register(self, record: WorkerRecord) -> WorkerRecord:
+        await self.heartbeat()
         now = self._clock()
         prev = await self._get(record.worker_id)
         record = replace(
@@ -79,8 +125,10 @@ class WorkerRegistry:
         return record
 
     async def renew(self, worker_id: WorkerId, state: str | None = None, load: dict | None = None) -> WorkerRecord:
+        await self.heartbeat()
         record = await self._get(worker_id)
-        if record is None:
+        expires = await self._redis.zscore(_INDEX, worker_id)
+        if record is None or expires is None or expires < self._clock():
             raise LeaseExpired(f"worker {worker_id!r} has no live lease; register again")
         if state is not None and state not in STATES:
             raise ValueError(f"unknown worker state {state!r}")
@@ -101,13 +149,14 @@ class WorkerRegistry:
         return bool(deleted)
 
     async def list(self, model: str = "") -> list[WorkerRecord]:
+        await self.heartbeat()
         now = self._clock()
-        await self._redis.zremrangebyscore(_INDEX, "-inf", now)
-        ids = await self._redis.zrangebyscore(_INDEX, now, "+inf")
-        if not ids:
+        await self._redis.zremrangebyscore(_INDEX, "-inf", now - RETAIN_SECONDS * 1000)
+        live = await self._redis.zrangebyscore(_INDEX, now, "+inf", withscores=True)
+        if not live:
             return []
-        raw = await self._redis.mget([_KEY.format(i) for i in ids])
-        records = [self._decode(r) for r in raw if r]
+        raw = await self._redis.mget([_KEY.format(i) for i, _ in live])
+        records = [replace(self._decode(r), lease_expires_ms=int(expires)) for r, (_, expires) in zip(raw, live) if r]
         return sorted((r for r in records if not model or r.model == model), key=lambda r: r.worker_id)
 
     async def _get(self, worker_id: WorkerId) -> WorkerRecord | None:
@@ -116,7 +165,8 @@ class WorkerRegistry:
 
     async def _put(self, record: WorkerRecord) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(_KEY.format(record.worker_id), json.dumps(asdict(record)), px=self.ttl_seconds * 1000)
+            pipe.set(_KEY.format(record.worker_id), json.dumps(asdict(record)),
+                     px=(self.ttl_seconds + RETAIN_SECONDS) * 1000)
             pipe.zadd(_INDEX, {record.worker_id: record.lease_expires_ms})
             await pipe.execute()
 

@@ -6,6 +6,7 @@ Settings come from GAAS_* variables (see --help); `gaas up` sets them from the t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from pathlib import Path
 
@@ -53,6 +54,7 @@ async def serve(cfg: ControlConfig) -> None:
     prefixes = PrefixStore(db)
     await prefixes.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
+    heartbeat = asyncio.create_task(_heartbeat(registry), name="registry-heartbeat")
     servicer = ControlServicer(registry, catalog, tenants, prefixes, policies)
     rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
     await rt.start()
@@ -60,8 +62,20 @@ async def serve(cfg: ControlConfig) -> None:
     try:
         await rt.run_until_stopped()
     finally:
+        heartbeat.cancel()
         await redis.aclose()
         db.close()
+
+
+async def _heartbeat(registry: WorkerRegistry) -> None:
+    """Tells the registry every second that control answers, so a gap (this process paused, every
+    replica down) is noticed and the leases it would have dropped are extended."""
+    while True:
+        try:
+            await registry.heartbeat()
+        except Exception as exc:  # Redis away: the calls themselves will say so
+            log.debug("registry heartbeat failed: %s", exc)
+        await asyncio.sleep(1.0)
 
 
 def main() -> None:

@@ -18,6 +18,10 @@ from gaas.v1 import control_pb2_grpc
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT = 2.0
+# Retries while control is unreachable back off only to this: a renewal is cheap, and after a gap
+# (control restarted, paused, its sidecar ejecting it for a while) the worker must be back in the
+# registry within about a second, before routers conclude that no worker serves.
+MAX_BACKOFF = 1.0
 
 
 class LeaseKeeper:
@@ -72,12 +76,13 @@ class LeaseKeeper:
                     log.warning("lease lapsed; registering again")
                     self.registered.clear()
                     continue
-                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.PERMISSION_DENIED):
                     log.error("control refused the registration: %s", exc.details())
                 else:
                     log.warning("control unreachable (%s: %s); retrying in %.1f s", exc.code().name, exc.details(), backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, MAX_BACKOFF)
 
     async def stop(self) -> None:
         if self._task:

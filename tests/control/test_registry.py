@@ -67,3 +67,47 @@ async def test_reregistration_keeps_first_registration_time(redis):
     again = await reg.register(record())
     assert again.registered_ms == first.registered_ms
     assert again.lease_expires_ms >= first.lease_expires_ms
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 1_800_000_000_000
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+async def test_a_gap_of_control_extends_the_leases_live_when_it_began(redis):
+    """No control answered for 30 s (paused, restarting): leases that were live when it went quiet
+    get one more TTL when it answers again; one that had lapsed before stays lapsed."""
+    clock = Clock()
+    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock)
+    async def answering(seconds: int) -> None:  # control's heartbeat, once a second
+        for _ in range(seconds):
+            clock.ms += 1_000
+            await reg.heartbeat()
+
+    await reg.register(record("worker-0"))
+    await answering(6)
+    await reg.register(record("worker-1", address="127.0.0.1:20051"))  # lease ends at +16 s
+    await answering(9)  # worker-0 lapses at +10 s while control answers
+    assert [w.worker_id for w in await reg.list()] == ["worker-1"]
+    clock.ms += 30_000  # control silent from +15 s to +45 s: worker-1's lease ran out meanwhile
+    assert [w.worker_id for w in await reg.list()] == ["worker-1"]
+    assert (await reg.list())[0].lease_expires_ms == clock.ms + 10_000
+    renewed = await reg.renew(WorkerId("worker-1"))
+    assert renewed.worker_id == "worker-1"
+    with pytest.raises(LeaseExpired):
+        await reg.renew(WorkerId("worker-0"))
+
+
+async def test_without_a_gap_a_lapsed_lease_is_not_extended(redis):
+    clock = Clock()
+    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock)
+    await reg.register(record())
+    for _ in range(12):  # control keeps answering (its heartbeat) while the worker is silent
+        clock.ms += 1_000
+        assert await reg.heartbeat() == 0
+    assert await reg.list() == []
+    with pytest.raises(LeaseExpired):
+        await reg.renew(WorkerId("worker-0"))
