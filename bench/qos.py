@@ -162,6 +162,8 @@ def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path |
     from gaas.mesh import Mesh, free_port_base
 
     run_dir = Path(tempfile.mkdtemp(prefix="gaas-qos-"))
+    # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
+    os.environ["GAAS_HOME"] = str(run_dir)
     base = free_port_base(span=200, start=46000)
     doc = yaml.safe_load((ROOT / "deploy" / "topology.yaml").read_text())
     doc["services"]["router"]["replicas"] = routers

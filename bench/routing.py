@@ -122,6 +122,8 @@ def gaas_run(policy: str, workers: int, blocks: int, rounds, concurrency: int) -
     from gaas.mesh import Mesh, free_port_base
 
     run_dir = Path(tempfile.mkdtemp(prefix="gaas-routing-"))
+    # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
+    os.environ["GAAS_HOME"] = str(run_dir)
     base = free_port_base(span=200, start=44000)
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190,
                          workers=workers)

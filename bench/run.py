@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.engine import pin_descendants
 
     run_dir = Path(tempfile.mkdtemp(prefix="gaas-bench-"))
+    # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
+    os.environ["GAAS_HOME"] = str(run_dir)
     base = free_port_base(span=200, start=42000)
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190, workers=1)
     mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",

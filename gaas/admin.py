@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from gaas import errors, pricing
+from gaas import errors, pki, pricing
 from gaas.errors import GaasError
 from gaas.runtime.status import from_rpc
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
@@ -54,7 +54,7 @@ class _Service:
 
     def __init__(self, address: str, stub_class) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = pki.operator_channel(address)
         self._stub = stub_class(self._channel)
 
     def _call(self, method: str, request):
@@ -209,7 +209,7 @@ def router_flow(address: str, timeout: float = 2.0) -> dict | None:
     sidecar; None when it does not answer."""
     from gaas.v1 import router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with pki.operator_channel(address) as channel:
         try:
             r = router_pb2_grpc.RouterStub(channel).GetFlowStatus(router_pb2.GetFlowStatusRequest(), timeout=timeout)
         except grpc.RpcError:

@@ -86,6 +86,22 @@ def _ingress(args) -> str:
     return f"127.0.0.1:{os.environ.get('GAAS_INGRESS_PORT', '8080')}"
 
 
+def _ingress_tls(args) -> dict:
+    """How to reach the ingress: TLS when the running mesh serves it (`gaas up --tls-cert`) or
+    GAAS_CA_CERT names the certificates to trust; a self-signed ingress certificate is trusted as
+    its own root."""
+    if ca := os.environ.get("GAAS_CA_CERT"):
+        return {"tls": True, "tls_roots": Path(ca).read_bytes()}
+    cert = (_state(Path(args.run_dir)) or {}).get("ingress_tls_cert")
+    if not cert:
+        return {}
+    from cryptography import x509
+
+    pem = Path(cert).read_bytes()
+    leaf = x509.load_pem_x509_certificate(pem)
+    return {"tls": True, "tls_roots": pem if leaf.issuer == leaf.subject else None}
+
+
 def _api_key(args) -> str | None:
     """--api-key, else GAAS_API_KEY, else the demo key `gaas up` saved in the run directory."""
     if getattr(args, "api_key", None):
@@ -117,13 +133,13 @@ def _billing(args) -> str:
     return topo.of("billing")[0].inbound
 
 
-def _examples(ingress: str, key: str, model: str) -> str:
+def _examples(ingress: str, key: str, model: str, scheme: str = "http") -> str:
     return (
-        f"  curl:   curl -N http://{ingress}/v1/chat/completions -H 'Authorization: Bearer {key}' \\\n"
+        f"  curl:   curl -N {scheme}://{ingress}/v1/chat/completions -H 'Authorization: Bearer {key}' \\\n"
         f"            -H 'Content-Type: application/json' \\\n"
         f"            -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"stream\": true}}'\n"
         f"  python: from openai import OpenAI\n"
-        f"          client = OpenAI(base_url=\"http://{ingress}/v1\", api_key=\"{key}\")\n"
+        f"          client = OpenAI(base_url=\"{scheme}://{ingress}/v1\", api_key=\"{key}\")\n"
         f"          print(client.completions.create(model=\"{model}\", prompt=\"Once upon a time\", max_tokens=32).choices[0].text)\n"
     )
 
@@ -150,6 +166,14 @@ def cmd_up(args) -> int:
             worker_options["kv_cache_blocks"] = args.kv_cache_blocks
         if worker_options:
             topo = with_worker_options(topo, **worker_options)
+        ingress_tls = None
+        if bool(args.tls_cert) != bool(args.tls_key):
+            return _fail("--tls-cert and --tls-key go together: the certificate (PEM, with its chain) and its key", 2)
+        if args.tls_cert:
+            ingress_tls = (Path(args.tls_cert).resolve(), Path(args.tls_key).resolve())
+            missing = [str(p) for p in ingress_tls if not p.is_file()]
+            if missing:
+                return _fail(f"no such file: {', '.join(missing)}", 2)
         extra_env = {}
         if args.router_policy:
             from services.router.scheduling.profiles import PROFILES
@@ -165,6 +189,7 @@ def cmd_up(args) -> int:
             progress=_say,
             extra_env=extra_env,
             topology_file=Path(args.topology),
+            ingress_tls=ingress_tls,
         )
         for name in {str(w.options["model"]) for w in topo.of("worker")}:
             mesh.spec.model(name)  # an unknown model is refused here, with the deployment's names
@@ -223,7 +248,7 @@ def cmd_up(args) -> int:
             f"  API key of tenant '{DEMO_TENANT}' ({'new' if created else 'kept'}, saved in {run_dir / DEMO_KEY_FILE}):\n"
             f"          {demo_key}\n"
             f"  try:    gaas generate \"Once upon a time\"   (gaas commands use that key unless given --api-key)\n"
-            f"{_examples(ingress, demo_key, model)}"
+            f"{_examples(ingress, demo_key, model, 'https' if ingress_tls else 'http')}"
             f"  status: gaas status      logs: {run_dir / 'logs'}\n"
             f"  Ctrl-C (or SIGTERM) stops everything.\n",
             flush=True,
@@ -276,7 +301,7 @@ def cmd_generate(args) -> int:
     tokens = 0
     text: list[str] = []
     final = None
-    with GaasClient(target, api_key=_api_key(args)) as client:
+    with GaasClient(target, api_key=_api_key(args), **_ingress_tls(args)) as client:
         try:
             stream = client.generate(
                 prompt,
@@ -361,7 +386,7 @@ def cmd_status(args) -> int:
         topo = _topology(args, state)
     except TopologyError as exc:
         return _fail(str(exc), 2)
-    health = probe.probe(topo, timeout=args.timeout)
+    health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout)
     if args.json:
         print(json.dumps({**health.to_dict(), "billing": _billing_status(topo),
                           "flow": [_router_flow(r.inbound) for r in topo.of("router")],
@@ -508,7 +533,7 @@ def cmd_kv_public_remove(args) -> int:
 def cmd_models(args) -> int:
     from gaas.client import GaasClient, GaasError
 
-    with GaasClient(_ingress(args), api_key=_api_key(args)) as client:
+    with GaasClient(_ingress(args), api_key=_api_key(args), **_ingress_tls(args)) as client:
         try:
             models = client.list_models()
         except GaasError as exc:
@@ -763,7 +788,13 @@ def cmd_envoy_render(args) -> int:
         return _fail(str(exc), 2)
     protogen.generate()
     out = Path(args.out)
-    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, Path(args.run_dir) / "logs")
+    from gaas import pki
+
+    from gaas.topology import sockets_root
+
+    run_dir = Path(args.run_dir).resolve()
+    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, run_dir / "logs", pki.Authority(run_dir),
+                             sockets=sockets_root(run_dir))
     for name, path in files.items():
         print(f"{name:<20} {path}")
     return 0
@@ -854,6 +885,10 @@ def build_parser() -> argparse.ArgumentParser:
                     default=int(os.environ["GAAS_KV_CACHE_BLOCKS"]) if os.environ.get("GAAS_KV_CACHE_BLOCKS") else None,
                     help="each engine's KV cache in blocks (vLLM's num_gpu_blocks_override; env GAAS_KV_CACHE_BLOCKS; "
                     "default: sized by memory)")
+    up.add_argument("--tls-cert", default=os.environ.get("GAAS_TLS_CERT") or None,
+                    help="serve the ingress over TLS with this certificate (PEM, with its chain; env GAAS_TLS_CERT)")
+    up.add_argument("--tls-key", default=os.environ.get("GAAS_TLS_KEY") or None,
+                    help="the private key of --tls-cert (PEM; env GAAS_TLS_KEY)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to be ready (300)")
     up.add_argument("--json", action="store_true", help="print one JSON line when ready instead of the banner")
     up.set_defaults(func=cmd_up)
@@ -1042,6 +1077,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "run_dir", None):
+        # Everything in this process reaches the mesh as the operator of this run directory
+        # (its CA and certificate: gaas.pki.operator_channel).
+        os.environ["GAAS_HOME"] = str(Path(args.run_dir).resolve())
     return args.func(args)
 
 

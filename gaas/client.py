@@ -45,10 +45,16 @@ class GenerateStream:
 
 
 class GaasClient:
-    def __init__(self, target: str = "127.0.0.1:8080", *, api_key: str | None = None) -> None:
+    def __init__(self, target: str = "127.0.0.1:8080", *, api_key: str | None = None, tls: bool = False,
+                 tls_roots: bytes | None = None) -> None:
+        """tls: the ingress serves TLS (`gaas up --tls-cert`); tls_roots: the certificates to trust
+        for it (PEM), else the system's."""
         self.target = target
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(target)
+        if tls:
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_roots))
+        else:
+            self._channel = grpc.insecure_channel(target)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     def generate(

@@ -9,6 +9,12 @@ Paths of a request:
 Every sidecar has an inbound listener in front of its service and, when the service calls
 anyone, an outbound listener that routes by gRPC service name to the peers' inbound listeners.
 Each cluster of peers is health-checked with the standard gRPC health protocol.
+
+Every hop between Envoys is mutual TLS with the mesh's own CA (gaas/pki.py): a sidecar's inbound
+listener accepts only certificates of the mesh, its RBAC filter lets each identity call only the
+methods gaas.topology.ALLOWED_CALLERS gives its kind, and it tells its service who called
+(x-forwarded-client-cert, replacing whatever the caller sent). Outbound, each cluster checks that
+the peer's certificate is of the kind it dials.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from pathlib import Path
 
 import yaml
 
+from gaas import pki
 from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
-from gaas.topology import GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, Topology
+from gaas.topology import ALLOWED_CALLERS, GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets, Topology
 
 HTTP2 = {
     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -115,8 +122,108 @@ def _hcm(stat_prefix: str, routes: list[dict], http_filters: list[dict], access_
     }
 
 
-def _listener(name: str, host: str, port: int, hcm: dict) -> dict:
-    return {"name": name, "address": _address(host, port), "filter_chains": [{"filters": [hcm]}]}
+def _pipe(path: Path) -> dict:
+    # Only the owner may connect (the directory is 0700 too).
+    return {"pipe": {"path": str(path), "mode": 0o600}}
+
+
+def _listener(name: str, host: str, port: int, hcm: dict, tls: dict | None = None, pipe: Path | None = None) -> dict:
+    chain: dict = {"filters": [hcm]}
+    if tls is not None:
+        chain["transport_socket"] = tls
+    return {"name": name, "address": _pipe(pipe) if pipe else _address(host, port), "filter_chains": [chain]}
+
+
+def _certificate(creds: pki.Credentials) -> dict:
+    return {"certificate_chain": {"filename": str(creds.cert)}, "private_key": {"filename": str(creds.key)}}
+
+
+def _server_tls(creds: pki.Credentials) -> dict:
+    """An inbound listener's mutual TLS: the instance's certificate, and callers must present one
+    the mesh's CA signed."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": True,
+            "common_tls_context": {
+                "tls_certificates": [_certificate(creds)],
+                "validation_context": {"trusted_ca": {"filename": str(creds.ca)}},
+                "alpn_protocols": ["h2"],
+            },
+        },
+    }
+
+
+def _client_tls(creds: pki.Credentials, peer_kind: str) -> dict:
+    """A cluster's mutual TLS: present this identity, and accept only a peer of peer_kind."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": pki.SERVER_NAME,
+            "common_tls_context": {
+                "tls_certificates": [_certificate(creds)],
+                "validation_context": {
+                    "trusted_ca": {"filename": str(creds.ca)},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "URI", "matcher": {"prefix": pki.kind_prefix(peer_kind)}}
+                    ],
+                },
+                "alpn_protocols": ["h2"],
+            },
+        },
+    }
+
+
+def _method_paths(kind: str) -> dict[str, tuple[str, ...]]:
+    """gRPC path (or path prefix, ending in "/") -> the caller kinds allowed, for kind's inbound."""
+    if kind == "router":
+        public = (GRPC_SERVICE["router"], OPENAI_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
+                  "grpc.reflection.v1.ServerReflection")
+        return {**{f"/{name}/": ALLOWED_CALLERS["router"]["*"] for name in public}, "/gaas.v1.Router/": ("operator",)}
+    from google.protobuf import descriptor_pool
+
+    from gaas.v1 import billing_pb2, control_pb2, kvcache_pb2, worker_pb2  # noqa: F401 - fill the pool
+
+    service = descriptor_pool.Default().FindServiceByName(GRPC_SERVICE[kind])
+    allowed = ALLOWED_CALLERS.get(kind, {})
+    return {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
+
+
+def _rbac(kind: str) -> dict:
+    """Envoy's RBAC filter for kind's inbound listener: one policy per caller kind, naming exactly
+    the methods it may call; health checks from any identity of the mesh; nothing else."""
+    by_caller: dict[str, list[str]] = {}
+    for path, callers in _method_paths(kind).items():
+        for caller in callers:
+            by_caller.setdefault(caller, []).append(path)
+
+    def permission(path: str) -> dict:
+        matcher = {"prefix": path} if path.endswith("/") else {"exact": path}
+        return {"url_path": {"path": matcher}}
+
+    def principal(prefix: str) -> dict:
+        return {"authenticated": {"principal_name": {"prefix": prefix}}}
+
+    policies = {
+        f"{caller}-calls": {
+            "permissions": [permission(p) for p in sorted(paths)],
+            "principals": [principal(pki.kind_prefix(caller))],
+        }
+        for caller, paths in sorted(by_caller.items())
+    }
+    policies["mesh-health"] = {
+        "permissions": [permission("/grpc.health.v1.Health/")],
+        "principals": [principal(pki.MESH_PREFIX)],
+    }
+    return {
+        "name": "envoy.filters.http.rbac",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC",
+            "rules": {"action": "ALLOW", "policies": policies},
+        },
+    }
 
 
 # A request that never reached an instance (no connection, a refused stream, a reset before the
@@ -140,7 +247,7 @@ def _grpc_route(prefix: str, cluster: str, *, retry: bool = False, **match_extra
     return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": route}
 
 
-def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool) -> dict:
+def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool, tls: dict | None = None) -> dict:
     is_ip = all(h.replace(".", "").isdigit() or ":" in h for h, _ in endpoints)
     cluster = {
         "name": name,
@@ -153,6 +260,8 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in endpoints]}],
         },
     }
+    if tls is not None:
+        cluster["transport_socket"] = tls
     if health_check:
         cluster["health_checks"] = [
             {
@@ -189,21 +298,21 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check
     return cluster
 
 
-def _worker_clusters(topo: Topology) -> list[dict]:
+def _worker_clusters(topo: Topology, creds: pki.Credentials) -> list[dict]:
     """One cluster per worker sidecar of the topology, named by its address (what x-gaas-worker
     carries): a caller can aim only at a worker of this mesh, never at an arbitrary host:port.
     Not health-checked: the router's circuit breakers judge workers, and retries before the first
     token go through the router."""
     return [
-        {**_static_cluster(f"{w.host}:{w.inbound_port}", [(w.host, w.inbound_port)], health_check=False)}
+        _static_cluster(w.inbound, [(w.host, w.inbound_port)], health_check=False, tls=_client_tls(creds, "worker"))
         for w in topo.of("worker")
     ]
 
 
-def _bootstrap(name: str, admin_host: str, admin_port: int, listeners: list[dict], clusters: list[dict]) -> dict:
+def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict]) -> dict:
     return {
         "node": {"id": name, "cluster": name.rsplit("-", 1)[0]},
-        "admin": {"address": _address(admin_host, admin_port)},
+        "admin": {"address": admin},
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "layered_runtime": {
             "layers": [{"name": "static", "static_layer": {"overload": {"global_downstream_max_connections": 50000}}}]
@@ -211,16 +320,29 @@ def _bootstrap(name: str, admin_host: str, admin_port: int, listeners: list[dict
     }
 
 
-def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
-    """The sidecar of one service instance: inbound in front of it, outbound to its peers."""
+def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki.Authority,
+                   sockets: Path | None = None) -> dict:
+    """The sidecar of one service instance: inbound in front of it, outbound to its peers. With
+    sockets (a directory), the service and the sidecar's outbound listener are Unix sockets there
+    (LocalSockets); else loopback TCP ports (a pod's loopback in Kubernetes)."""
+    creds = authority.credentials(inst.service, inst.name)
+    local = LocalSockets.of(sockets, inst.name) if sockets else None
     inbound = _hcm(
         f"{inst.name}_inbound",
         [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}],
-        [],
+        [_rbac(inst.service)],
         log_dir / f"envoy-{inst.name}-access.log",
+        # The service learns who called from what this sidecar verified, never from the caller.
+        forward_client_cert_details="SANITIZE_SET",
+        set_current_client_cert_details={"uri": True},
     )
-    listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound)]
+    listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound, _server_tls(creds))]
     clusters = [_static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
+    if local:
+        clusters[0]["type"] = "STATIC"
+        clusters[0]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"pipe": {"path": str(local.service)}}}}
+        ]
 
     peers = TALKS_TO[inst.service]
     if peers:
@@ -234,15 +356,16 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path) -> dict:
                     "match": {"prefix": prefix, "grpc": {}, "headers": [{"name": WORKER_HEADER, "present_match": True}]},
                     "route": {"cluster_header": WORKER_HEADER, "timeout": "0s"},
                 })
-                clusters.extend(_worker_clusters(topo))
+                clusters.extend(_worker_clusters(topo, creds))
             else:
                 routes.append(_grpc_route(prefix, peer, retry=True))
-                clusters.append(
-                    _static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)], health_check=True)
-                )
+                clusters.append(_static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)],
+                                                health_check=True, tls=_client_tls(creds, peer)))
         outbound = _hcm(f"{inst.name}_outbound", routes, [], log_dir / f"envoy-{inst.name}-access.log")
-        listeners.append(_listener("outbound", inst.host, inst.outbound_port, outbound))
-    return _bootstrap(f"sidecar-{inst.name}", inst.host, inst.admin_port, listeners, clusters)
+        listeners.append(_listener("outbound", inst.host, inst.outbound_port, outbound,
+                                   pipe=local.outbound if local else None))
+    admin = _pipe(local.admin) if local else _address(inst.host, inst.admin_port)
+    return _bootstrap(f"sidecar-{inst.name}", admin, listeners, clusters)
 
 
 OPENAI_ERRORS_LUA = Path(__file__).resolve().parent.parent / "envoy" / "openai_errors.lua"
@@ -278,9 +401,11 @@ def openai_errors_lua() -> str:
 MAX_HTTP_BODY = 8 << 20
 
 
-def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
-    """The edge: gRPC and HTTP/1.1 on one port; JSON transcoded to the router's gRPC APIs (the
-    native one and the OpenAI-compatible one), whose errors get OpenAI's shape."""
+def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
+                   tls: tuple[Path, Path] | None = None, sockets: Path | None = None) -> dict:
+    """The edge: gRPC and HTTP/1.1 on one port (TLS with the given certificate and key, when given);
+    JSON transcoded to the router's gRPC APIs (the native one and the OpenAI-compatible one), whose
+    errors get OpenAI's shape. It reaches the routers as the mesh's ingress identity."""
     openai_errors = {
         "name": "envoy.filters.http.lua",
         "typed_config": {
@@ -329,20 +454,48 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path) -> dict:
         preserve_external_request_id=True,
         always_set_request_id_in_response=True,
     )
-    listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm)]
+    edge_tls = None
+    if tls is not None:
+        cert, key = tls
+        edge_tls = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                "common_tls_context": {
+                    "tls_certificates": [{"certificate_chain": {"filename": str(cert)}, "private_key": {"filename": str(key)}}],
+                    "alpn_protocols": ["h2", "http/1.1"],
+                },
+            },
+        }
+    listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm, edge_tls)]
     clusters = [
-        _static_cluster("router", [(r.host, r.inbound_port) for r in topo.of("router")], health_check=True)
+        _static_cluster("router", [(r.host, r.inbound_port) for r in topo.of("router")], health_check=True,
+                        tls=_client_tls(authority.credentials(*pki.INGRESS), "router"))
     ]
-    return _bootstrap("ingress-0", topo.host, topo.ingress_admin_port, listeners, clusters)
+    admin = _pipe(LocalSockets.of(sockets, "ingress-0").admin) if sockets else _address(topo.host, topo.ingress_admin_port)
+    return _bootstrap("ingress-0", admin, listeners, clusters)
 
 
-def render(topo: Topology, out_dir: Path, descriptor_set: Path, log_dir: Path) -> dict[str, Path]:
-    """Write ingress.yaml and sidecar-<instance>.yaml into out_dir; returns envoy name -> file."""
+def issue_certificates(topo: Topology, authority: pki.Authority) -> None:
+    """The CA (kept) and a fresh certificate for every identity the configs name: each instance
+    (a worker's names its sidecar's address), the ingress and the operator."""
+    authority.ensure()
+    for inst in topo.instances:
+        authority.issue(inst.service, inst.name, sidecar=inst.inbound if inst.service == "worker" else "")
+    authority.issue(*pki.INGRESS)
+    authority.issue(*pki.OPERATOR)
+
+
+def render(topo: Topology, out_dir: Path, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
+           ingress_tls: tuple[Path, Path] | None = None, sockets: Path | None = None) -> dict[str, Path]:
+    """Write ingress.yaml and sidecar-<instance>.yaml into out_dir; returns envoy name -> file.
+    The certificates they name are authority's (issue_certificates makes them); services are
+    reached on Unix sockets under sockets, when given."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
-    configs = {"ingress-0": ingress_config(topo, descriptor_set.resolve(), log_dir.resolve())}
+    configs = {"ingress-0": ingress_config(topo, descriptor_set.resolve(), log_dir.resolve(), authority, ingress_tls, sockets)}
     for inst in topo.instances:
-        configs[f"sidecar-{inst.name}"] = sidecar_config(topo, inst, log_dir.resolve())
+        configs[f"sidecar-{inst.name}"] = sidecar_config(topo, inst, log_dir.resolve(), authority, sockets)
     files = {}
     for name, cfg in configs.items():
         path = out_dir / f"{name}.yaml"

@@ -8,6 +8,7 @@ parent-death signal), so nothing is left behind even if `gaas up` itself is kill
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -15,16 +16,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from gaas import deployspec, envoyconf, probe, protogen
+from gaas import deployspec, envoyconf, pki, probe, protogen
 from gaas.model.build import build_model, is_built
 from gaas.runtime.devices import list_gpus
-from gaas.topology import Instance, Topology
+from gaas.topology import Instance, LocalSockets, Topology, sockets_root
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_FILE = "mesh.json"
@@ -186,8 +188,11 @@ class Mesh:
         progress: Callable[[str], None] = lambda msg: None,
         extra_env: dict[str, str] | None = None,
         topology_file: Path | None = None,
+        ingress_tls: tuple[Path, Path] | None = None,
     ) -> None:
         self.topo = topo
+        # The certificate and key the ingress serves TLS with (None: plaintext).
+        self.ingress_tls = ingress_tls
         self.run_dir = Path(run_dir).resolve()
         self.deploy_file = Path(deploy_file).resolve()
         self.redis_url = redis_url
@@ -197,6 +202,7 @@ class Mesh:
         self.topology_file = topology_file
         self.children: list[Child] = []
         self.log_dir = self.run_dir / "logs"
+        self.sockets = sockets_root(self.run_dir)
         self.spec = deployspec.load(self.deploy_file)
         # GPUs NVML sees: workers get one each; none means CPU workers, one per core.
         self.gpus = list_gpus()
@@ -217,7 +223,15 @@ class Mesh:
         protogen.generate()
         self._ensure_models()
         self._ensure_redis()
-        configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir)
+        for name in ("ingress-0", *(i.name for i in self.topo.instances)):
+            d = LocalSockets.of(self.sockets, name).dir
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+        os.chmod(self.sockets, 0o700)
+        authority = pki.Authority(self.run_dir)
+        envoyconf.issue_certificates(self.topo, authority)
+        configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
+                                   authority, self.ingress_tls, self.sockets)
         for inst in self.topo.instances:
             self._spawn_service(inst)
         for name, path in configs.items():
@@ -299,7 +313,9 @@ class Mesh:
             "GAAS_PORT": str(inst.port),
             "GAAS_METRICS_PORT": str(inst.metrics_port),
             "GAAS_ADVERTISE": inst.inbound,
-            "GAAS_OUTBOUND": inst.outbound,
+            # Service and sidecar meet on Unix sockets only the mesh's owner can reach.
+            "GAAS_LISTEN": f"unix:{LocalSockets.of(self.sockets, inst.name).service}",
+            "GAAS_OUTBOUND": f"unix:{LocalSockets.of(self.sockets, inst.name).outbound}",
             "GAAS_REDIS_URL": self.redis_url,
             "GAAS_SPOOL_DIR": str(self.run_dir / "spool"),
         }
@@ -355,6 +371,7 @@ class Mesh:
             "workers": len(self.topo.of("worker")),
             "topology": str(Path(self.topology_file).resolve()) if self.topology_file else None,
             "redis_url": self.redis_url,
+            "ingress_tls_cert": str(self.ingress_tls[0]) if self.ingress_tls else None,
             "children": {c.name: c.proc.pid for c in self.children},
             "restarts": {c.name: c.restarts for c in self.children if c.restarts},
         }
@@ -374,7 +391,7 @@ class Mesh:
         want_workers = len(self.topo.of("worker"))
         while True:
             self._check_children()
-            health = probe.probe(self.topo, timeout=1.0)
+            health = probe.probe(self.topo, self.run_dir, timeout=1.0)
             registered = [w for w in health.workers if w["state"] == "SERVING"]
             if health.healthy and len(registered) >= want_workers:
                 return health
@@ -468,26 +485,25 @@ class Mesh:
         state = self.run_dir / STATE_FILE
         if state.exists():
             state.unlink()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
     def _drain_ingress(self, seconds: float) -> None:
         """Close the ingress's listener (no new connections) and wait, up to seconds, for the
         requests in flight through it to finish."""
-        import urllib.request
-
         ingress = next((c for c in self.children if c.name == "ingress-0" and c.proc.poll() is None), None)
         if ingress is None:
             return
-        admin = f"http://{self.topo.host}:{self.topo.ingress_admin_port}"
+        admin = LocalSockets.of(self.sockets, "ingress-0").admin
         try:
-            urllib.request.urlopen(urllib.request.Request(f"{admin}/drain_listeners", method="POST"), timeout=2).read()
+            probe.envoy_admin(admin, "/drain_listeners", method="POST")
         except OSError:
             return
         deadline = time.monotonic() + seconds
         said = False
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{admin}/stats?filter=^http.ingress.downstream_rq_active$", timeout=2) as r:
-                    active = int(r.read().decode().rsplit(":", 1)[-1].strip() or 0)
+                _, body = probe.envoy_admin(admin, "/stats?filter=^http.ingress.downstream_rq_active$")
+                active = int(body.decode().rsplit(":", 1)[-1].strip() or 0)
             except (OSError, ValueError):
                 return
             if active == 0:

@@ -3,15 +3,17 @@ readiness, and the workers registered with control. Used by `gaas status` and `g
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
+import http.client
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gaas.topology import Topology
+from gaas import pki
+from gaas.topology import LocalSockets, Topology, sockets_root
 from gaas.v1 import control_pb2, control_pb2_grpc
 
 
@@ -44,17 +46,41 @@ class MeshHealth:
         return {**asdict(self), "healthy": self.healthy}
 
 
-def envoy_ready(host: str, admin_port: int, timeout: float = 1.0) -> bool:
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to a Unix socket (Envoy's admin interface listens on one)."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def envoy_admin(admin: Path, path: str, method: str = "GET", timeout: float = 2.0) -> tuple[int, bytes]:
+    """(status, body) of one call to an Envoy's admin interface at the Unix socket admin."""
+    conn = _UnixHTTPConnection(admin, timeout)
     try:
-        with urllib.request.urlopen(f"http://{host}:{admin_port}/ready", timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
+        conn.request(method, path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def envoy_ready(admin: Path, timeout: float = 1.0) -> bool:
+    try:
+        return envoy_admin(admin, "/ready", timeout=timeout)[0] == 200
+    except (OSError, http.client.HTTPException):
         return False
 
 
-def grpc_health(address: str, timeout: float = 1.0) -> tuple[str, str]:
-    """(status, detail) of the standard health service at address."""
-    with grpc.insecure_channel(address) as channel:
+def grpc_health(address: str, timeout: float = 1.0, run_dir: Path | None = None) -> tuple[str, str]:
+    """(status, detail) of the standard health service at address (a sidecar, reached as the
+    operator of run_dir's mesh; default $GAAS_HOME)."""
+    with pki.operator_channel(address, run_dir) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError as exc:
@@ -65,8 +91,8 @@ def grpc_health(address: str, timeout: float = 1.0) -> tuple[str, str]:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status), ""
 
 
-def list_workers(control_address: str, timeout: float = 1.0) -> list[dict]:
-    with grpc.insecure_channel(control_address) as channel:
+def list_workers(control_address: str, timeout: float = 1.0, run_dir: Path | None = None) -> list[dict]:
+    with pki.operator_channel(control_address, run_dir) as channel:
         try:
             resp = control_pb2_grpc.ControlStub(channel).ListWorkers(control_pb2.ListWorkersRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -95,13 +121,13 @@ def list_workers(control_address: str, timeout: float = 1.0) -> list[dict]:
     ]
 
 
-def kv_stats(kvcache_address: str, timeout: float = 1.0) -> dict | None:
+def kv_stats(kvcache_address: str, timeout: float = 1.0, run_dir: Path | None = None) -> dict | None:
     """The KV directory's figures (gaas.v1.DirectoryStats as JSON), None when it does not answer."""
     from google.protobuf import json_format
 
     from gaas.v1 import kvcache_pb2, kvcache_pb2_grpc
 
-    with grpc.insecure_channel(kvcache_address) as channel:
+    with pki.operator_channel(kvcache_address, run_dir) as channel:
         try:
             stats = kvcache_pb2_grpc.KVCacheStub(channel).GetStats(kvcache_pb2.GetStatsRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -109,26 +135,28 @@ def kv_stats(kvcache_address: str, timeout: float = 1.0) -> dict | None:
     return json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def probe(topo: Topology, timeout: float = 1.0) -> MeshHealth:
-    """Everything at once (in parallel, so a dead mesh answers within about one timeout)."""
+def probe(topo: Topology, run_dir: Path, timeout: float = 1.0) -> MeshHealth:
+    """Everything at once (in parallel, so a dead mesh answers within about one timeout), as the
+    operator of the mesh run from run_dir (its certificate; its Envoys' admin sockets)."""
+    sockets = sockets_root(run_dir)
 
     def one(inst) -> InstanceHealth:
-        status, detail = grpc_health(inst.inbound, timeout)
+        status, detail = grpc_health(inst.inbound, timeout, run_dir)
         return InstanceHealth(
             name=inst.name,
             service=inst.service,
             address=inst.inbound,
             health=status,
-            sidecar_ready=envoy_ready(inst.host, inst.admin_port, timeout),
+            sidecar_ready=envoy_ready(LocalSockets.of(sockets, inst.name).admin, timeout),
             detail=detail,
         )
 
     with ThreadPoolExecutor(max_workers=8) as pool:
-        ingress_f = pool.submit(envoy_ready, topo.host, topo.ingress_admin_port, timeout)
+        ingress_f = pool.submit(envoy_ready, LocalSockets.of(sockets, "ingress-0").admin, timeout)
         controls = topo.of("control")
-        workers_f = pool.submit(list_workers, controls[0].inbound, timeout) if controls else None
+        workers_f = pool.submit(list_workers, controls[0].inbound, timeout, run_dir) if controls else None
         kvs = topo.of("kvcache")
-        kv_f = pool.submit(kv_stats, kvs[0].inbound, timeout) if kvs else None
+        kv_f = pool.submit(kv_stats, kvs[0].inbound, timeout, run_dir) if kvs else None
         instances = list(pool.map(one, topo.instances))
         workers = workers_f.result() if workers_f else []
         cached = {w["worker_id"]: w for w in ((kv_f.result() if kv_f else None) or {}).get("per_worker", [])}

@@ -3,7 +3,9 @@ its Envoy sidecar listen on. The Envoy configs and `gaas up` are both derived fr
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +34,27 @@ TALKS_TO = {
     "billing": ("control",),
     "worker": ("control",),
     "router": ("control", "kvcache", "worker", "billing"),
+}
+
+# Who may call which method, by the caller's identity kind ("operator": the `gaas` CLI; "ingress":
+# the edge Envoy). Each inbound sidecar's RBAC is generated from this (gaas/envoyconf.py). A method
+# of a service's own API not named here is the operator's alone; health checks are open to every
+# identity of the mesh.
+ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "control": {
+        "RegisterWorker": ("worker",), "RenewLease": ("worker",), "DeregisterWorker": ("worker",),
+        "ListWorkers": ("router", "kvcache", "operator"),
+        "ListModels": ("router", "operator"),
+        "Authenticate": ("router",),
+        "ListPublicPrefixes": ("router", "operator"),
+        "ListTenants": ("billing", "operator"),
+    },
+    "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
+    "billing": {"GetUsage": ("router", "operator")},
+    "worker": {"Generate": ("router",), "WatchKVEvents": ("kvcache",)},
+    # The router's public APIs (and server reflection) are the ingress's; gaas.v1.Router (flow
+    # status) is the operator's.
+    "router": {"*": ("ingress",)},
 }
 
 PORTS_PER_INSTANCE = 10
@@ -96,6 +119,42 @@ class Instance:
     def outbound(self) -> str:
         """Where this instance reaches its peers."""
         return f"{self.host}:{self.outbound_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSockets:
+    """Where a service and its sidecar meet when they share a host: Unix sockets in a directory
+    only the mesh's owner may enter (0700), so no other local user or process reaches a service
+    around its sidecar (loopback TCP is open to all of them)."""
+
+    # The directory of this instance's two sockets.
+    dir: Path
+    # The service listens here; its sidecar's inbound listener forwards here.
+    service: Path
+    # The sidecar's outbound listener: where the service reaches its peers.
+    outbound: Path
+    # The Envoy's admin interface (readiness, draining, stats), never on a TCP port.
+    admin: Path
+
+    @classmethod
+    def of(cls, root: Path, name: str) -> "LocalSockets":
+        """Of an instance ("worker-0"), or of the ingress ("ingress-0": only its admin is used)."""
+        d = root / name
+        return cls(d, d / "service.sock", d / "outbound.sock", d / "admin.sock")
+
+
+# A Unix socket's path must fit in 108 bytes: a run directory deeper than this keeps its sockets
+# under the temporary directory instead.
+_MAX_SOCKETS_ROOT = 80
+
+
+def sockets_root(run_dir: Path) -> Path:
+    """Where the mesh of run_dir keeps its services' Unix sockets (one 0700 directory each)."""
+    root = Path(run_dir) / "sockets"
+    if len(str(root)) <= _MAX_SOCKETS_ROOT:
+        return root
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"gaas-{os.getuid()}-{digest}"
 
 
 @dataclass(frozen=True, slots=True)

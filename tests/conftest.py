@@ -111,6 +111,8 @@ def mesh(tmp_path_factory) -> RunningMesh:
     from gaas.mesh import free_port_base
 
     if existing := os.environ.get("GAAS_TEST_MESH"):
+        # In-process clients (gaas.admin, gaas.probe) reach the sidecars as that mesh's operator.
+        os.environ["GAAS_HOME"] = str(Path(existing).resolve())
         yield _attach(Path(existing))
         return
     run_dir = tmp_path_factory.mktemp("mesh")
@@ -147,6 +149,8 @@ def mesh(tmp_path_factory) -> RunningMesh:
     children = json.loads((run_dir / "mesh.json").read_text())["children"]
     api_key = Path(ready["demo_key_file"]).read_text().strip()
     m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output, api_key, stripe)
+    # In-process clients (gaas.admin, gaas.probe) reach the sidecars as this mesh's operator.
+    os.environ["GAAS_HOME"] = str(run_dir.resolve())
     yield m
     if proc.poll() is None:
         m.stop()
@@ -160,7 +164,7 @@ def _attach(run_dir: Path) -> RunningMesh:
     state = json.loads((run_dir / "mesh.json").read_text())
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=state["port_base"],
                          ingress_port=state["ingress_port"], workers=state["workers"])
-    ready = probe.probe(topo, timeout=2.0).to_dict()
+    ready = probe.probe(topo, run_dir.resolve(), timeout=2.0).to_dict()
     ingress = f"{state['host']}:{state['ingress_port']}"
     key = (run_dir / "demo-key").read_text().strip()
     return RunningMesh(None, run_dir, ingress, state["port_base"], ready, state["children"], run_dir / "up.out", key)

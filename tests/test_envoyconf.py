@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gaas import envoyconf, protogen, topology
+from gaas import envoyconf, pki, protogen, topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def rendered(tmp_path_factory):
     out = tmp_path_factory.mktemp("envoy")
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, workers=2)
-    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs")
+    authority = pki.Authority(out)
+    envoyconf.issue_certificates(topo, authority)
+    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs", authority, sockets=out / "sockets")
     return topo, {name: yaml.safe_load(path.read_text()) for name, path in files.items()}, files
 
 
@@ -65,9 +67,18 @@ def test_inbound_forwards_to_the_local_service(rendered):
     cfg = configs["sidecar-worker-1"]
     inbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "inbound")
     assert inbound["address"]["socket_address"]["port_value"] == topo.instance("worker-1").inbound_port
+    # The service is a Unix socket in the instance's own directory; so are the outbound listener
+    # and the admin interface: nothing but the inbound (mutual TLS) listens on TCP.
     local = _clusters(cfg)["local_service"]
-    addr = local["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-    assert addr["port_value"] == topo.instance("worker-1").port
+    addr = local["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    root = Path(cfg["admin"]["address"]["pipe"]["path"]).parent
+    assert addr == {"pipe": {"path": str(root / "service.sock")}} and root.name == "worker-1"
+    outbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "outbound")
+    assert outbound["address"]["pipe"] == {"path": str(root / "outbound.sock"), "mode": 0o600}
+    for name, c in configs.items():
+        tcp = [x["name"] for x in c["static_resources"]["listeners"] if "socket_address" in x["address"]]
+        assert tcp == (["ingress"] if name == "ingress-0" else ["inbound"]), name
+        assert "pipe" in c["admin"]["address"], name
 
 
 def test_control_has_no_outbound_and_worker_reaches_only_its_peers(rendered):
@@ -136,3 +147,88 @@ def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_oth
                 continue
             assert policy["retry_on"] == "connect-failure,refused-stream,reset-before-request", r
             assert policy["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+
+
+def _inbound_chain(cfg):
+    return next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "inbound")["filter_chains"][0]
+
+
+def _policies(cfg):
+    hcm = _inbound_chain(cfg)["filters"][0]["typed_config"]
+    rbac = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.rbac")["typed_config"]
+    assert rbac["rules"]["action"] == "ALLOW"
+    return rbac["rules"]["policies"]
+
+
+def _allowed(policies, path: str) -> set[str]:
+    """The identity prefixes Envoy's RBAC lets call path."""
+    out = set()
+    for p in policies.values():
+        for perm in p["permissions"]:
+            m = perm["url_path"]["path"]
+            if m.get("exact") == path or ("prefix" in m and path.startswith(m["prefix"])):
+                out |= {pr["authenticated"]["principal_name"]["prefix"] for pr in p["principals"]}
+    return out
+
+
+def test_every_inbound_listener_wants_a_mesh_certificate_and_says_who_called(rendered):
+    _, configs, _ = rendered
+    for name, cfg in configs.items():
+        if name == "ingress-0":
+            continue
+        tls = _inbound_chain(cfg)["transport_socket"]["typed_config"]
+        assert tls["require_client_certificate"] is True, name
+        assert tls["common_tls_context"]["validation_context"]["trusted_ca"]["filename"].endswith("ca.crt")
+        hcm = _inbound_chain(cfg)["filters"][0]["typed_config"]
+        # What a caller claims is replaced by what the sidecar verified.
+        assert hcm["forward_client_cert_details"] == "SANITIZE_SET" and hcm["set_current_client_cert_details"]["uri"]
+
+
+def test_each_method_is_open_only_to_the_callers_it_needs(rendered):
+    _, configs, _ = rendered
+    S = "spiffe://gaas.local/"
+    control = _policies(configs["sidecar-control-0"])
+    assert _allowed(control, "/gaas.v1.Control/RegisterWorker") == {S + "worker/"}
+    assert _allowed(control, "/gaas.v1.Control/CreateApiKey") == {S + "operator/"}
+    assert _allowed(control, "/gaas.v1.Control/Authenticate") == {S + "router/"}
+    assert _allowed(control, "/gaas.v1.Control/ListWorkers") == {S + "router/", S + "kvcache/", S + "operator/"}
+    assert _allowed(control, "/gaas.v1.Control/NoSuchMethod") == set()
+    assert _allowed(control, "/grpc.health.v1.Health/Check") == {S}
+    worker = _policies(configs["sidecar-worker-0"])
+    assert _allowed(worker, "/gaas.v1.Worker/Generate") == {S + "router/"}
+    assert _allowed(worker, "/gaas.v1.Worker/WatchKVEvents") == {S + "kvcache/"}
+    kv = _policies(configs["sidecar-kvcache-0"])
+    assert _allowed(kv, "/gaas.v1.KVCache/Lookup") == {S + "router/"}
+    router = _policies(configs["sidecar-router-0"])
+    assert _allowed(router, "/gaas.v1.OpenAI/Completions") == {S + "ingress/"}
+    assert _allowed(router, "/gaas.v1.Router/GetFlowStatus") == {S + "operator/"}
+    billing = _policies(configs["sidecar-billing-0"])
+    assert _allowed(billing, "/gaas.v1.Billing/GetUsage") == {S + "router/", S + "operator/"}
+    assert _allowed(billing, "/gaas.v1.Billing/SetBudget") == {S + "operator/"}
+
+
+def test_every_hop_between_envoys_checks_the_peer_kind(rendered):
+    topo, configs, _ = rendered
+    clusters = _clusters(configs["sidecar-router-0"])
+    for name, kind in [("control", "control"), ("kvcache", "kvcache"), ("billing", "billing"),
+                       (topo.instance("worker-0").inbound, "worker")]:
+        tls = clusters[name]["transport_socket"]["typed_config"]
+        sans = tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"]
+        assert sans == [{"san_type": "URI", "matcher": {"prefix": f"spiffe://gaas.local/{kind}/"}}], name
+        assert tls["common_tls_context"]["tls_certificates"][0]["certificate_chain"]["filename"].endswith("router.router-0.crt")
+    assert "transport_socket" not in clusters["local_service"]
+    ingress = _clusters(configs["ingress-0"])["router"]["transport_socket"]["typed_config"]
+    assert ingress["common_tls_context"]["tls_certificates"][0]["certificate_chain"]["filename"].endswith("ingress.ingress-0.crt")
+
+
+def test_the_ingress_serves_tls_with_the_given_certificate(tmp_path):
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={})
+    authority = pki.Authority(tmp_path)
+    cfg = envoyconf.ingress_config(topo, protogen.DESCRIPTOR_SET, tmp_path, authority,
+                                   tls=(tmp_path / "edge.crt", tmp_path / "edge.key"))
+    tls = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"]["typed_config"]
+    ctx = tls["common_tls_context"]
+    assert ctx["tls_certificates"][0]["certificate_chain"]["filename"] == str(tmp_path / "edge.crt")
+    assert ctx["alpn_protocols"] == ["h2", "http/1.1"] and "require_client_certificate" not in tls
+    plain = envoyconf.ingress_config(topo, protogen.DESCRIPTOR_SET, tmp_path, authority)
+    assert "transport_socket" not in plain["static_resources"]["listeners"][0]["filter_chains"][0]

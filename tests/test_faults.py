@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gaas import pki
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import process_alive
 from tests.meshutil import gaas, generate
@@ -51,7 +52,7 @@ def process_name(pid: int) -> str:
 
 
 def registered(mesh) -> list[str]:
-    with grpc.insecure_channel(instance(mesh, "control-0")) as ch:
+    with pki.operator_channel(instance(mesh, "control-0")) as ch:
         workers = control_pb2_grpc.ControlStub(ch).ListWorkers(control_pb2.ListWorkersRequest(), timeout=2).workers
     return [w.worker_id for w in workers]
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import redis
 
+from gaas import pki
 from gaas.v1 import (
     common_pb2,
     control_pb2,
@@ -172,18 +173,19 @@ def test_forged_worker_header_from_outside_is_ignored(mesh):
 
 def test_the_router_sidecar_reaches_only_the_meshs_own_workers(mesh):
     """x-gaas-worker picks one of the mesh's workers; any other host:port has nowhere to go."""
-    from gaas import topology
+    from gaas.topology import LocalSockets, sockets_root
 
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base,
-                         ingress_port=int(mesh.ingress.rsplit(":", 1)[1]), workers=MESH_WORKERS)
-    outbound = topo.instance("router-0").outbound
-    with grpc.insecure_channel(outbound) as ch:
+    outbound = LocalSockets.of(sockets_root(mesh.run_dir.resolve()), "router-0").outbound
+    with grpc.insecure_channel(f"unix:{outbound}") as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
         real = next(iter(worker_addresses(mesh).values()))
-        stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5, metadata=(("x-gaas-worker", real),))
+        # The real worker answers (an empty request is the worker's to refuse).
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(worker_pb2.WorkerGenerateRequest(), timeout=5, metadata=(("x-gaas-worker", real),)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
         for elsewhere in ("127.0.0.1:1", f"127.0.0.1:{mesh.port_base + 1}", "10.0.0.1:443"):
             with pytest.raises(grpc.RpcError) as err:
-                stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5, metadata=(("x-gaas-worker", elsewhere),))
+                list(stub.Generate(worker_pb2.WorkerGenerateRequest(), timeout=5, metadata=(("x-gaas-worker", elsewhere),)))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, elsewhere
 
 
@@ -208,7 +210,7 @@ async def test_cancelled_stream_aborts_the_engine_request(mesh):
     # Every worker's engine is idle again shortly after (asked through each worker's sidecar).
     deadline = time.monotonic() + 5
     for wid, address in worker_addresses(mesh).items():
-        async with grpc.aio.insecure_channel(address) as wch:
+        async with pki.operator_channel(address, aio=True) as wch:
             stub = worker_pb2_grpc.WorkerStub(wch)
             while True:
                 load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
@@ -221,8 +223,8 @@ async def test_cancelled_stream_aborts_the_engine_request(mesh):
 def test_workers_hold_leases_in_redis(mesh):
     r = redis.Redis.from_url(json.loads((mesh.run_dir / "mesh.json").read_text())["redis_url"])
     for wid in worker_addresses(mesh):
-        ttl = r.pttl(f"gaas:worker:{wid}")
-        assert 0 < ttl <= 10_000, f"{wid}: lease TTL {ttl} ms"
+        lease_left = r.zscore("gaas:workers", wid) - time.time() * 1000
+        assert 0 < lease_left <= 10_000, f"{wid}: lease ends in {lease_left} ms"
     r.close()
 
 
@@ -296,7 +298,7 @@ def test_a_dead_worker_is_routed_around(mesh):
         assert chunks[-1].worker_id == "worker-0"
     deadline = time.monotonic() + 20
     while True:
-        with grpc.insecure_channel(mesh.ready["instances"][0]["address"]) as ch:  # control-0's sidecar
+        with pki.operator_channel(mesh.ready["instances"][0]["address"]) as ch:  # control-0's sidecar
             workers = control_pb2_grpc.ControlStub(ch).ListWorkers(control_pb2.ListWorkersRequest(), timeout=2).workers
         if [w.worker_id for w in workers] == ["worker-0"]:
             break

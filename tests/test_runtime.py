@@ -1,6 +1,7 @@
 """The shared service runtime: health transitions, request context from metadata, metrics."""
 
 import asyncio
+import socket
 import urllib.request
 
 import grpc
@@ -165,8 +166,26 @@ async def test_port_in_use_is_a_clear_error():
     rt = await start()
     other = ServiceRuntime(ServerOptions(service="test", instance="test-1", port=rt.port, drain_seconds=0))
     try:
-        with pytest.raises(OSError, match="the port is in use"):
+        with pytest.raises(OSError, match="is in use"):
             await other.start()
+    finally:
+        await rt.shutdown()
+
+
+async def test_a_unix_socket_left_by_a_killed_instance_is_taken_over_but_a_live_one_is_not(tmp_path):
+    sock = tmp_path / "service.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock))
+    stale.close()  # the file stays, nobody listens: what kill -9 leaves
+    rt = ServiceRuntime(ServerOptions(service="test", instance="test-0", listen=f"unix:{sock}", drain_seconds=0))
+    rt.add_service(kvcache_pb2_grpc.add_KVCacheServicer_to_server, EchoContext(), "gaas.v1.KVCache")
+    await rt.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{sock}") as ch:
+            await kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.GetStatsRequest(), timeout=2)
+        second = ServiceRuntime(ServerOptions(service="test", instance="test-1", listen=f"unix:{sock}", drain_seconds=0))
+        with pytest.raises(OSError, match="is in use"):
+            await second.start()
     finally:
         await rt.shutdown()
 

@@ -15,6 +15,9 @@ WORKER_HEADER = "x-gaas-worker"
 AUTHORIZATION_HEADER = "authorization"
 # The client's own request id (OpenAI clients and vLLM's benchmark send it); echoed by the ingress.
 CLIENT_REQUEST_ID_HEADER = "x-request-id"
+# Who called, as the inbound sidecar verified the caller's certificate (Envoy sets it, replacing
+# anything the caller sent); gaas.pki.caller_from_xfcc reads it.
+CALLER_HEADER = "x-forwarded-client-cert"
 # Longest client request id kept (longer ones are cut); only printable ASCII survives.
 CLIENT_ID_MAX = 128
 
@@ -25,6 +28,8 @@ authorization_var: ContextVar[str] = ContextVar("gaas_authorization", default=""
 # The id the client gave its request (x-request-id, or the request_id field): logged beside GaaS's
 # own id, never used in its place.
 client_request_id_var: ContextVar[str] = ContextVar("gaas_client_request_id", default="")
+# The raw x-forwarded-client-cert of the current call ("" when it did not come through a sidecar).
+caller_var: ContextVar[str] = ContextVar("gaas_caller", default="")
 
 
 def new_request_id() -> str:

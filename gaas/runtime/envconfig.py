@@ -50,12 +50,17 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def base_settings(env: Mapping[str, str], instance: str, port: int) -> dict:
-    """The settings every service has: GAAS_INSTANCE, GAAS_HOST, GAAS_PORT, GAAS_METRICS_PORT
-    (-1: no /metrics) and GAAS_GRACE_SECONDS (time running calls get at shutdown)."""
+    """The settings every service has: GAAS_INSTANCE, GAAS_HOST, GAAS_PORT, GAAS_LISTEN (a Unix
+    socket, unix:/path, to serve on instead of host:port), GAAS_METRICS_PORT (-1: no /metrics) and
+    GAAS_GRACE_SECONDS (time running calls get at shutdown)."""
+    listen = env_str(env, "GAAS_LISTEN", "")
+    if listen and not listen.startswith("unix:"):
+        raise ConfigError(f"GAAS_LISTEN must be unix:/path/to/socket, got {listen!r}")
     return {
         "instance": env_str(env, "GAAS_INSTANCE", instance),
         "host": env_str(env, "GAAS_HOST", "127.0.0.1"),
         "port": env_int(env, "GAAS_PORT", port),
+        "listen": listen,
         "metrics_port": env_int(env, "GAAS_METRICS_PORT", -1),
         "grace_seconds": env_float(env, "GAAS_GRACE_SECONDS", 10.0),
     }

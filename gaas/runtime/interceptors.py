@@ -21,10 +21,12 @@ from gaas import errors
 from gaas.runtime import status
 from gaas.runtime.context import (
     AUTHORIZATION_HEADER,
+    CALLER_HEADER,
     CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     TENANT_HEADER,
     authorization_var,
+    caller_var,
     client_request_id_var,
     new_request_id,
     request_id_var,
@@ -140,6 +142,7 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
             request_id_var.set(_metadata_value(md, REQUEST_ID_HEADER) or client_id or new_request_id())
             tenant_var.set(_metadata_value(md, TENANT_HEADER))
         authorization_var.set(_metadata_value(md, AUTHORIZATION_HEADER))
+        caller_var.set(_metadata_value(md, CALLER_HEADER))
 
     def _done(self, method: str, started: float, exc: BaseException | None, context) -> None:
         self._metrics.rpcs.labels(method, _status_of(exc, context)).inc()

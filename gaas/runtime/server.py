@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,6 +45,8 @@ class ServerOptions:
     host: str = "127.0.0.1"
     # gRPC port; 0 picks a free one (tests).
     port: int = 0
+    # unix:/path: serve gRPC on that Unix socket instead (host then only binds /metrics).
+    listen: str = ""
     # /metrics port; None serves no metrics, 0 picks a free one.
     metrics_port: int | None = None
     # Seconds running calls get to finish once shutdown starts.
@@ -53,6 +57,21 @@ class ServerOptions:
     edge: bool = False
 
 
+def _check_socket_free(path: Path) -> None:
+    """gRPC replaces a socket file it finds at its address (what kill -9 leaves behind), even one a
+    live process still listens on: refuse to take that one over."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return  # nobody listens: a leftover, gRPC replaces it
+    finally:
+        probe.close()
+    raise OSError(f"cannot listen on unix:{path}: it is in use (is another instance running?)")
+
+
 def options_for(service: str, cfg, **extra) -> ServerOptions:
     """ServerOptions from a service config carrying the base settings (see envconfig.base_settings)."""
     return ServerOptions(
@@ -60,6 +79,7 @@ def options_for(service: str, cfg, **extra) -> ServerOptions:
         instance=cfg.instance,
         host=cfg.host,
         port=cfg.port,
+        listen=cfg.listen,
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
         grace_seconds=cfg.grace_seconds,
         **extra,
@@ -123,16 +143,19 @@ class ServiceRuntime:
             self.server,
         )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        where = f"{self.opts.host}:{self.opts.port}"
+        where = self.opts.listen or f"{self.opts.host}:{self.opts.port}"
+        if self.opts.listen:
+            _check_socket_free(Path(self.opts.listen.removeprefix("unix:")))
         try:
             self.port = self.server.add_insecure_port(where)
         except RuntimeError as exc:
-            raise OSError(f"cannot listen on {where}: the port is in use (is another instance running?)") from exc
+            raise OSError(f"cannot listen on {where}: it is in use (is another instance running?)") from exc
         await self.server.start()
         if self.opts.metrics_port is not None:
             self._metrics_server = MetricsServer([self.metrics.registry], self.opts.host, self.opts.metrics_port)
             self._metrics_server.start()
-        log.info("%s listening on %s:%d (NOT_SERVING until ready)", self.opts.instance, self.opts.host, self.port)
+        log.info("%s listening on %s (NOT_SERVING until ready)", self.opts.instance,
+                 self.opts.listen or f"{self.opts.host}:{self.port}")
         return self.port
 
     async def set_serving(self, serving: bool = True) -> None:

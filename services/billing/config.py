@@ -14,6 +14,8 @@ class BillingConfig:
     instance: str
     host: str
     port: int
+    # unix:/path: listen on that Unix socket instead of host:port (only the sidecar can reach it).
+    listen: str
     # /metrics port, or -1 for none.
     metrics_port: int
     grace_seconds: float

@@ -16,6 +16,8 @@ class ControlConfig:
     host: str
     # gRPC port (its sidecar's inbound listener forwards here).
     port: int
+    # unix:/path: listen on that Unix socket instead of host:port (only the sidecar can reach it).
+    listen: str
     # /metrics port, or -1 for none.
     metrics_port: int
     redis_url: str

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from google.protobuf import json_format
 
-from gaas import errors, qos
+from gaas import errors, pki, qos
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
@@ -39,6 +39,20 @@ def worker_to_pb(r: WorkerRecord) -> pb.WorkerInfo:
         engine_version=r.engine_version,
         load=json_format.ParseDict(r.load, common_pb2.WorkerLoad(), ignore_unknown_fields=True),
     )
+
+
+def _only_the_worker_itself(worker_id: str, address: str | None = None) -> None:
+    """A worker's registration is its own: the caller's certificate (verified by control's sidecar)
+    must name that worker id and, when registering, that address as its sidecar's."""
+    caller = pki.current_caller()
+    if caller is None or caller.kind != "worker" or caller.name != worker_id:
+        raise errors.PermissionDenied(
+            f"only worker {errors.quote(worker_id)} itself, through its sidecar, may register, renew or deregister it"
+        )
+    if address is not None and caller.sidecar != address:
+        raise errors.PermissionDenied(
+            f"worker {errors.quote(worker_id)} registers at its own sidecar, not at {errors.quote(address)}"
+        )
 
 
 def _lease(r: WorkerRecord, ttl: int) -> pb.Lease:
@@ -91,6 +105,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             raise errors.InvalidArgument("worker.worker_id and worker.model are required")
         if not _valid_address(w.address):
             raise errors.InvalidArgument(f"worker.address {errors.quote(w.address)} must be host:port (its sidecar)")
+        _only_the_worker_itself(w.worker_id, w.address)
         known = {m.name for m in await self._catalog.list()}
         if w.model not in known:
             raise errors.FailedPrecondition(
@@ -117,6 +132,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     async def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Lease:
         if not request.worker_id:
             raise errors.InvalidArgument("worker_id is required")
+        _only_the_worker_itself(request.worker_id)
         record = await self._registry.renew(
             WorkerId(request.worker_id),
             _STATE_FROM_PB.get(request.state),
@@ -125,6 +141,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return _lease(record, self._registry.ttl_seconds)
 
     async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest, context) -> pb.DeregisterWorkerResponse:
+        _only_the_worker_itself(request.worker_id)
         if await self._registry.deregister(WorkerId(request.worker_id)):
             log.info("deregistered %s", request.worker_id)
         return pb.DeregisterWorkerResponse()

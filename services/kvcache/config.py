@@ -14,6 +14,8 @@ class KVCacheConfig:
     instance: str
     host: str
     port: int
+    # unix:/path: listen on that Unix socket instead of host:port (only the sidecar can reach it).
+    listen: str
     # /metrics port, or -1 for none.
     metrics_port: int
     # host:port of the sidecar's outbound listener: control (the registry) and the workers.

@@ -35,6 +35,8 @@ class RouterConfig:
     host: str
     # gRPC port (the sidecar's inbound listener forwards here).
     port: int
+    # unix:/path: listen on that Unix socket instead of host:port (only the sidecar can reach it).
+    listen: str
     # /metrics port, or -1 for none.
     metrics_port: int
     # host:port of the sidecar's outbound listener: control, kvcache and workers are reached there.

@@ -16,6 +16,8 @@ class WorkerConfig:
     host: str
     # gRPC port (its sidecar's inbound listener forwards here).
     port: int
+    # unix:/path: listen on that Unix socket instead of host:port (only the sidecar can reach it).
+    listen: str
     # /metrics port, or -1 for none.
     metrics_port: int
     # host:port peers use to reach this worker: its sidecar's inbound listener.
