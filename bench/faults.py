@@ -66,8 +66,10 @@ class Load:
                         data = line[5:].strip()
                         if data == "[DONE]":
                             done = True
-                        elif '"error"' in data:
-                            rec["error"] = data[:160]
+                            continue
+                        event = json.loads(data)
+                        if "error" in event:  # OpenAI's error event, mid-stream
+                            rec["error"] = event["error"].get("message", "")[:160]
                         elif rec["first"] is None:
                             rec["first"] = time.monotonic()
                     rec["ok"] = done and not rec["error"]
@@ -82,7 +84,10 @@ class Load:
         n = 0
         while not self._stop.is_set():
             n += 1
-            self.records.append(await self._one(client, i * 100000 + n))
+            rec = await self._one(client, i * 100000 + n)
+            self.records.append(rec)
+            if not rec["ok"]:
+                await asyncio.sleep(0.1)  # as a client would before trying again
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(base_url=self._base, timeout=60) as client:
@@ -176,7 +181,7 @@ def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
     }
 
 
-def run(replicas: int, streams: int, settle: float) -> list[dict]:
+def run(replicas: int, streams: int, settle: float, targets: tuple[str, ...] = TARGETS, keep: bool = False) -> list[dict]:
     import yaml
 
     from gaas import topology
@@ -197,6 +202,7 @@ def run(replicas: int, streams: int, settle: float) -> list[dict]:
                 redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
     results = []
     supervising = threading.Event()
+    supervisor = None
     try:
         say(f"starting a mesh with {replicas} replica(s) of each service and 2 workers")
         mesh.start()
@@ -211,10 +217,11 @@ def run(replicas: int, streams: int, settle: float) -> list[dict]:
                 mesh.supervise(say)
                 time.sleep(0.5)
 
-        threading.Thread(target=supervise, daemon=True).start()
+        supervisor = threading.Thread(target=supervise, daemon=True)
+        supervisor.start()
         with Load(f"http://{topo.ingress}", key, streams) as load:
             time.sleep(3)
-            for target in TARGETS:
+            for target in targets:
                 r = kill_under_load(mesh, load, target, settle)
                 r["replicas"] = replicas
                 say(f"  {target}: {r['failed_before_first_token']} failed before their first token, "
@@ -222,8 +229,13 @@ def run(replicas: int, streams: int, settle: float) -> list[dict]:
                 results.append(r)
     finally:
         supervising.set()
+        if supervisor is not None:
+            supervisor.join()
         mesh.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if keep:
+            say(f"logs kept in {run_dir / 'logs'}")
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return results
 
 
@@ -232,9 +244,11 @@ def main() -> None:
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="replicas of each service (workers: 2)")
     p.add_argument("--streams", type=int, default=4, help="concurrent streaming clients")
     p.add_argument("--settle", type=float, default=3.0, help="seconds of load before each kill and after recovery")
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), help=f"what to kill, in order ({' '.join(TARGETS)})")
+    p.add_argument("--keep", action="store_true", help="keep each mesh's run directory (logs) afterwards")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.json"))
     args = p.parse_args()
-    rows = [r for n in args.replicas for r in run(n, args.streams, args.settle)]
+    rows = [r for n in args.replicas for r in run(n, args.streams, args.settle, tuple(args.targets), args.keep)]
     print(f"\nkill -9 under load ({args.streams} streaming clients through the ingress; two workers)")
     print(f"{'replicas':>8} {'killed':<17} {'requests':>8} {'failed before 1st token':>24} {'cut mid-stream':>15} "
           f"{'next 1st token':>15} {'back serving':>13} {'orphans':>8}")

@@ -806,8 +806,9 @@ RESTARTABLE = ("control", "kvcache", "billing", "worker", "router")
 def cmd_restart(args) -> int:
     """Restart instances one at a time: SIGTERM (the instance drains: NOT_SERVING, deregistered,
     calls in flight finish), `gaas up` starts it again, and the next waits until it serves."""
-    from gaas.probe import grpc_health
+    from gaas.probe import grpc_health, list_workers
     from gaas.topology import TopologyError
+    from services.router.config import REGISTRY_REFRESH_SECONDS
 
     run_dir = Path(args.run_dir)
     state = _state(run_dir)
@@ -842,7 +843,14 @@ def cmd_restart(args) -> int:
         while True:
             current = (_state(run_dir) or {}).get("children", {}).get(inst.name)
             if current and current != pid and grpc_health(inst.inbound, timeout=1.0)[0] == "SERVING":
-                break
+                if inst.service != "worker":
+                    break
+                # A worker is back once it is registered and routers have had time to see it
+                # (two of their refreshes), before the next one leaves.
+                if any(w["worker_id"] == inst.name and w["state"] == "SERVING"
+                       for w in list_workers(topo.of("control")[0].inbound, 1.0)):
+                    time.sleep(REGISTRY_REFRESH_SECONDS * 2)
+                    break
             if time.monotonic() > deadline:
                 return _fail(f"{inst.name} is not serving {args.timeout:.0f} s after its restart; see "
                              f"{run_dir / 'logs' / (inst.name + '.log')}", 1)

@@ -238,12 +238,17 @@ RETRY_UNREACHED = {
     "host_selection_retry_max_attempts": 5,
 }
 
+# At the ingress, a router that dies before answering anything (no response header yet: no token
+# was streamed) is retried on another router too. That is safe for what routers serve: a
+# generation cut before its end records no usage, and the worker's stream ends with the router's.
+RETRY_BEFORE_RESPONSE = {**RETRY_UNREACHED, "retry_on": "connect-failure,refused-stream,reset"}
 
-def _grpc_route(prefix: str, cluster: str, *, retry: bool = False, **match_extra) -> dict:
+
+def _grpc_route(prefix: str, cluster: str, *, retry: dict | None = None, **match_extra) -> dict:
     # timeout 0: no route timeout, generations stream as long as they need.
     route = {"cluster": cluster, "timeout": "0s"}
     if retry:
-        route["retry_policy"] = RETRY_UNREACHED
+        route["retry_policy"] = retry
     return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": route}
 
 
@@ -275,6 +280,13 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check
             }
         ]
         cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        # When a replica dies, every stream it held may be retried at once (Envoy's default allows
+        # 3 retries in flight per cluster and fails the rest): up to half the active requests,
+        # and at least 32, may be retries.
+        cluster["circuit_breakers"] = {"thresholds": [{
+            "priority": "DEFAULT",
+            "retry_budget": {"budget_percent": {"value": 50.0}, "min_retry_concurrency": 32},
+        }]}
         # Passive checks too (behind the routers' own circuit breakers): a replica answering 5xx
         # (gRPC UNAVAILABLE / INTERNAL map there) or unreachable several times in a row is ejected
         # for a while, at most half of a cluster at once.
@@ -358,7 +370,7 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
                 })
                 clusters.extend(_worker_clusters(topo, creds))
             else:
-                routes.append(_grpc_route(prefix, peer, retry=True))
+                routes.append(_grpc_route(prefix, peer, retry=RETRY_UNREACHED))
                 clusters.append(_static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)],
                                                 health_check=True, tls=_client_tls(creds, peer)))
         outbound = _hcm(f"{inst.name}_outbound", routes, [], log_dir / f"envoy-{inst.name}-access.log")
@@ -434,9 +446,9 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         },
     }
     routes = [
-        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=True),
-        _grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=True),
-        *(_grpc_route(f"/{name}/", "router", retry=True) for name in PUBLIC_GRPC_EXTRAS),
+        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE),
+        _grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE),
+        *(_grpc_route(f"/{name}/", "router", retry=RETRY_BEFORE_RESPONSE) for name in PUBLIC_GRPC_EXTRAS),
         # After transcoding the path is the gRPC one; anything else is not ours.
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]

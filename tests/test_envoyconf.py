@@ -122,6 +122,9 @@ def test_peer_clusters_eject_failing_replicas(rendered):
     assert clusters["control"]["outlier_detection"]["consecutive_5xx"] == 5
     ingress = {c["name"]: c for c in configs["ingress-0"]["static_resources"]["clusters"]}
     assert ingress["router"]["outlier_detection"]["max_ejection_percent"] == 50
+    # Every stream of a replica that died may be retried at once, not just Envoy's default 3.
+    budget = ingress["router"]["circuit_breakers"]["thresholds"][0]["retry_budget"]
+    assert budget["min_retry_concurrency"] >= 32
     # With several replicas, one that cannot be reached at all is ejected at its first such failure;
     # a lone replica is left to its health checks.
     assert "consecutive_local_origin_failure" not in ingress["router"]["outlier_detection"]
@@ -135,8 +138,13 @@ def routes_of(config: dict, listener: str) -> list[dict]:
 
 
 def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_others(rendered):
+    """Between sidecars only a request that never reached an instance is retried; at the ingress
+    also one whose router died before answering anything (no token streamed, nothing billed)."""
     _, configs, _ = rendered
-    for config, listener in ((configs["ingress-0"], "ingress"), (configs["sidecar-router-0"], "outbound")):
+    for config, listener, retry_on in (
+        (configs["ingress-0"], "ingress", "connect-failure,refused-stream,reset"),
+        (configs["sidecar-router-0"], "outbound", "connect-failure,refused-stream,reset-before-request"),
+    ):
         for r in routes_of(config, listener):
             if "route" not in r:
                 continue
@@ -145,7 +153,7 @@ def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_oth
                 # The router picked that worker and retries elsewhere itself, before the first token.
                 assert policy is None
                 continue
-            assert policy["retry_on"] == "connect-failure,refused-stream,reset-before-request", r
+            assert policy["retry_on"] == retry_on, r
             assert policy["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
 
 

@@ -138,6 +138,22 @@ def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
     assert f"{WORKER} exited with code 3" in mesh.output.read_text()
 
 
+def test_a_rolling_restart_of_the_workers_under_load_fails_nothing(mesh):
+    """`gaas restart worker`: each worker drains (its streams finish) while the other serves, and
+    is back, registered and seen by the router, before the next leaves."""
+    ready_worker(mesh)
+    _, key = new_tenant(mesh)
+    before = children(mesh)
+    with Load(mesh, key) as load:
+        r = gaas(mesh, "restart", "worker", timeout=2 * START_SECONDS + 60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "worker-0 serves again" in r.stdout and "worker-1 serves again" in r.stdout
+    after = children(mesh)
+    assert after["worker-0"] != before["worker-0"] and after["worker-1"] != before["worker-1"]
+    assert load.errors == [], load.errors[:5]
+    assert load.received.requests > 10
+
+
 def test_with_control_stopped_30_s_known_keys_are_served_and_unknown_ones_refused(mesh):
     needs_own_mesh(mesh)
     _, key = new_tenant(mesh)

@@ -65,3 +65,18 @@ def test_bad_topologies_say_what_is_wrong(change, message):
 def test_the_shipped_topology_loads():
     t = topology.load(ROOT / "deploy" / "topology.yaml", env={})
     assert {i.service for i in t.instances} == set(topology.SERVICES)
+
+
+@pytest.mark.parametrize("cores, workers, expected", [
+    # One worker on two cores: its engine on core 0, everything else on core 1.
+    ([0, 1], 1, {0: (0, {1})}),
+    # An engine on every core: no front end is pinned onto another worker's engine core.
+    ([0, 1], 2, {0: (0, None), 1: (1, None)}),
+    ([0, 1, 2, 3], 2, {0: (0, {2, 3}), 1: (1, {2, 3})}),
+    ([4, 5, 6], 3, {0: (4, None), 1: (5, None), 2: (6, None)}),
+])
+def test_front_ends_keep_off_every_engine_core(monkeypatch, cores, workers, expected):
+    from gaas import mesh
+
+    monkeypatch.setattr(mesh.os, "sched_getaffinity", lambda pid: set(cores))
+    assert {i: mesh.worker_cpus(i, workers) for i in range(workers)} == expected

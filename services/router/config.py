@@ -29,6 +29,10 @@ def _on_off(value: str) -> bool:
     return value.lower() == "on"
 
 
+# How often a router refreshes its view of the mesh from control, by default.
+REGISTRY_REFRESH_SECONDS = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     instance: str
@@ -83,7 +87,7 @@ class RouterConfig:
             outbound=env_str(env, "GAAS_OUTBOUND"),
             policy=_policy(env_str(env, "GAAS_ROUTER_POLICY", "kv_aware")),
             weights=_weights(env.get("GAAS_ROUTER_WEIGHTS", "")),
-            registry_refresh_seconds=env_float(env, "GAAS_REGISTRY_REFRESH_SECONDS", 0.5),
+            registry_refresh_seconds=env_float(env, "GAAS_REGISTRY_REFRESH_SECONDS", REGISTRY_REFRESH_SECONDS),
             kv_lookup_timeout_seconds=env_float(env, "GAAS_KV_LOOKUP_TIMEOUT", 0.05),
             retries=env_int(env, "GAAS_ROUTER_RETRIES", 2),
             qos=_on_off(env_str(env, "GAAS_QOS", "on")),

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gaas import errors
-from gaas.runtime import devices
+from gaas.runtime import devices, placement
 from gaas.tokenizer import ChatMessage, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -426,19 +426,7 @@ def _pin_engine_processes(bind: str) -> None:
 
 def pin_descendants(root: int, cpus: set[int]) -> int:
     """Set the CPU affinity of every thread of every process below root; returns threads moved."""
-    moved = 0
-    for child in _descendants(root):
-        try:
-            tasks = os.listdir(f"/proc/{child}/task")
-        except OSError:
-            continue  # a process that just ended
-        for task in tasks:
-            try:
-                os.sched_setaffinity(int(task), cpus)
-                moved += 1
-            except OSError:
-                pass  # a thread that just ended
-    return moved
+    return sum(placement.set_process_affinity(child, cpus) for child in _descendants(root))
 
 
 def _descendants(pid: int) -> list[int]:
