@@ -238,10 +238,31 @@ RETRY_UNREACHED = {
     "host_selection_retry_max_attempts": 5,
 }
 
+# A sidecar's own answer when its service could not be reached or died before answering (Envoy's
+# response flags: UF connection failure, UC connection terminated, UH no healthy upstream) carries
+# this header, so the hop before it knows nothing was served and may try another replica.
+UNREACHED_HEADER = "x-gaas-unreached"
+UNREACHED_FLAGS = ["UF", "UC", "UH"]
+
 # At the ingress, a router that dies before answering anything (no response header yet: no token
-# was streamed) is retried on another router too. That is safe for what routers serve: a
+# was streamed) is retried on another router too, whether the ingress saw the reset itself or the
+# router's sidecar answered for it (UNREACHED_HEADER). That is safe for what routers serve: a
 # generation cut before its end records no usage, and the worker's stream ends with the router's.
-RETRY_BEFORE_RESPONSE = {**RETRY_UNREACHED, "retry_on": "connect-failure,refused-stream,reset"}
+RETRY_BEFORE_RESPONSE = {
+    **RETRY_UNREACHED,
+    "retry_on": "connect-failure,refused-stream,reset,retriable-headers",
+    "retriable_headers": [{"name": UNREACHED_HEADER, "present_match": True}],
+}
+
+
+def _unreached_replies() -> dict:
+    """local_reply_config of a sidecar's inbound listener: mark its answers for a service it could
+    not reach (UNREACHED_HEADER)."""
+    return {"mappers": [{
+        "filter": {"response_flag_filter": {"flags": UNREACHED_FLAGS}},
+        "headers_to_add": [{"header": {"key": UNREACHED_HEADER, "value": "1"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+    }]}
 
 
 def _grpc_route(prefix: str, cluster: str, *, retry: dict | None = None, **match_extra) -> dict:
@@ -347,6 +368,7 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
         # The service learns who called from what this sidecar verified, never from the caller.
         forward_client_cert_details="SANITIZE_SET",
         set_current_client_cert_details={"uri": True},
+        local_reply_config=_unreached_replies(),
     )
     listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound, _server_tls(creds))]
     clusters = [_static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
@@ -460,7 +482,8 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         log_dir / "envoy-ingress-access.log",
         # Only the router may say who the tenant is, which worker serves, or what GaaS's own
         # request id is; never a client.
-        vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER]},
+        vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER],
+               "response_headers_to_remove": [UNREACHED_HEADER]},
         # The client's x-request-id is kept (not replaced by Envoy's) and echoed in the response,
         # as vLLM's server echoes it; GaaS keys everything internal on its own id.
         preserve_external_request_id=True,

@@ -142,7 +142,7 @@ def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_oth
     also one whose router died before answering anything (no token streamed, nothing billed)."""
     _, configs, _ = rendered
     for config, listener, retry_on in (
-        (configs["ingress-0"], "ingress", "connect-failure,refused-stream,reset"),
+        (configs["ingress-0"], "ingress", "connect-failure,refused-stream,reset,retriable-headers"),
         (configs["sidecar-router-0"], "outbound", "connect-failure,refused-stream,reset-before-request"),
     ):
         for r in routes_of(config, listener):
@@ -155,6 +155,13 @@ def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_oth
                 continue
             assert policy["retry_on"] == retry_on, r
             assert policy["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    # ... which includes the router's sidecar answering for a router that died (its own reply, marked).
+    hcm = _inbound_chain(configs["sidecar-router-0"])["filters"][0]["typed_config"]
+    mapper = hcm["local_reply_config"]["mappers"][0]
+    assert set(mapper["filter"]["response_flag_filter"]["flags"]) == {"UF", "UC", "UH"}
+    assert mapper["headers_to_add"][0]["header"]["key"] == "x-gaas-unreached"
+    ingress_route = routes_of(configs["ingress-0"], "ingress")[0]["route"]["retry_policy"]
+    assert ingress_route["retriable_headers"] == [{"name": "x-gaas-unreached", "present_match": True}]
 
 
 def _inbound_chain(cfg):
