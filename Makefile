@@ -8,7 +8,7 @@ help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers)"
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), the routing comparison, the"
-	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop (prints tables, writes bench/results/*.json)"
+	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load (prints tables, writes bench/results/*.json)"
 	@echo "make model   build the tiny local model into models/gaas-tiny"
 	@echo "make envoy-config   render the Envoy configs of deploy/topology.yaml into envoy/generated/"
 
@@ -37,6 +37,7 @@ bench: proto
 	$(BIN)/python -m bench.meteringbench
 	$(BIN)/python -m bench.qos
 	$(BIN)/python -m bench.mtlsbench
+	$(BIN)/python -m bench.faults
 
 envoy-config: proto
 	@$(BIN)/gaas envoy render
