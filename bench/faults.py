@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from gaas.runtime import placement
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
 # What is killed: an instance of each service kind, and the Envoy sidecar in front of router-0.
@@ -118,21 +120,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, frontier = [], [pid]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        out += frontier
-    return out
-
-
 def _serving(mesh, name: str) -> bool:
     from gaas import probe
     from gaas.topology import LocalSockets
@@ -150,7 +137,7 @@ def _serving(mesh, name: str) -> bool:
 
 def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
     pid = _children(mesh.run_dir)[target]
-    owned = _descendants(pid)
+    owned = placement.descendants(pid)
     time.sleep(settle)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)

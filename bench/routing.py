@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench.run import free_port, pct, start_vllm_server, stop_group, wait_http
 from bench.workload import multi_tenant_chat
+from gaas.runtime.placement import worker_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-small"
@@ -158,12 +159,12 @@ def vllm_router_run(blocks: int, rounds, concurrency: int, log_dir: Path) -> dic
     procs = []
     try:
         ports = []
-        cores = sorted(os.sched_getaffinity(0))
         for i in range(2):
+            core = worker_cpus(i, 2)[0]  # where gaas would place worker-i's engine
             port = free_port()
             log = log_dir / f"vllm-server-{i}.log"
-            say(f"starting vLLM's OpenAI server {i} on core {cores[i % len(cores)]} ({blocks} KV blocks; log {log})")
-            proc = start_vllm_server(Path(model.source), MODEL, port, cores[i % len(cores)], log,
+            say(f"starting vLLM's OpenAI server {i} on core {core} ({blocks} KV blocks; log {log})")
+            proc = start_vllm_server(Path(model.source), MODEL, port, core, log,
                                      extra=["--num-gpu-blocks-override", str(blocks), "--max-model-len",
                                             str(model.max_model_len), "--enable-prompt-tokens-details"])
             procs.append(proc)

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     from gaas.admin import Admin
     from gaas.client import GaasClient
     from gaas.mesh import Mesh, free_port_base
-    from services.worker.engine import pin_descendants
+    from gaas.runtime.placement import pin_descendants, worker_cpus
 
     run_dir = Path(tempfile.mkdtemp(prefix="gaas-bench-"))
     # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
                 redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
-    core = sorted(os.sched_getaffinity(0))[0]  # where gaas pins worker-0
+    core, others = worker_cpus(0, 1)  # where gaas places worker-0's engine, and the rest
     vllm_procs: list[subprocess.Popen] = []
     results: dict = {"serving": {}, "grpc": {}}
     try:
@@ -257,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
                     # The placement gaas gives its workers: engine processes beside the runner,
                     # the API server on the other cores.
                     pin_descendants(proc.pid, {core})
-                    others = set(os.sched_getaffinity(0)) - {core}
                     if others:
                         os.sched_setaffinity(proc.pid, others)
                 name = "vllm server, gaas's placement" if variant == "pinned" else "vllm server, as it comes"

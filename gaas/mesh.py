@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 from gaas import deployspec, envoyconf, pki, probe, protogen
 from gaas.model.build import build_model, is_built
+from gaas.runtime import placement
 from gaas.runtime.devices import list_gpus
 from gaas.topology import Instance, LocalSockets, Topology, sockets_root
 
@@ -59,23 +60,6 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
             os.sched_setaffinity(0, cpus)
 
     return setup
-
-
-def worker_cpus(index: int, workers: int) -> tuple[int, set[int] | None]:
-    """(core the worker's engine computes on, CPUs for the rest of its processes; None: any).
-
-    The engine's model runner is pinned to one core (one worker per core). Its front end (gRPC,
-    tokenizing, streaming) keeps to the cores no engine computes on, when there are any: sharing
-    its engine's core delays every streamed token by tens of milliseconds. With an engine on every
-    core it is left unpinned: pinned to another worker's engine core, a process was measured
-    getting no CPU at all for minutes (Linux 6.18 never picked it while the runner was busy) -- a
-    restarted worker that never started, a killed one that took minutes to be reaped.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[index % len(cores)]
-    engines = {cores[i % len(cores)] for i in range(max(workers, index + 1))}
-    free = set(cores) - engines
-    return core, free or None
 
 
 # Restart backoff of a child that exits on its own: 1, 2, 4 ... 30 s; reset once it has run this long.
@@ -345,14 +329,14 @@ class Mesh:
             if self.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[inst.index % len(self.gpus)].index)
             else:
-                # One worker per core: its engine computes there (see worker_cpus).
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(worker_cpus(inst.index, len(self.topo.of("worker")))[0])
+                # One worker per core: its engine computes there (see placement.worker_cpus).
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement.worker_cpus(inst.index, len(self.topo.of("worker")))[0])
         env.update(self.extra_env)
         return env
 
     def _spawn_service(self, inst: Instance) -> None:
         cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]
-        cpus = worker_cpus(inst.index, len(self.topo.of("worker")))[1] if inst.service == "worker" and not self.gpus else None
+        cpus = placement.worker_cpus(inst.index, len(self.topo.of("worker")))[1] if inst.service == "worker" and not self.gpus else None
         self._spawn(inst.name, inst.service, cmd, self.service_env(inst), cpus)
 
     def _spawn_envoy(self, name: str, config: Path) -> None:

@@ -76,7 +76,16 @@ def test_the_shipped_topology_loads():
     ([4, 5, 6], 3, {0: (4, None), 1: (5, None), 2: (6, None)}),
 ])
 def test_front_ends_keep_off_every_engine_core(monkeypatch, cores, workers, expected):
-    from gaas import mesh
+    from gaas.runtime import placement
 
-    monkeypatch.setattr(mesh.os, "sched_getaffinity", lambda pid: set(cores))
-    assert {i: mesh.worker_cpus(i, workers) for i in range(workers)} == expected
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(cores))
+    assert {i: placement.worker_cpus(i, workers) for i in range(workers)} == expected
+
+
+@pytest.mark.parametrize("spec, cpus", [
+    ("0", {0}), ("0-3", {0, 1, 2, 3}), ("0,2,4-5", {0, 2, 4, 5}), ("auto", set()), ("nobind", set()), ("1-x", set()),
+])
+def test_cpu_lists_read_as_vllm_writes_them(spec, cpus):
+    from gaas.runtime.placement import parse_cpu_list
+
+    assert parse_cpu_list(spec) == cpus

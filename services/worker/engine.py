@@ -399,17 +399,6 @@ def _logprobs(token_ids, positions) -> list[TokenLogprob]:
     return out
 
 
-def parse_cpu_list(spec: str) -> set[int]:
-    """'0', '0-3' or '0,2,4-5' -> CPU numbers; empty for anything else ('auto', 'nobind')."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            return set()
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def _pin_engine_processes(bind: str) -> None:
     """Move vLLM's engine processes (the scheduler, EngineCore, and the model runner below it),
     every thread of them, onto the cores the model runner is bound to.
@@ -418,34 +407,10 @@ def _pin_engine_processes(bind: str) -> None:
     of this process's gRPC front end, that spinning takes most of their time and tokens reach
     the client in bursts, tens of milliseconds late; beside the runner it only waits its turn.
     """
-    cpus = parse_cpu_list(bind)
+    cpus = placement.parse_cpu_list(bind)
     if cpus:
-        moved = pin_descendants(os.getpid(), cpus)
+        moved = placement.pin_descendants(os.getpid(), cpus)
         log.info("engine processes pinned to CPUs %s (%d threads)", sorted(cpus), moved)
-
-
-def pin_descendants(root: int, cpus: set[int]) -> int:
-    """Set the CPU affinity of every thread of every process below root; returns threads moved."""
-    return sum(placement.set_process_affinity(child, cpus) for child in _descendants(root))
-
-
-def _descendants(pid: int) -> list[int]:
-    """Child processes of every thread of pid, recursively (Linux /proc)."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        for c in children:
-            out.append(c)
-            out.extend(_descendants(c))
-    return out
 
 
 class _LoadTracker:

@@ -50,7 +50,7 @@ ENGINE_DIED_EXIT = 3
 def device_monitor(engine: VllmEngine):
     """What reports the worker's device: its GPU through NVML, else its CPU cores and the RAM."""
     from gaas.runtime.devices import CpuMonitor, GpuMonitor
-    from services.worker.engine import parse_cpu_list
+    from gaas.runtime.placement import parse_cpu_list
 
     if engine.gpu_index is not None:
         try:
