@@ -202,7 +202,7 @@ class Mesh:
         # Everything the mesh writes (databases, keys, the Redis password, logs) is its owner's alone.
         os.umask(0o077)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        busy = [p for p in self.topo.all_ports() if port_in_use(self.topo.host, p)]
+        busy = [p for p in self.topo.tcp_ports() if port_in_use(self.topo.host, p)]
         if busy:
             raise MeshError(
                 f"port(s) {', '.join(map(str, busy[:5]))} on {self.topo.host} are in use: is another mesh running"

@@ -187,6 +187,12 @@ class Topology:
             ports += [i.port, i.inbound_port, i.outbound_port, i.admin_port, i.metrics_port]
         return ports
 
+    def tcp_ports(self) -> list[int]:
+        """The ports a mesh started by `gaas up` listens on (its services, outbound listeners and
+        Envoy admin interfaces are Unix sockets): the ingress, each sidecar's inbound listener and
+        each service's /metrics."""
+        return [self.ingress_port, *(p for i in self.instances for p in (i.inbound_port, i.metrics_port))]
+
 
 def _int(value: object, what: str, minimum: int = 0) -> int:
     try:
