@@ -61,15 +61,13 @@ def _configs(tmp: Path, port: int, tls: bool) -> tuple[dict, dict]:
     authority = pki.Authority(tmp)
     caller = authority.credentials("router", "router-0")
     callee = authority.credentials("worker", "worker-0")
-    inbound_hcm = envoyconf._hcm(
-        "inbound", [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}],
-        [envoyconf._rbac("worker")] if tls else [], tmp / "access.log",
-        **({"forward_client_cert_details": "SANITIZE_SET", "set_current_client_cert_details": {"uri": True}} if tls else {}),
-    )
-    service = {"name": "local_service", "type": "STATIC", "connect_timeout": "1s",
-               "typed_extension_protocol_options": envoyconf.HTTP2,
-               "load_assignment": {"cluster_name": "local_service", "endpoints": [{"lb_endpoints": [
-                   {"endpoint": {"address": {"pipe": {"path": str(tmp / "service.sock")}}}}]}]}}
+    if tls:  # the worker sidecar's inbound as the mesh renders it
+        inbound_hcm = envoyconf.inbound_hcm("inbound", "worker", tmp / "access.log")
+    else:
+        inbound_hcm = envoyconf._hcm(
+            "inbound", [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}], [],
+            tmp / "access.log")
+    service = envoyconf.pipe_cluster("local_service", tmp / "service.sock")
     callee_cfg = envoyconf._bootstrap(
         "sidecar-callee", envoyconf._pipe(tmp / "callee-admin.sock"),
         [envoyconf._listener("inbound", "127.0.0.1", port, inbound_hcm, envoyconf._server_tls(callee) if tls else None)],

@@ -134,25 +134,25 @@ def _listener(name: str, host: str, port: int, hcm: dict, tls: dict | None = Non
     return {"name": name, "address": _pipe(pipe) if pipe else _address(host, port), "filter_chains": [chain]}
 
 
-def _certificate(creds: pki.Credentials) -> dict:
-    return {"certificate_chain": {"filename": str(creds.cert)}, "private_key": {"filename": str(creds.key)}}
+def _certificate(cert: Path, key: Path) -> dict:
+    return {"certificate_chain": {"filename": str(cert)}, "private_key": {"filename": str(key)}}
+
+
+def _downstream_tls(cert: Path, key: Path, alpn: list[str], client_ca: Path | None = None) -> dict:
+    """A listener's TLS with this certificate; with client_ca, callers must present a certificate
+    it signed."""
+    context: dict = {"tls_certificates": [_certificate(cert, key)], "alpn_protocols": alpn}
+    tls: dict = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"}
+    if client_ca is not None:
+        context["validation_context"] = {"trusted_ca": {"filename": str(client_ca)}}
+        tls["require_client_certificate"] = True
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {**tls, "common_tls_context": context}}
 
 
 def _server_tls(creds: pki.Credentials) -> dict:
     """An inbound listener's mutual TLS: the instance's certificate, and callers must present one
     the mesh's CA signed."""
-    return {
-        "name": "envoy.transport_sockets.tls",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
-            "require_client_certificate": True,
-            "common_tls_context": {
-                "tls_certificates": [_certificate(creds)],
-                "validation_context": {"trusted_ca": {"filename": str(creds.ca)}},
-                "alpn_protocols": ["h2"],
-            },
-        },
-    }
+    return _downstream_tls(creds.cert, creds.key, ["h2"], client_ca=creds.ca)
 
 
 def _client_tls(creds: pki.Credentials, peer_kind: str) -> dict:
@@ -163,7 +163,7 @@ def _client_tls(creds: pki.Credentials, peer_kind: str) -> dict:
             "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
             "sni": pki.SERVER_NAME,
             "common_tls_context": {
-                "tls_certificates": [_certificate(creds)],
+                "tls_certificates": [_certificate(creds.cert, creds.key)],
                 "validation_context": {
                     "trusted_ca": {"filename": str(creds.ca)},
                     "match_typed_subject_alt_names": [
@@ -353,6 +353,34 @@ def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dic
     }
 
 
+def inbound_hcm(stat_prefix: str, kind: str, access_log: Path) -> dict:
+    """A sidecar's inbound HTTP connection manager, to its one service (the local_service cluster):
+    RBAC for kind's methods, the verified caller passed on, its own replies for a service it could
+    not reach marked."""
+    return _hcm(
+        stat_prefix,
+        [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}],
+        [_rbac(kind)],
+        access_log,
+        # The service learns who called from what this sidecar verified, never from the caller.
+        forward_client_cert_details="SANITIZE_SET",
+        set_current_client_cert_details={"uri": True},
+        local_reply_config=_unreached_replies(),
+    )
+
+
+def pipe_cluster(name: str, path: Path) -> dict:
+    """A cluster of one gRPC server on a Unix socket."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": HTTP2,
+        "load_assignment": {"cluster_name": name, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": str(path)}}}}]}]},
+    }
+
+
 def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki.Authority,
                    sockets: Path | None = None) -> dict:
     """The sidecar of one service instance: inbound in front of it, outbound to its peers. With
@@ -360,23 +388,10 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
     (LocalSockets); else loopback TCP ports (a pod's loopback in Kubernetes)."""
     creds = authority.credentials(inst.service, inst.name)
     local = LocalSockets.of(sockets, inst.name) if sockets else None
-    inbound = _hcm(
-        f"{inst.name}_inbound",
-        [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}],
-        [_rbac(inst.service)],
-        log_dir / f"envoy-{inst.name}-access.log",
-        # The service learns who called from what this sidecar verified, never from the caller.
-        forward_client_cert_details="SANITIZE_SET",
-        set_current_client_cert_details={"uri": True},
-        local_reply_config=_unreached_replies(),
-    )
+    inbound = inbound_hcm(f"{inst.name}_inbound", inst.service, log_dir / f"envoy-{inst.name}-access.log")
     listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound, _server_tls(creds))]
-    clusters = [_static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
-    if local:
-        clusters[0]["type"] = "STATIC"
-        clusters[0]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-            {"endpoint": {"address": {"pipe": {"path": str(local.service)}}}}
-        ]
+    clusters = [pipe_cluster("local_service", local.service) if local
+                else _static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
 
     peers = TALKS_TO[inst.service]
     if peers:
@@ -489,19 +504,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         preserve_external_request_id=True,
         always_set_request_id_in_response=True,
     )
-    edge_tls = None
-    if tls is not None:
-        cert, key = tls
-        edge_tls = {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
-                "common_tls_context": {
-                    "tls_certificates": [{"certificate_chain": {"filename": str(cert)}, "private_key": {"filename": str(key)}}],
-                    "alpn_protocols": ["h2", "http/1.1"],
-                },
-            },
-        }
+    edge_tls = _downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
     listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm, edge_tls)]
     clusters = [
         _static_cluster("router", [(r.host, r.inbound_port) for r in topo.of("router")], health_check=True,

@@ -11,10 +11,10 @@ import signal
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from gaas import pki
+from gaas.runtime.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import process_alive
 from tests.meshutil import gaas, generate
@@ -25,23 +25,6 @@ pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
 WORKER = "worker-1"
 # A worker loads its engine in ~20-40 s on a CPU; more while the other worker is busy.
 START_SECONDS = 180
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (from /proc), deepest last."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, pp in parents.items() if pp in frontier]
-        out += kids
-        frontier = kids
-    return out
 
 
 def process_name(pid: int) -> str:
