@@ -54,10 +54,12 @@ def _state(run_dir: Path) -> dict | None:
         return None
 
 
-def _topology(args, state: dict | None = None):
+def _topology(args, state: dict | None = None, *, auto_workers: int = 1):
+    """The topology of args (or of the running mesh, from its state); worker replicas "auto"
+    become auto_workers."""
     from gaas import topology
 
-    overrides = {}
+    overrides: dict = {"auto_workers": auto_workers}
     if state:
         overrides = {
             "host": state["host"],
@@ -156,7 +158,10 @@ def cmd_up(args) -> int:
     if state := _state(run_dir):
         return _fail(f"a mesh is already running from {run_dir} (pid {state['pid']}); `gaas status` shows it")
     try:
-        topo = _topology(args)
+        from gaas.runtime.devices import visible_gpus
+
+        # One worker per GPU on a GPU host (topology replicas "auto", the default), else one.
+        topo = _topology(args, auto_workers=len(visible_gpus()) or 1)
         worker_options = {}
         if args.model:
             worker_options["model"] = args.model
@@ -193,7 +198,7 @@ def cmd_up(args) -> int:
         )
         for name in {str(w.options["model"]) for w in topo.of("worker")}:
             mesh.spec.model(name)  # an unknown model is refused here, with the deployment's names
-    except (TopologyError, SpecError) as exc:
+    except (TopologyError, SpecError, MeshError) as exc:
         return _fail(str(exc), 2)
 
     stop = threading.Event()
@@ -862,6 +867,18 @@ def cmd_restart(args) -> int:
 # ---------------------------------------------------------------------- main
 
 
+def _workers_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of workers or auto, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("at least 1 worker")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gaas.model.build import PRESETS
 
@@ -874,7 +891,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--port-base", type=int, default=None, help="first port of the instances' port blocks (env GAAS_PORT_BASE; default from the topology)")
         sp.add_argument("--ingress-port", type=int, default=None, help="ingress port (env GAAS_INGRESS_PORT; default 8080)")
         if workers:
-            sp.add_argument("--workers", type=int, default=None, help="worker replicas (env GAAS_WORKERS; default from the topology)")
+            sp.add_argument("--workers", type=_workers_arg, default=None,
+                            help="worker replicas, or auto: one per GPU on a GPU host, else one (env GAAS_WORKERS; "
+                            "default from the topology: auto)")
 
     up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C or SIGTERM",
                         description="Start Redis (unless one answers), every service, one Envoy sidecar per "

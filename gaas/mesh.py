@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from gaas import deployspec, envoyconf, pki, probe, protogen
 from gaas.model.build import build_model, is_built
 from gaas.runtime import placement
-from gaas.runtime.devices import list_gpus
+from gaas.runtime.devices import visible_gpus
 from gaas.topology import Instance, LocalSockets, Topology, sockets_root
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,8 +190,20 @@ class Mesh:
         self.log_dir = self.run_dir / "logs"
         self.sockets = sockets_root(self.run_dir)
         self.spec = deployspec.load(self.deploy_file)
-        # GPUs NVML sees: workers get one each; none means CPU workers, one per core.
-        self.gpus = list_gpus()
+        # The GPUs this host lets us use (gaas.runtime.devices): a worker on each, by UUID (workers
+        # beyond their number share, splitting the memory); none: CPU workers, one per core.
+        self.gpus = visible_gpus()
+        self.gpu_slots: list[placement.GpuSlot] = []
+        workers = self.topo.of("worker")
+        if self.gpus and workers:
+            budget = float(os.environ.get("GAAS_GPU_MEMORY_UTILIZATION") or placement.GPU_MEMORY_BUDGET)
+            kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
+            try:
+                self.gpu_slots = placement.worker_gpus(self.gpus, len(workers), budget=budget, kv_cache_bytes=kv_bytes)
+            except placement.PlacementError as exc:
+                raise MeshError(str(exc)) from None
+            if any(slot.shared_by > 1 for slot in self.gpu_slots):
+                progress(f"{len(workers)} workers on {len(self.gpus)} GPU(s): workers sharing a GPU split its memory")
         self._stopping = False
 
     # ----------------------------------------------------------------- start
@@ -319,14 +331,23 @@ class Mesh:
                 GAAS_BLOCK_SIZE=str(inst.options["block_size"]),
                 GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
                 GAAS_KV_CACHE_BLOCKS=str(inst.options["kv_cache_blocks"]),
-                GAAS_ENFORCE_EAGER=str(bool(inst.options["enforce_eager"])).lower(),
+                GAAS_ENFORCE_EAGER=str(inst.options["enforce_eager"]).lower(),
                 GAAS_MAX_NUM_SEQS=str(inst.options["max_num_seqs"]),
                 GAAS_MAX_NUM_BATCHED_TOKENS=str(inst.options["max_num_batched_tokens"]),
                 GAAS_MAX_WAITING=str(inst.options["max_waiting"]),
             )
-            if self.gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[inst.index % len(self.gpus)].index)
+            if self.gpu_slots:
+                slot = self.gpu_slots[inst.index]
+                env.update(
+                    GAAS_DEVICE="cuda",
+                    # By UUID: the same GPU whatever order CUDA numbers them in; and CUDA's order is
+                    # NVML's for anything else that counts them.
+                    CUDA_VISIBLE_DEVICES=slot.uuid,
+                    CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                    GAAS_GPU_MEMORY_UTILIZATION=str(slot.memory_fraction),
+                )
             else:
+                env["GAAS_DEVICE"] = "cpu"
                 # One worker per core: its engine computes there (see placement.worker_cpus).
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement.worker_cpus(inst.index, len(self.topo.of("worker")))[0])
         env.update(self.extra_env)
@@ -392,7 +413,10 @@ class Mesh:
                 logs = ", ".join(str(self.log_dir / f"{n}.log") for n in names[:3])
                 raise MeshError(f"not ready after {timeout:.0f} s: waiting for {', '.join(waiting)}; see {logs}")
             if now - last_note >= 5:
-                hint = " (vLLM loads the model: ~20-40 s per worker on a CPU)" if any("worker" in w for w in waiting) else ""
+                hint = ""
+                if any("worker" in w for w in waiting):
+                    hint = (" (vLLM loads the model, compiles it and captures CUDA graphs: a minute or two on a GPU)"
+                            if self.gpu_slots else " (vLLM loads the model: ~20-40 s per worker on a CPU)")
                 self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
                 last_note = now
             time.sleep(0.5)

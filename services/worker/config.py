@@ -32,12 +32,17 @@ class WorkerConfig:
     max_model_len: int
     # KV block size, tokens.
     block_size: int
-    # KV cache on the CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs.
+    # KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, kv_cache_memory_bytes on a GPU).
     kv_cache_gib: int
-    # Fraction of GPU memory vLLM may take (GPUs only).
+    # Fraction of GPU memory vLLM may take (GPUs only; the launcher splits it between workers
+    # sharing a GPU).
     gpu_memory_utilization: float
-    # Skip torch.compile and CUDA graphs (faster start, slower steps).
-    enforce_eager: bool
+    # Skip torch.compile and CUDA graphs (faster start, slower steps); None: by device, eager on
+    # the CPU only.
+    enforce_eager: bool | None
+    # "cuda" or "cpu" as the launcher found the host (gaas.runtime.devices); "" when not launched
+    # by gaas up. The worker refuses to start when its vLLM build computes elsewhere.
+    device: str
     # Most sequences batched together, and most tokens in one engine step (0: vLLM's default).
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -66,7 +71,8 @@ class WorkerConfig:
             block_size=env_int(env, "GAAS_BLOCK_SIZE", 32),
             kv_cache_gib=env_int(env, "GAAS_KV_CACHE_GIB", 1),
             gpu_memory_utilization=env_float(env, "GAAS_GPU_MEMORY_UTILIZATION", 0.85),
-            enforce_eager=env_bool(env, "GAAS_ENFORCE_EAGER", True),
+            enforce_eager=None if env.get("GAAS_ENFORCE_EAGER", "auto") == "auto" else env_bool(env, "GAAS_ENFORCE_EAGER", True),
+            device=env.get("GAAS_DEVICE", ""),
             max_num_seqs=env_int(env, "GAAS_MAX_NUM_SEQS", 64),
             max_num_batched_tokens=env_int(env, "GAAS_MAX_NUM_BATCHED_TOKENS", 0),
             max_waiting=env_int(env, "GAAS_MAX_WAITING", 128),
@@ -78,4 +84,8 @@ class WorkerConfig:
             raise ConfigError(f"GAAS_BLOCK_SIZE must be a multiple of 16 (32 on the CPU), got {cfg.block_size}")
         if cfg.kv_cache_gib < 1:
             raise ConfigError("GAAS_KV_CACHE_GIB must be at least 1")
+        if cfg.device not in ("", "cpu", "cuda"):
+            raise ConfigError(f"GAAS_DEVICE must be cpu or cuda, got {cfg.device!r}")
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise ConfigError(f"GAAS_GPU_MEMORY_UTILIZATION must be in (0, 1], got {cfg.gpu_memory_utilization}")
         return cfg

