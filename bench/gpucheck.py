@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +65,11 @@ class Check:
         return [r for r in self.results if not r["ok"]]
 
 
+# Both engines start together on the first GPU (they load and compile at once, halving the
+# check's time) and each asks vLLM for this share of it; their KV caches are sized in bytes anyway.
+SHARED_GPU_FRACTION = 0.4
+
+
 def vllm_server_cmd(model_dir: str, model_name: str, port: int, options: dict, max_model_len: int) -> list[str]:
     """vLLM's OpenAI server with the engine settings a GaaS worker gets on a GPU."""
     cmd = [
@@ -73,7 +79,7 @@ def vllm_server_cmd(model_dir: str, model_name: str, port: int, options: dict, m
         "--max-model-len", str(max_model_len), "--block-size", str(options["block_size"]),
         "--enable-prefix-caching", "--max-num-seqs", str(options["max_num_seqs"]),
         "--kv-cache-memory-bytes", str(int(options["kv_cache_gib"]) * 2**30),
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--gpu-memory-utilization", str(SHARED_GPU_FRACTION),
     ]
     if options["enforce_eager"] is True:
         cmd.append("--enforce-eager")
@@ -132,6 +138,21 @@ def main(argv: list[str] | None = None) -> int:
         say(f"building model {model.name} ({model.preset} preset)")
         build_model(model.preset, Path(model.source), progress=lambda m: say(f"  {m}"))
     results: dict = {"serving": {}, "checks": check.results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """Written after every step: a run stopped half-way still leaves its figures."""
+        results["goals"] = goals(results["serving"], levels)
+        results["setup"] = {
+            "gpus": [{"uuid": g.uuid, "name": g.name, "memory_gib": round(g.memory_total / 2**30, 1)} for g in gpus],
+            "model": model.name, "input_len": args.input_len, "output_len": args.output_len,
+            "kv_cache_gib": options["kv_cache_gib"], "block_size": options["block_size"],
+            "max_num_seqs": options["max_num_seqs"], "python": platform.python_version(),
+            "engine": engine_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        out.write_text(json.dumps(results, indent=2) + "\n")
 
     def bench(url: str, key: str | None, n: int, concurrency: int) -> dict:
         r = vllm_bench(url, model.name, model.source, backend="openai", api_key=key, num_prompts=n,
@@ -139,46 +160,23 @@ def main(argv: list[str] | None = None) -> int:
                        extra=["--save-detailed"], timeout=300)
         return merge_detailed([r])
 
-    def measure(target: str, url: str, key: str | None) -> None:
-        check.run(f"{target}: warm-up", lambda: bench(url, key, 8, 4) and None)
-        for conc, n in [(1, args.requests), *((c, c * args.per_stream) for c in levels)]:
-            s = check.run(f"{target}: vllm bench serve, {n} requests, {conc} at a time", lambda: bench(url, key, n, conc))
-            if s is not None:
-                results["serving"][f"{target} | {conc}"] = s
-                if s["failed"]:
-                    check.record(f"{target}: no request failed at {conc} at a time", False, f"{s['failed']} failed")
+    def measure(target: str, url: str, key: str | None, conc: int, n: int) -> None:
+        s = check.run(f"{target}: vllm bench serve, {n} requests, {conc} at a time", lambda: bench(url, key, n, conc))
+        if s is not None:
+            results["serving"][f"{target} | {conc}"] = s
+            say(f"  TTFT p50 {s['ttft_p50_ms']} ms, p99 {s['ttft_p99_ms']} ms; ITL p50 {s['itl_p50_ms']} ms; "
+                f"{s['output_tokens_per_s']} tokens/s")
+            if s["failed"]:
+                check.record(f"{target}: no request failed at {conc} at a time", False, f"{s['failed']} failed")
+        save()
 
-    # ------------------------------------------------------------ GaaS
-    try:
-        say(f"starting the mesh with {len(topo.of('worker'))} worker(s), one per GPU (logs in {run_dir / 'logs'})")
-        t0 = time.monotonic()
-        mesh.start()
-        health = mesh.wait_ready(args.ready_timeout)
-        results["mesh_start_s"] = round(time.monotonic() - t0, 1)
-        say(f"mesh ready in {results['mesh_start_s']} s")
-        devices = [w["device"] for w in health.workers]
-        results["workers"] = [{"worker": w["worker_id"], "device": w["device"], "backend": w["backend"]}
-                              for w in health.workers]
-        check.record("one worker per GPU, each on its own GPU",
-                     sorted(g.uuid for g in gpus) == sorted(u for d in devices for u in [d.rsplit(" ", 1)[-1]]),
-                     "; ".join(devices))
-        check.record("every worker computes on CUDA", all(w["backend"] == "vllm-cuda" for w in health.workers),
-                     ", ".join(sorted({w["backend"] for w in health.workers})))
-        with Admin(topo.of("control")[0].inbound) as admin:
-            key, _ = admin.ensure_demo_key(run_dir)
-        ingress = f"http://{topo.ingress}"
-        clients(check, topo.ingress, key, model.name)
-        measure("gaas ingress", ingress, key)
-    except MeshError as exc:
-        check.record("the mesh starts", False, str(exc)[:2000])
-    finally:
-        say("stopping the mesh")
-        mesh.stop()
-
-    # ------------------------------------------------------------ vLLM's own server, same GPU
+    # vLLM's own server starts first, on the first GPU, and loads while the mesh does (the same
+    # engine settings; each takes SHARED_GPU_FRACTION of the GPU, their caches sized in bytes).
+    proc = None
+    port = free_port()
+    server_log = run_dir / "vllm-openai-server.log"
+    targets: dict[str, tuple[str, str | None]] = {}
     if not args.skip_vllm:
-        port = free_port()
-        log = run_dir / "logs" / "vllm-openai-server.log"
         cmd = vllm_server_cmd(model.source, model.name, port, options, model.max_model_len)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0].uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
@@ -187,35 +185,58 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--enforce-eager")
             env.update(VLLM_CPU_KVCACHE_SPACE=str(options["kv_cache_gib"]))
             env.pop("CUDA_VISIBLE_DEVICES")
-        say(f"starting vLLM's OpenAI server on {gpus[0].uuid} (log {log})")
-        import subprocess
-
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        say(f"starting vLLM's OpenAI server on {gpus[0].uuid}, beside the mesh (log {server_log})")
+        with open(server_log, "wb") as log_file:
+            proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        os.environ["GAAS_GPU_MEMORY_UTILIZATION"] = str(SHARED_GPU_FRACTION)  # the worker beside it, the same
+        mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
+                    redis_url=f"redis://127.0.0.1:{base + 291}/0", progress=say)
+    try:
+        say(f"starting the mesh with {len(topo.of('worker'))} worker(s), one per GPU (logs in {run_dir / 'logs'})")
+        t0 = time.monotonic()
         try:
-            t0 = time.monotonic()
-            wait_http(f"http://127.0.0.1:{port}/health", proc, args.ready_timeout, log)
-            results["vllm_server_start_s"] = round(time.monotonic() - t0, 1)
-            measure("vllm server", f"http://127.0.0.1:{port}", None)
-        except RuntimeError as exc:
-            check.record("vLLM's server starts", False, f"{exc}\n{log.read_text(errors='replace')[-1500:]}")
-        finally:
-            stop_group(proc)
+            mesh.start()
+            health = mesh.wait_ready(args.ready_timeout)
+        except MeshError as exc:
+            check.record("the mesh starts", False, str(exc)[:2000])
+            return finish(check, results, save, model.name, args, out)
+        results["mesh_start_s"] = round(time.monotonic() - t0, 1)
+        say(f"mesh ready in {results['mesh_start_s']} s")
+        devices = [w["device"] for w in health.workers]
+        results["workers"] = [{"worker": w["worker_id"], "device": w["device"], "backend": w["backend"]}
+                              for w in health.workers]
+        check.record("one worker per GPU, each on its own GPU",
+                     sorted(g.uuid for g in gpus) == sorted(d.rsplit(" ", 1)[-1] for d in devices), "; ".join(devices))
+        check.record("every worker computes on CUDA", all(w["backend"] == "vllm-cuda" for w in health.workers),
+                     ", ".join(sorted({w["backend"] for w in health.workers})))
+        with Admin(topo.of("control")[0].inbound) as admin:
+            key, _ = admin.ensure_demo_key(run_dir)
+        clients(check, topo.ingress, key, model.name)
+        save()
+        targets["gaas ingress"] = (f"http://{topo.ingress}", key)
+        if proc is not None:
+            try:
+                wait_http(f"http://127.0.0.1:{port}/health", proc, args.ready_timeout, server_log)
+                results["vllm_server_ready_s"] = round(time.monotonic() - t0, 1)
+                targets["vllm server"] = (f"http://127.0.0.1:{port}", None)
+            except RuntimeError as exc:
+                check.record("vLLM's server starts", False, f"{exc}\n{server_log.read_text(errors='replace')[-1500:]}")
+        for target, (url, key) in targets.items():
+            check.run(f"{target}: warm-up", lambda: bench(url, key, 8, 4) and None)
+        # Level by level, the targets in turn: drift over the run hits both alike.
+        for conc, n in [(1, args.requests), *((c, c * args.per_stream) for c in levels)]:
+            for target, (url, key) in targets.items():
+                measure(target, url, key, conc, n)
+    finally:
+        say("stopping the mesh and vLLM's server")
+        stop_group(proc)
+        mesh.stop()
+    return finish(check, results, save, model.name, args, out)
 
-    # ------------------------------------------------------------ report
-    results["goals"] = goals(results["serving"], levels)
-    results["setup"] = {
-        "gpus": [{"uuid": g.uuid, "name": g.name, "memory_gib": round(g.memory_total / 2**30, 1)} for g in gpus],
-        "model": model.name, "input_len": args.input_len, "output_len": args.output_len,
-        "kv_cache_gib": options["kv_cache_gib"], "block_size": options["block_size"],
-        "max_num_seqs": options["max_num_seqs"], "python": platform.python_version(),
-        "engine": engine_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "seconds": round(time.monotonic() - started, 1),
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print_report(results, model.name, args)
+
+def finish(check: Check, results: dict, save, model: str, args, out: Path) -> int:
+    save()
+    print_report(results, model, args)
     print(f"\nwritten: {out}; {len(check.failed)} check(s) failed; {results['setup']['seconds']} s in all")
     return 1 if check.failed else 0
 

@@ -363,3 +363,15 @@ async def test_load_reports_read_the_device_sample_without_touching_the_device()
     report = s.load_report()
     assert (report.device_memory_used, report.device_utilization, report.device.uuid) == (3 * GiB, 0.5, "GPU-1")
     assert calls and not any(calls)  # sampled in a worker thread
+
+
+def test_the_engine_reads_its_load_from_older_vllms_too():
+    """vLLM 0.26 (the last built for torch 2.11, what the GPU check ran on) has no
+    AsyncLLM.get_num_unfinished_requests: the load report must not depend on it."""
+    from services.worker.engine import VllmEngine, _LoadTracker
+
+    old = types.SimpleNamespace(output_processor=types.SimpleNamespace(get_num_unfinished_requests=lambda: 3))
+    new = types.SimpleNamespace(get_num_unfinished_requests=lambda: 5)
+    for llm, count in ((old, 3), (new, 5)):
+        load = VllmEngine(llm, None, _LoadTracker(), None, None).load()
+        assert load.running + load.waiting == count

@@ -404,7 +404,10 @@ class VllmEngine(Engine):
     def load(self) -> EngineLoad:
         # The frontend's count of unfinished requests is exact (an abort shows at once); the split
         # between running and waiting comes from the scheduler's last report.
-        unfinished = self._llm.get_num_unfinished_requests()
+        # (AsyncLLM's own count in vLLM 0.32; its output processor's in older vLLMs.)
+        count = getattr(self._llm, "get_num_unfinished_requests", None) or \
+            self._llm.output_processor.get_num_unfinished_requests
+        unfinished = count()
         waiting = min(self._load.waiting, unfinished)
         return EngineLoad(
             running=unfinished - waiting,

@@ -39,6 +39,7 @@ class LeaseKeeper:
         self._load = load
         self._state = pb.WORKER_STATE_SERVING
         self._task: asyncio.Task | None = None
+        self._load_failed = False
         self.registered = asyncio.Event()
 
     def start(self) -> None:
@@ -48,14 +49,29 @@ class LeaseKeeper:
         info = pb.WorkerInfo()
         info.CopyFrom(self._info)
         info.state = self._state
-        if self._load is not None:
-            info.load.CopyFrom(await asyncio.to_thread(self._load))
+        if (load := await self._load_report()) is not None:
+            info.load.CopyFrom(load)
         lease = await self._stub.RegisterWorker(pb.RegisterWorkerRequest(worker=info), timeout=RPC_TIMEOUT)
         if not self.registered.is_set():
             log.info("registered with control as %s at %s (lease %d s)", info.worker_id, info.address, lease.ttl_seconds)
         self.registered.set()
         # Renew three times per lease, never less often than configured.
         self._interval = min(self._renew_seconds, max(0.5, lease.ttl_seconds / 3))
+
+    async def _load_report(self) -> common_pb2.WorkerLoad | None:
+        """The load to send, or None when there is none or it cannot be read: a broken load report
+        must not keep a serving worker out of the registry (seen: a vLLM without the call the report
+        used left the worker SERVING but never registered)."""
+        if self._load is None:
+            return None
+        try:
+            return await asyncio.to_thread(self._load)
+        except Exception as exc:  # noqa: BLE001 - logged, and the lease goes on without the load
+            if not self._load_failed:
+                log.error("cannot read this worker's load (%s: %s); registering without it", type(exc).__name__, exc,
+                          exc_info=True)
+            self._load_failed = True
+            return None
 
     async def _run(self) -> None:
         self._interval = self._renew_seconds
@@ -66,8 +82,8 @@ class LeaseKeeper:
                     await self._register()
                 else:
                     renew = pb.RenewLeaseRequest(worker_id=self._info.worker_id, state=self._state)
-                    if self._load is not None:
-                        renew.load.CopyFrom(await asyncio.to_thread(self._load))
+                    if (load := await self._load_report()) is not None:
+                        renew.load.CopyFrom(load)
                     await self._stub.RenewLease(renew, timeout=RPC_TIMEOUT)
                 backoff = 0.5
                 await asyncio.sleep(self._interval)
@@ -81,6 +97,13 @@ class LeaseKeeper:
                     log.error("control refused the registration: %s", exc.details())
                 else:
                     log.warning("control unreachable (%s: %s); retrying in %.1f s", exc.code().name, exc.details(), backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the lease silently
+                # (seen: a load report that raised left a worker SERVING but never registered,
+                # with nothing in its log until it stopped)
+                log.error("registration or renewal failed (%s: %s); retrying in %.1f s", type(exc).__name__, exc,
+                          backoff, exc_info=backoff == 0.5)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
