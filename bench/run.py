@@ -59,17 +59,23 @@ def prompts(n: int) -> list[str]:
 # ------------------------------------------------------------------ clients
 
 
-def grpc_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+def grpc_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int, dict]:
+    """(TTFT s, gaps between token chunks s, tokens, the mesh's latency decomposition in ms)."""
+    from gaas import latency
+
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
+    parts: dict = {}
     for chunk in client.generate(prompt, model=model, max_tokens=max_tokens, temperature=0):
         if chunk.token_ids:
             stamps.append(time.perf_counter())
             tokens += len(chunk.token_ids)
+        if chunk.timings.total_ms:
+            parts = latency.as_dict(chunk.timings)
     if not stamps:
-        return float("nan"), [], 0
-    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+        return float("nan"), [], 0, parts
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], tokens, parts
 
 
 class Series:
@@ -78,12 +84,15 @@ class Series:
         self.ttft: list[float] = []
         self.itl: list[float] = []
         self.tokens = 0
+        self.latency: list[dict] = []
 
-    def add(self, result: tuple[float, list[float], int]) -> None:
-        ttft, gaps, tokens = result
+    def add(self, result: tuple[float, list[float], int, dict]) -> None:
+        ttft, gaps, tokens, parts = result
         self.ttft.append(ttft)
         self.itl.extend(gaps)
         self.tokens += tokens
+        if parts:
+            self.latency.append(parts)
 
     def summary(self) -> dict:
         ms = lambda v: round(v * 1000, 2)  # noqa: E731
@@ -95,6 +104,12 @@ class Series:
             "ttft_mean_ms": ms(statistics.fmean(self.ttft)) if self.ttft else None,
             "itl_p50_ms": ms(pct(self.itl, 0.5)),
             "itl_p99_ms": ms(pct(self.itl, 0.99)),
+            # The mesh's own account of each request (gaas.latency), p50 / p99 per part.
+            "latency_ms": {
+                part: {"p50": round(pct([d[part] for d in self.latency], 0.5), 3),
+                       "p99": round(pct([d[part] for d in self.latency], 0.99), 3)}
+                for part in (self.latency[0] if self.latency else {})
+            },
         }
 
 
@@ -105,7 +120,7 @@ def concurrent_throughput(fn, n_requests: int, concurrency: int, max_tokens: int
 
     def one(p: str) -> None:
         nonlocal tokens
-        _, _, t = fn(p)
+        _, _, t, _ = fn(p)
         with lock:
             tokens += t
 
@@ -335,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         c = results["grpc"]["concurrent"]
         print(f"{'gaas gRPC (gaas client)':<32} {'native':<12} {c['concurrency']:>4} {c['requests']:>4} {0:>4} "
               f"{'':>9} {'':>9} {'':>9} {'':>8} {'':>8} {c['tokens_per_s']:>7}")
+    if g.get("latency_ms"):
+        print("\nwhere the time went, gRPC one at a time (the mesh's own account, ms):  "
+              + "  ".join(f"{part} {v['p50']:g} / {v['p99']:g}" for part, v in g["latency_ms"].items())
+              + "   (p50 / p99)")
     failed = sum(s["failed"] for s in results["serving"].values())
     print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
     return 1 if failed else 0

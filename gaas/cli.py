@@ -364,6 +364,10 @@ def cmd_generate(args) -> int:
                 "completion_tokens": final.usage.completion_tokens,
             },
         )
+        if final.timings.total_ms:
+            from gaas import latency
+
+            summary["latency_ms"] = latency.as_dict(final.timings)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -376,7 +380,26 @@ def cmd_generate(args) -> int:
         if final is not None:
             parts += [f"{summary['finish_reason']}", f"{final.model} {final.model_version} on {final.worker_id}"]
         print(f"\n-- {' | '.join(parts)}", file=sys.stderr)
+        if args.explain:
+            _explain(final, elapsed)
     return 0
+
+
+def _explain(final, elapsed: float) -> None:
+    """Where the request's time went, as the mesh measured it (gaas.latency)."""
+    from gaas import latency
+
+    if final is None or not final.timings.total_ms:
+        print("-- no latency decomposition came back (the request did not finish)", file=sys.stderr)
+        return
+    t = final.timings
+    print(f"-- where the time went: {elapsed * 1000:.2f} ms here (connecting included), {t.total_ms:.2f} ms of it "
+          f"measured in the mesh (ingress arrival to last token)", file=sys.stderr)
+    for part in latency.PARTS:
+        ms = latency.part_ms(t, part)
+        extra = {"queue": f" (router queue {t.router_queue_ms:.2f})",
+                 "net": f" (ingress to router {t.ingress_ms:.2f})"}.get(part, "")
+        print(f"   {part:<8}{ms:>10.2f} ms {ms / t.total_ms:>6.1%}  {latency.MEANING[part]}{extra}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------- status
@@ -934,7 +957,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ingress", default=None, help="host:port of the ingress (env GAAS_INGRESS; default: the running mesh's)")
     gen.add_argument("--api-key", default=None, help="API key (env GAAS_API_KEY; default: the demo key `gaas up` saved)")
     gen.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
-    gen.add_argument("--json", action="store_true", help="print one JSON object (text, timings, usage) instead")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, timings, usage, latency_ms) instead")
+    gen.add_argument("--explain", action="store_true",
+                     help="after the text, print where the request's time went: tenant (auth, quota), router, queue, "
+                     "prefill, decode, net")
     gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("status", help="health of each service instance, Envoy and worker",

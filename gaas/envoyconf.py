@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from gaas import pki
-from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
+from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
 from gaas.topology import ALLOWED_CALLERS, GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets, Topology
 
 HTTP2 = {
@@ -498,7 +498,13 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # Only the router may say who the tenant is, which worker serves, or what GaaS's own
         # request id is; never a client.
         vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER],
-               "response_headers_to_remove": [UNREACHED_HEADER]},
+               "response_headers_to_remove": [UNREACHED_HEADER],
+               # The request's arrival here, where its latency decomposition starts (a client's
+               # own value is overwritten).
+               "request_headers_to_add": [{
+                   "header": {"key": INGRESS_START_HEADER, "value": "%START_TIME(%s.%6f)%"},
+                   "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+               }]},
         # The client's x-request-id is kept (not replaced by Envoy's) and echoed in the response,
         # as vLLM's server echoes it; GaaS keys everything internal on its own id.
         preserve_external_request_id=True,

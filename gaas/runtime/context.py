@@ -12,6 +12,9 @@ TenantId = NewType("TenantId", str)
 REQUEST_ID_HEADER = "x-gaas-request-id"
 TENANT_HEADER = "x-gaas-tenant"
 WORKER_HEADER = "x-gaas-worker"
+# The ingress's arrival time of a request (seconds since the epoch), stamped by the ingress only:
+# the start of the request's latency decomposition (services/router/latency.py).
+INGRESS_START_HEADER = "x-gaas-ingress-start"
 AUTHORIZATION_HEADER = "authorization"
 # The client's own request id (OpenAI clients and vLLM's benchmark send it); echoed by the ingress.
 CLIENT_REQUEST_ID_HEADER = "x-request-id"

@@ -14,6 +14,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# For a request's latency and its parts: from a tenth of a millisecond (a router's own work) to
+# minutes (a long generation).
+DECOMPOSITION_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                         60, 120, 300)
 # For steps measured in microseconds (a scheduling plugin, a directory lookup).
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 

@@ -30,6 +30,7 @@ from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.auth import Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
+from gaas import latency
 from services.router.kvclient import KVDirectoryClient
 from services.router.scheduling import RequestContext, Scheduler, WorkerId
 
@@ -101,6 +102,8 @@ class RouterMetrics:
     # Engines serving fewer cached tokens than the directory said they held.
     prediction_misses: Counter | None = None
     lookup_seconds: Histogram | None = None
+    # The latency decomposition of every request, by part (services.router.latency) and tier.
+    latency_seconds: Histogram | None = None
 
 
 class Dispatcher:
@@ -263,6 +266,14 @@ class Dispatcher:
                 worker, confirmed, cached_tokens,
             )
 
+    def _observe_latency(self, t: common_pb2.Timings, tier: str) -> None:
+        h = self._metrics.latency_seconds
+        if h is None:
+            return
+        for part in latency.PARTS:
+            h.labels(part, tier).observe(latency.part_ms(t, part) / 1000)
+        h.labels("total", tier).observe(t.total_ms / 1000)
+
     async def stream(
         self,
         prepared: Prepared,
@@ -270,8 +281,12 @@ class Dispatcher:
         request_id: str,
         time_remaining: float | None,
         arrived: float,
+        tenant_s: float = 0.0,
+        ingress_s: float = 0.0,
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
-        """The chunks of a prepared request, from whichever worker the scheduler picks."""
+        """The chunks of a prepared request, from whichever worker the scheduler picks. arrived:
+        the router's arrival (perf_counter); tenant_s: its admission so far; ingress_s: ingress to
+        router. The last chunk carries the request's latency decomposition (latency.complete)."""
         model = prepared.model
         workers = await self._directory.workers(model.name)
         ctx, confirmed = await self._context(prepared, principal, workers)
@@ -302,7 +317,6 @@ class Dispatcher:
                 self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
             if self._metrics.routed is not None:
                 self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
-            router_ms = (time.perf_counter() - arrived) * 1000
             token = self._inflight.start(worker.worker_id)
             left = remaining()
             timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)
@@ -323,7 +337,10 @@ class Dispatcher:
                         self._flow.first_token(worker.worker_id, principal.tier, (now - sent_at) * 1000,
                                                (now - arrived - queued_s) * 1000)
                     if chunk.HasField("usage"):
-                        chunk.timings.router_ms = router_ms
+                        now = time.perf_counter()
+                        latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,
+                                         router_queue_s=queued_s, call_s=now - sent_at, ingress_s=ingress_s)
+                        self._observe_latency(chunk.timings, principal.tier)
                         chunk.tenant = principal.tenant
                         log.info(
                             "served for %s by %s: %d prompt (%d cached, %d blocks predicted) + %d completion "

@@ -17,6 +17,7 @@ from gaas.runtime.context import current_request_id
 from gaas.runtime.interceptors import translate
 from gaas.tokenizer import ChatMessage
 from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
+from gaas import latency
 from services.router import jsonbody, openai_api
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge
@@ -35,6 +36,12 @@ def _event(data: bytes) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(content_type=SSE, data=data)
 
 
+# A request with this header (1, true, yes) gets its latency decomposition in its usage object,
+# under EXPLAIN_FIELD, in milliseconds (a streamed one gets the usage chunk for it).
+EXPLAIN_HEADER = "x-gaas-explain"
+EXPLAIN_FIELD = "gaas_latency_ms"
+
+
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
@@ -50,13 +57,21 @@ class _Usage:
     cached: int = 0
     # The engine's own prompt counts, as the final chunks report them.
     reported_prompt: int = 0
+    # The latency decomposition (the slowest part of the request's), when the client asked for it.
+    explain: bool = False
+    timings: common_pb2.Timings | None = None
 
     def add_final(self, c: common_pb2.GenerateChunk) -> None:
         self.reported_prompt += c.usage.prompt_tokens
         self.cached += c.usage.cached_tokens
+        if self.timings is None or c.timings.total_ms > self.timings.total_ms:
+            self.timings = c.timings
 
     def final(self) -> dict:
-        return openai_api.usage(self.reported_prompt or self.prompt, self.completion, self.cached)
+        out = openai_api.usage(self.reported_prompt or self.prompt, self.completion, self.cached)
+        if self.explain and self.timings is not None:
+            out[EXPLAIN_FIELD] = latency.as_dict(self.timings)
+        return out
 
     def running(self) -> dict:
         return openai_api.usage(self.prompt, self.completion, None)
@@ -91,8 +106,10 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             yield body
 
     async def _serve(self, http: httpbody_pb2.HttpBody, context, parse):
-        arrived = time.perf_counter()
+        arrived, arrived_wall = time.perf_counter(), time.time()
         principal = await admit(self._auth)
+        tenant_s = time.perf_counter() - arrived
+        metadata = dict(context.invocation_metadata() or ())
         request_id = current_request_id()
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         note_client_id(parsed.client_request_id)
@@ -100,15 +117,20 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         prepared = [await self._dispatcher.prepare(r, principal) for r in _engine_requests(parsed)]
         fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
         n = parsed.n
-        usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared))
+        usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared),
+                       explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
         remaining = context.time_remaining()
-        streams = [
-            self._dispatcher.stream(p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining, arrived)
-            for i, p in enumerate(prepared)
-        ]
+        admitting = time.perf_counter()
         metered_request = await admit_usage(
             self._meter, principal, prepared, request_id, sum(n * p.request.max_tokens for p in prepared), arrived
         )
+        tenant_s += time.perf_counter() - admitting
+        ingress_s = latency.ingress_seconds(metadata, arrived_wall)
+        streams = [
+            self._dispatcher.stream(p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining,
+                                    arrived, tenant_s, ingress_s)
+            for i, p in enumerate(prepared)
+        ]
         choices: dict[int, _Choice] = {}
         started = False
         try:
@@ -145,7 +167,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             ]
             yield _json(fmt.response(out, usage.final()))
             return
-        if parsed.include_usage:
+        if parsed.include_usage or usage.explain:
             yield _event(openai_api.sse(fmt.usage_chunk(usage.final())))
         yield _event(openai_api.DONE)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gaas import deployspec, qos
 from gaas.runtime import redisconn
-from gaas.runtime.metrics import FAST_BUCKETS
+from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.tokenizer import TokenizerCache
 from gaas.v1 import (
@@ -98,6 +98,11 @@ async def serve(cfg: RouterConfig) -> None:
                 "Requests whose engine served fewer cached tokens than the KV directory said it held",
             ),
             lookup_seconds=rt.metrics.histogram("kv_lookup_seconds", "KV directory lookups", buckets=FAST_BUCKETS),
+            latency_seconds=rt.metrics.histogram(
+                "request_latency_seconds",
+                "Each request's latency by part (tenant, router, queue, prefill, decode, net; total), by tier",
+                ("part", "tier"), buckets=DECOMPOSITION_BUCKETS,
+            ),
         ),
     )
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,

@@ -16,6 +16,7 @@ from gaas.runtime.context import (
     tenant_var,
 )
 from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
+from gaas import latency
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
 from services.router.metering import Meter, Metered
@@ -82,14 +83,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._read_usage = read_usage
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context):
-        arrived = time.perf_counter()
+        arrived, arrived_wall = time.perf_counter(), time.time()
         principal = await admit(self._auth)
+        tenant_s = time.perf_counter() - arrived
         note_client_id(request.request_id)
         prepared = await self._dispatcher.prepare(request, principal)
         request_id = current_request_id()
         n = prepared.request.n or 1
+        admitting = time.perf_counter()
         m = await admit_usage(self._meter, principal, [prepared], request_id, n * prepared.request.max_tokens, arrived)
-        chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived)
+        tenant_s += time.perf_counter() - admitting
+        ingress_s = latency.ingress_seconds(dict(context.invocation_metadata() or ()), arrived_wall)
+        chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived, tenant_s,
+                                         ingress_s)
         async for chunk in metered(self._meter, m, chunks):
             yield chunk
 

@@ -1,0 +1,128 @@
+"""Where a request's time went: the latency decomposition (gaas/latency.py), computed from what
+each hop measured, returned on the last chunk (gRPC), in usage.gaas_latency_ms (OpenAI routes, on
+request), printed by `gaas generate --explain`, and recorded as the router's histograms."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gaas import latency
+from gaas.runtime.context import INGRESS_START_HEADER
+from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.conftest import MESH_WORKERS, ROOT
+from tests.meshutil import gaas, http
+
+ms = st.floats(0, 5_000, allow_nan=False)
+
+
+@given(engine_queue=ms, prefill=ms, decode=ms, net=ms, tenant=ms, router=ms, router_queue=ms, ingress=ms)
+def test_the_parts_add_up_to_the_total_and_are_each_what_was_measured(
+    engine_queue, prefill, decode, net, tenant, router, router_queue, ingress,
+):
+    # A request as each hop would see it: the worker's own clock, the router's around it.
+    t = common_pb2.Timings(queue_ms=engine_queue, ttft_ms=engine_queue + prefill,
+                           engine_ms=engine_queue + prefill + decode)
+    call_s = (t.engine_ms + net) / 1000
+    total_s = (tenant + router + router_queue) / 1000 + call_s
+    latency.complete(t, total_s=total_s, tenant_s=tenant / 1000, router_queue_s=router_queue / 1000, call_s=call_s,
+                     ingress_s=ingress / 1000)
+    tol = 1e-6 * (1 + total_s * 1000 + ingress)
+    assert abs(t.total_ms - sum(latency.part_ms(t, p) for p in latency.PARTS)) < tol
+    assert abs(t.total_ms - (total_s * 1000 + ingress)) < tol
+    expected = {"tenant": tenant, "router": router, "queue": router_queue + engine_queue, "prefill": prefill,
+                "decode": decode, "net": net + ingress}
+    for part, value in expected.items():
+        assert abs(latency.part_ms(t, part) - value) < tol, part
+    assert abs(t.ingress_ms - ingress) < tol and abs(t.router_queue_ms - router_queue) < tol
+
+
+def test_a_worker_clock_ahead_of_the_routers_never_gives_negative_parts():
+    t = common_pb2.Timings(queue_ms=5, ttft_ms=3, engine_ms=2)  # inconsistent: each at least the one before
+    latency.complete(t, total_s=0.001, tenant_s=0.0, router_queue_s=0.0, call_s=0.0001, ingress_s=0.0)
+    assert all(latency.part_ms(t, p) >= 0 for p in latency.PARTS)
+
+
+def test_the_ingress_stamp_is_believed_only_when_plausible():
+    now = 1_800_000_000.0
+    assert abs(latency.ingress_seconds({INGRESS_START_HEADER: f"{now - 0.0015:.6f}"}, now) - 0.0015) < 1e-5
+    for bad in ("", "soon", f"{now + 1}", f"{now - 3600}", "nan"):
+        assert latency.ingress_seconds({INGRESS_START_HEADER: bad}, now) == 0.0
+
+
+# ------------------------------------------------------------------ through the mesh
+
+
+def _timed_generate(mesh, **req):
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        stub.Generate(inference_pb2.GenerateRequest(prompt="warm", max_tokens=1), timeout=60, metadata=mesh.auth)
+        started = time.perf_counter()
+        chunks = list(stub.Generate(inference_pb2.GenerateRequest(**req), timeout=60, metadata=mesh.auth))
+        return chunks, (time.perf_counter() - started) * 1000
+
+
+def test_every_request_says_where_its_time_went_and_the_parts_add_up(mesh):
+    chunks, client_ms = _timed_generate(mesh, prompt="Where does the time go?", max_tokens=48)
+    t = chunks[-1].timings
+    parts = {p: latency.part_ms(t, p) for p in latency.PARTS}
+    assert all(v >= 0 for v in parts.values()), parts
+    assert abs(sum(parts.values()) - t.total_ms) < 0.01
+    # The mesh measured (nearly) all of what the client waited: only the client's own socket hops
+    # and the response's way out of the ingress are outside it.
+    assert t.total_ms <= client_ms
+    assert t.total_ms >= 0.95 * client_ms, (t.total_ms, client_ms, parts)
+    assert parts["decode"] > 0 and parts["prefill"] > 0 and parts["net"] > 0 and parts["tenant"] > 0
+    assert t.queue_ms >= t.router_queue_ms
+
+
+def test_the_openai_routes_explain_on_request(mesh):
+    body = json.dumps({"model": "gaas-tiny", "prompt": "explain", "max_tokens": 8}).encode()
+    status, plain = http(mesh, "/v1/completions", body)
+    assert status == 200 and "gaas_latency_ms" not in json.loads(plain)["usage"]
+    status, explained = http(mesh, "/v1/completions", body, headers=[("x-gaas-explain", "1")])
+    got = json.loads(explained)["usage"]["gaas_latency_ms"]
+    assert set(got) == {*latency.PARTS, "total"}
+    assert abs(sum(got[p] for p in latency.PARTS) - got["total"]) < 0.01
+
+    stream = json.dumps({"model": "gaas-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                         "stream": True}).encode()
+    status, events = http(mesh, "/v1/chat/completions", stream, headers=[("x-gaas-explain", "true")])
+    usage = [json.loads(e[6:]) for e in events.split("\n\n") if e.startswith("data: {")][-1]["usage"]
+    assert usage["gaas_latency_ms"]["total"] > 0
+
+
+def test_a_client_cannot_forge_the_ingress_stamp(mesh):
+    chunks, client_ms = _timed_generate(mesh, prompt="forged", max_tokens=4)
+    with grpc.insecure_channel(mesh.ingress) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        forged = list(stub.Generate(inference_pb2.GenerateRequest(prompt="forged", max_tokens=4), timeout=60,
+                                    metadata=mesh.auth + ((INGRESS_START_HEADER, f"{time.time() - 30:.6f}"),)))
+    assert forged[-1].timings.net_ms < 1000  # the ingress's own stamp, not the client's 30 s
+
+
+def test_gaas_generate_explain_prints_the_parts(mesh):
+    out = gaas(mesh, "generate", "--explain", "--max-tokens", "8", "Hello")
+    assert out.returncode == 0, out.stderr
+    assert "where the time went" in out.stderr
+    for part in latency.PARTS:
+        assert f"   {part}" in out.stderr
+    js = gaas(mesh, "generate", "--json", "--max-tokens", "4", "Hello")
+    assert set(json.loads(js.stdout)["latency_ms"]) == {*latency.PARTS, "total"}
+
+
+def test_the_router_records_the_parts_as_histograms_by_tier(mesh):
+    from gaas import topology
+
+    _timed_generate(mesh, prompt="metrics", max_tokens=4)
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base, workers=MESH_WORKERS)
+    router = topo.instance("router-0")
+    body = urllib.request.urlopen(f"http://{router.host}:{router.metrics_port}/metrics", timeout=5).read().decode()
+    for part in (*latency.PARTS, "total"):
+        assert f'gaas_router_request_latency_seconds_count{{part="{part}",tier="gold"}}' in body, part
+    assert 'gaas_router_request_latency_seconds_bucket{le="0.0001",part="router",tier="gold"}' in body
