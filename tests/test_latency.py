@@ -126,3 +126,10 @@ def test_the_router_records_the_parts_as_histograms_by_tier(mesh):
     for part in (*latency.PARTS, "total"):
         assert f'gaas_router_request_latency_seconds_count{{part="{part}",tier="gold"}}' in body, part
     assert 'gaas_router_request_latency_seconds_bucket{le="0.0001",part="router",tier="gold"}' in body
+    # Request-level figures, by model and tier (tenant names never: their number is not bounded).
+    assert 'gaas_router_requests_total{model="gaas-tiny",outcome="length",tier="gold"}' in body
+    for kind in ("prompt", "completion", "cached"):
+        assert f'gaas_router_tokens_total{{kind="{kind}",model="gaas-tiny",tier="gold"}}' in body
+    assert 'gaas_router_time_to_first_token_seconds_count{model="gaas-tiny",tier="gold"}' in body
+    assert 'gaas_router_time_per_output_token_seconds_count{model="gaas-tiny",tier="gold"}' in body
+    assert "tenant=" not in body.split("gaas_router_requests_total")[1].split("\n# HELP")[0]

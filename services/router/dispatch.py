@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Histogram
 
-from gaas import errors, genrequest, kvhash, qos
+from gaas import errors, genrequest, kvhash, latency, qos
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
 from gaas.tokenizer import ChatMessage, Tokenizer
@@ -30,7 +30,6 @@ from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.auth import Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
-from gaas import latency
 from services.router.kvclient import KVDirectoryClient
 from services.router.scheduling import RequestContext, Scheduler, WorkerId
 
@@ -102,8 +101,16 @@ class RouterMetrics:
     # Engines serving fewer cached tokens than the directory said they held.
     prediction_misses: Counter | None = None
     lookup_seconds: Histogram | None = None
-    # The latency decomposition of every request, by part (services.router.latency) and tier.
+    # The latency decomposition of every request, by part (gaas.latency) and tier.
     latency_seconds: Histogram | None = None
+    # Requests by model, tier and outcome (a finish reason: stop, length...; a status: UNAVAILABLE...;
+    # or cancelled), and their tokens by kind (prompt, completion, cached): cached / prompt is the
+    # prefix cache's hit ratio.
+    requests: Counter | None = None
+    tokens: Counter | None = None
+    # The ingress's arrival to the first token, and the time per output token after it.
+    ttft_seconds: Histogram | None = None
+    tpot_seconds: Histogram | None = None
 
 
 class Dispatcher:
@@ -286,7 +293,50 @@ class Dispatcher:
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         """The chunks of a prepared request, from whichever worker the scheduler picks. arrived:
         the router's arrival (perf_counter); tenant_s: its admission so far; ingress_s: ingress to
-        router. The last chunk carries the request's latency decomposition (latency.complete)."""
+        router. The last chunk carries the request's latency decomposition (latency.complete).
+        Each request is counted by its outcome, with its tokens, TTFT and time per output token."""
+        m = self._metrics
+        labels = (prepared.model.name, principal.tier)
+        outcome = "cancelled"
+        first_at = None
+        try:
+            async for chunk in self._stream(prepared, principal, request_id, time_remaining, arrived, tenant_s,
+                                            ingress_s):
+                if first_at is None and chunk.token_ids:
+                    first_at = time.perf_counter()
+                    if m.ttft_seconds is not None:
+                        m.ttft_seconds.labels(*labels).observe(ingress_s + first_at - arrived)
+                if chunk.HasField("usage"):
+                    outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    self._observe_latency(chunk.timings, principal.tier)
+                    u = chunk.usage
+                    if m.tokens is not None:
+                        m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)
+                        m.tokens.labels(*labels, "completion").inc(u.completion_tokens)
+                        m.tokens.labels(*labels, "cached").inc(u.cached_tokens)
+                    if m.tpot_seconds is not None and first_at is not None and u.completion_tokens > 1:
+                        m.tpot_seconds.labels(*labels).observe((time.perf_counter() - first_at) / (u.completion_tokens - 1))
+                yield chunk
+        except errors.GaasError as exc:
+            outcome = exc.code
+            raise
+        except Exception:  # (a client going away stops the generator: outcome stays "cancelled")
+            outcome = "INTERNAL"
+            raise
+        finally:
+            if m.requests is not None:
+                m.requests.labels(*labels, outcome).inc()
+
+    async def _stream(
+        self,
+        prepared: Prepared,
+        principal: Principal,
+        request_id: str,
+        time_remaining: float | None,
+        arrived: float,
+        tenant_s: float,
+        ingress_s: float,
+    ) -> AsyncIterator[common_pb2.GenerateChunk]:
         model = prepared.model
         workers = await self._directory.workers(model.name)
         ctx, confirmed = await self._context(prepared, principal, workers)
@@ -340,7 +390,6 @@ class Dispatcher:
                         now = time.perf_counter()
                         latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,
                                          router_queue_s=queued_s, call_s=now - sent_at, ingress_s=ingress_s)
-                        self._observe_latency(chunk.timings, principal.tier)
                         chunk.tenant = principal.tenant
                         log.info(
                             "served for %s by %s: %d prompt (%d cached, %d blocks predicted) + %d completion "

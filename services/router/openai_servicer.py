@@ -12,12 +12,11 @@ from google.api import httpbody_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from gaas import errors
+from gaas import errors, latency
 from gaas.runtime.context import current_request_id
 from gaas.runtime.interceptors import translate
 from gaas.tokenizer import ChatMessage
 from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
-from gaas import latency
 from services.router import jsonbody, openai_api
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge

@@ -103,6 +103,22 @@ async def serve(cfg: RouterConfig) -> None:
                 "Each request's latency by part (tenant, router, queue, prefill, decode, net; total), by tier",
                 ("part", "tier"), buckets=DECOMPOSITION_BUCKETS,
             ),
+            requests=rt.metrics.counter(
+                "requests_total", "Generation requests by model, tier and outcome (finish reason, status, cancelled)",
+                ("model", "tier", "outcome"),
+            ),
+            tokens=rt.metrics.counter(
+                "tokens_total", "Tokens by model, tier and kind (prompt, completion, cached: of the prompt, from the "
+                "prefix cache)", ("model", "tier", "kind"),
+            ),
+            ttft_seconds=rt.metrics.histogram(
+                "time_to_first_token_seconds", "The ingress's arrival to the first token", ("model", "tier"),
+                buckets=DECOMPOSITION_BUCKETS,
+            ),
+            tpot_seconds=rt.metrics.histogram(
+                "time_per_output_token_seconds", "After the first token, per output token", ("model", "tier"),
+                buckets=DECOMPOSITION_BUCKETS,
+            ),
         ),
     )
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,

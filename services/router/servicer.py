@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gaas import errors, metering
+from gaas import errors, latency, metering
 from gaas.pricing import FREE
 from gaas.runtime.context import (
     client_request_id_var,
@@ -16,7 +16,6 @@ from gaas.runtime.context import (
     tenant_var,
 )
 from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
-from gaas import latency
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
 from services.router.metering import Meter, Metered
