@@ -3,7 +3,8 @@
     total = tenant + router + queue + prefill + decode + net
 
 The worker measured its part (its engine's queue, its time to the first token and to the last);
-the router measured the rest: the tenant's admission (authentication, quota, budget), its wait in
+the router measured the rest: the tenant's admission (authentication, quota, budget) and its usage
+event's writing before the last chunk is released (add_tenant), its wait in
 the router's queue, the whole worker call as it saw it, and the ingress's stamp of the request's
 arrival. What the router saw of the call less what the worker measured is the network (both
 sidecars, both ways); the router's time less the tenant's, the queue's and the call's is the
@@ -68,6 +69,13 @@ def complete(
     t.net_ms = t.ingress_ms + (call_ms - engine)
     t.router_ms = max(0.0, total_s * 1000 - t.tenant_ms - t.router_queue_ms - call_ms)
     t.total_ms = sum(part_ms(t, p) for p in PARTS)
+
+
+def add_tenant(t: common_pb2.Timings, seconds: float) -> None:
+    """More of the tenant's time after the last token (writing its usage event before the last
+    chunk is released): part of the request, so of the total too."""
+    t.tenant_ms += seconds * 1000
+    t.total_ms += seconds * 1000
 
 
 def part_ms(t: common_pb2.Timings, part: str) -> float:

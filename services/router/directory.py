@@ -88,6 +88,11 @@ class MeshDirectory:
                 failing = True
             await asyncio.sleep(self._refresh)
 
+    @property
+    def latest(self) -> Snapshot | None:
+        """The view as it stands, without fetching (None before the first)."""
+        return self._snapshot
+
     async def snapshot(self) -> Snapshot:
         snap = self._snapshot
         if snap is not None and self._clock() - snap.taken_at < self._max_stale:
@@ -134,3 +139,40 @@ class MeshDirectory:
         if not serving:
             raise errors.Unavailable(f"no worker is serving {model!r} right now; retry in a few seconds")
         return serving
+
+
+class DirectoryCollector:
+    """Prometheus figures of the router's view of the mesh, read at each scrape (never a fetch):
+    each serving worker's last load report and how old the view is."""
+
+    GAUGES = (
+        ("worker_running_requests", "Requests running in each worker's engine, as it last reported", "running"),
+        ("worker_waiting_requests", "Requests waiting in each worker's engine, as it last reported", "waiting"),
+        ("worker_kv_cache_usage", "Share of each worker's KV-cache blocks in use (0..1)", "kv_usage"),
+        ("worker_device_memory_used_bytes", "Device memory each worker uses (its GPU's, or the host's RAM)",
+         "memory_used"),
+        ("worker_device_utilization", "Busy share of each worker's device (0..1)", "utilization"),
+    )
+
+    def __init__(self, directory: MeshDirectory, clock: Callable[[], float] = time.monotonic,
+                 prefix: str = "gaas_router") -> None:
+        self._directory = directory
+        self._clock = clock
+        self._prefix = prefix
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        snap = self._directory.latest
+        families = []
+        for name, doc, attr in self.GAUGES:
+            g = GaugeMetricFamily(f"{self._prefix}_{name}", doc, labels=["worker", "model"])
+            for w in snap.workers if snap else ():
+                g.add_metric([w.worker_id, w.model], getattr(w.load, attr))
+            families.append(g)
+        age = GaugeMetricFamily(f"{self._prefix}_mesh_view_age_seconds",
+                                "Age of the router's view of the mesh (workers, models, loads)")
+        if snap is not None:
+            age.add_metric([], max(0.0, self._clock() - snap.taken_at))
+        families.append(age)
+        yield from families

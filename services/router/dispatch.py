@@ -273,7 +273,9 @@ class Dispatcher:
                 worker, confirmed, cached_tokens,
             )
 
-    def _observe_latency(self, t: common_pb2.Timings, tier: str) -> None:
+    def observe_latency(self, t: common_pb2.Timings, tier: str) -> None:
+        """Record a request's latency decomposition once it is complete (after metering: the
+        servicers call this on the last chunk they release)."""
         h = self._metrics.latency_seconds
         if h is None:
             return
@@ -308,7 +310,6 @@ class Dispatcher:
                         m.ttft_seconds.labels(*labels).observe(ingress_s + first_at - arrived)
                 if chunk.HasField("usage"):
                     outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    self._observe_latency(chunk.timings, principal.tier)
                     u = chunk.usage
                     if m.tokens is not None:
                         m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)

@@ -133,7 +133,10 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         choices: dict[int, _Choice] = {}
         started = False
         try:
-            async for which, c in metered(self._meter, metered_request, merge(streams), chunk_of=lambda pair: pair[1]):
+            async for which, c in metered(
+                self._meter, metered_request, merge(streams), chunk_of=lambda pair: pair[1],
+                on_last=lambda c: self._dispatcher.observe_latency(c.timings, principal.tier),
+            ):
                 index = which * n + c.index
                 choice = choices.setdefault(index, _Choice())
                 usage.completion += len(c.token_ids)

@@ -24,7 +24,7 @@ from services.router.auth import Authenticator
 from services.router.billingclient import usage_reader
 from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
-from services.router.directory import MeshDirectory
+from services.router.directory import DirectoryCollector, MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
 from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
@@ -75,6 +75,7 @@ async def serve(cfg: RouterConfig) -> None:
         on_refresh=lambda snap: flow.forget([w.worker_id for w in snap.workers]),
     )
     rt.metrics.registry.register(FlowCollector(flow))
+    rt.metrics.registry.register(DirectoryCollector(directory))
     log.info("flow control %s: targets %s", "on" if cfg.qos else "OFF",
              ", ".join(f"{t} TTFT {p.ttft_target_ms:g} ms, queue {p.queue_timeout_s:g} s" for t, p in policies.items()))
     plugin_seconds = rt.metrics.histogram(

@@ -34,20 +34,28 @@ def note_client_id(client_id: str) -> None:
         client_request_id_var.set(sanitize_client_id(client_id))
 
 
-async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda item: item):
+async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda item: item, on_last=None):
     """Relay items (chunks, or what carries them), appending the request's usage event before its
     last chunk is released; a request cut short (the client went away, a worker failed after
     tokens) is metered for what was produced, and one that produced nothing releases its budget
-    reservation."""
+    reservation. Writing the usage event is the tenant's time: it is added to that chunk's latency
+    decomposition (gaas.latency), and on_last(chunk) is told each final chunk once complete."""
     if meter is None or m is None:
         async for item in items:
+            if on_last is not None and chunk_of(item).HasField("usage"):
+                on_last(chunk_of(item))
             yield item
         return
     outcome = "failed"
     try:
         async for item in items:
-            if m.add(chunk_of(item)):
+            chunk = chunk_of(item)
+            if m.add(chunk):
+                started = time.perf_counter()
                 await meter.commit(m, "finished")
+                latency.add_tenant(chunk.timings, time.perf_counter() - started)
+            if on_last is not None and chunk.HasField("usage"):
+                on_last(chunk)
             yield item
         outcome = "finished"
     except (asyncio.CancelledError, GeneratorExit):
@@ -95,7 +103,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         ingress_s = latency.ingress_seconds(dict(context.invocation_metadata() or ()), arrived_wall)
         chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived, tenant_s,
                                          ingress_s)
-        async for chunk in metered(self._meter, m, chunks):
+        async for chunk in metered(self._meter, m, chunks,
+                                   on_last=lambda c: self._dispatcher.observe_latency(c.timings, principal.tier)):
             yield chunk
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context) -> inference_pb2.ListModelsResponse:

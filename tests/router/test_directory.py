@@ -111,3 +111,36 @@ async def test_with_control_unreachable_requests_route_on_the_last_view_until_it
     clock.now = 61.0
     with pytest.raises(errors.Unavailable):
         await d.workers("tiny")
+
+
+async def test_the_view_is_exported_at_each_scrape_without_fetching():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.router.directory import DirectoryCollector
+    from services.router.scheduling.types import Load
+
+    busy = [Candidate(WorkerId("worker-0"), "127.0.0.1:1", "tiny", "1", 2048,
+                      load=Load(running=3, waiting=2, kv_usage=0.25, memory_used=7 * 2**30, utilization=0.5))]
+    calls = []
+
+    async def fetch():
+        calls.append(1)
+        return MODELS, busy
+
+    clock = Clock()
+    d = MeshDirectory(fetch, refresh_seconds=1.0, clock=clock)
+    registry = CollectorRegistry()
+    registry.register(DirectoryCollector(d, clock=clock))
+    assert "worker-0" not in generate_latest(registry).decode()  # no view yet, and none fetched for a scrape
+    assert calls == []
+    await d.snapshot()
+    clock.now = 2.5
+    body = generate_latest(registry).decode()
+    for line in ('gaas_router_worker_running_requests{model="tiny",worker="worker-0"} 3.0',
+                 'gaas_router_worker_waiting_requests{model="tiny",worker="worker-0"} 2.0',
+                 'gaas_router_worker_kv_cache_usage{model="tiny",worker="worker-0"} 0.25',
+                 'gaas_router_worker_device_memory_used_bytes{model="tiny",worker="worker-0"} 7.516192768e+09',
+                 'gaas_router_worker_device_utilization{model="tiny",worker="worker-0"} 0.5',
+                 "gaas_router_mesh_view_age_seconds 2.5"):
+        assert line in body, line
+    assert calls == [1]
