@@ -23,7 +23,7 @@ from gaas.v1 import common_pb2
 PARTS = ("tenant", "router", "queue", "prefill", "decode", "net")
 # What each part is, for people.
 MEANING = {
-    "tenant": "authentication, quota and budget admission",
+    "tenant": "authentication, quota and budget admission, the usage event",
     "router": "the router's own work: tokenizing, the KV lookup, picking a worker",
     "queue": "waiting: in the router's queue and in the engine's scheduler",
     "prefill": "the worker's arrival, less the engine's queue, to the first token",
