@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from gaas import deployspec, envoyconf, pki, probe, protogen
+from gaas import deployspec, envoyconf, pki, probe, promconf, protogen
 from gaas.model.build import build_model, is_built
 from gaas.runtime import placement
 from gaas.runtime.devices import visible_gpus
@@ -230,6 +230,7 @@ class Mesh:
         envoyconf.issue_certificates(self.topo, authority)
         configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
                                    authority, self.ingress_tls, self.sockets)
+        promconf.write(self.topo, self.run_dir / "prometheus.yml")
         for inst in self.topo.instances:
             self._spawn_service(inst)
         for name, path in configs.items():
