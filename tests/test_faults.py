@@ -160,3 +160,6 @@ def test_with_control_stopped_30_s_known_keys_are_served_and_unknown_ones_refuse
     # every worker renewed its own.
     assert sorted(registered(mesh)) == ["worker-0", "worker-1"]
     assert "extended 2 worker lease(s)" in (mesh.run_dir / "logs" / "control-0.log").read_text()
+    # Left as found: the router sends requests to both workers again (each sidecar health-checks
+    # control back in, each worker's load report is fresh) before the next test starts.
+    prompt_on_worker(mesh)

@@ -9,6 +9,7 @@ import http.client as httpclient
 import json
 import os
 import signal
+import time
 
 import grpc
 import openai
@@ -414,13 +415,17 @@ def test_the_mesh_still_serves_after_the_fuzzing(mesh):
 def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
     """Kills worker-1 while it streams (worker-0 stays for the tests after this one)."""
     c = client(mesh)
-    # A long prompt is routed where its prefix is cached: find one that worker-1 holds.
-    for i in range(20):
+    # A long prompt is routed where its prefix is cached: find one that worker-1 holds (for up to a
+    # minute: a destructive test before this one may have left worker-1 a moment out of the view).
+    deadline, i = time.monotonic() + 60, 0
+    while True:
         prompt = f"Mid-stream loss test {i}: " + "tell me everything about the sea and the ships. " * 12
         if generate(mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1":
             break
-    else:
-        pytest.fail("no prompt landed on worker-1")
+        if time.monotonic() > deadline:
+            pytest.fail("no prompt landed on worker-1 in a minute")
+        i += 1
+        time.sleep(0.2)
     stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True,
                                   extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices
