@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     base = free_port_base(span=300, start=43000)
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 290,
                          auto_workers=len(gpus))
+    if not args.skip_vllm:
+        # vLLM's server shares the first GPU with the mesh's worker there: each takes the same share.
+        os.environ["GAAS_GPU_MEMORY_UTILIZATION"] = str(SHARED_GPU_FRACTION)
     mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
                 redis_url=f"redis://127.0.0.1:{base + 291}/0", progress=say)
     options = topo.of("worker")[0].options
@@ -188,9 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         say(f"starting vLLM's OpenAI server on {gpus[0].uuid}, beside the mesh (log {server_log})")
         with open(server_log, "wb") as log_file:
             proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        os.environ["GAAS_GPU_MEMORY_UTILIZATION"] = str(SHARED_GPU_FRACTION)  # the worker beside it, the same
-        mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
-                    redis_url=f"redis://127.0.0.1:{base + 291}/0", progress=say)
     try:
         say(f"starting the mesh with {len(topo.of('worker'))} worker(s), one per GPU (logs in {run_dir / 'logs'})")
         t0 = time.monotonic()
