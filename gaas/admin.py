@@ -222,4 +222,6 @@ def router_flow(address: str, timeout: float = 2.0) -> dict | None:
                      "window_shrinks": w.window_shrinks, "window_grows": w.window_grows, "breaker": w.breaker,
                      "breaker_trips": w.breaker_trips, "ttft_threshold_ms": round(w.ttft_threshold_ms)}
                     for w in r.workers],
+        "tenants": [{"tenant": t.tenant, "tier": t.tier, "in_flight": t.in_flight, "requests_1m": t.requests_1m,
+                     "tokens_1m": t.tokens_1m} for t in r.tenants],
     }

@@ -186,8 +186,20 @@ def cmd_up(args) -> int:
             if args.router_policy not in PROFILES:
                 return _fail(f"--router-policy must be one of {', '.join(PROFILES)}, got {args.router_policy!r}", 2)
             extra_env["GAAS_ROUTER_POLICY"] = args.router_policy
+        from gaas.traces import TraceError, TraceTarget
+
+        trace, trace_sink = None, False
+        try:
+            if args.trace == "local":
+                trace, trace_sink = TraceTarget(topo.host, topo.trace_port, args.trace_sample), True
+            elif args.trace:
+                trace = TraceTarget.parse(args.trace, args.trace_sample)
+        except TraceError as exc:
+            return _fail(str(exc), 2)
         mesh = Mesh(
             topo,
+            trace=trace,
+            trace_sink=trace_sink,
             run_dir=run_dir,
             deploy_file=Path(args.deploy),
             redis_url=args.redis_url,
@@ -244,7 +256,8 @@ def cmd_up(args) -> int:
     model = mesh.spec.default_model.name
     if args.json:
         print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), "demo_key_file":
-                          str(run_dir / DEMO_KEY_FILE), **health.to_dict()}), flush=True)
+                          str(run_dir / DEMO_KEY_FILE), "traces_file": str(mesh.traces_file) if trace_sink else None,
+                          **health.to_dict()}), flush=True)
     else:
         workers = ", ".join(f"{w['worker_id']} ({w['device']})" for w in health.workers)
         print(
@@ -254,8 +267,10 @@ def cmd_up(args) -> int:
             f"          {demo_key}\n"
             f"  try:    gaas generate \"Once upon a time\"   (gaas commands use that key unless given --api-key)\n"
             f"{_examples(ingress, demo_key, model, 'https' if ingress_tls else 'http')}"
-            f"  status: gaas status      logs: {run_dir / 'logs'}\n"
-            f"  Ctrl-C (or SIGTERM) stops everything.\n",
+            f"  status: gaas status      logs: {run_dir / 'logs'}      live view: gaas top\n"
+            + (f"  traces: gaas trace --list (collected in {mesh.traces_file})\n" if trace_sink else
+               f"  traces: sent to {trace.endpoint}\n" if trace else "") +
+            "  Ctrl-C (or SIGTERM) stops everything.\n",
             flush=True,
         )
     while not stop.wait(1.0):
@@ -368,6 +383,8 @@ def cmd_generate(args) -> int:
             from gaas import latency
 
             summary["latency_ms"] = latency.as_dict(final.timings)
+        if final.timings.trace_id:
+            summary["trace_id"] = final.timings.trace_id
     if args.json:
         print(json.dumps(summary))
     else:
@@ -400,9 +417,54 @@ def _explain(final, elapsed: float) -> None:
         extra = {"queue": f" (router queue {t.router_queue_ms:.2f})",
                  "net": f" (ingress to router {t.ingress_ms:.2f})"}.get(part, "")
         print(f"   {part:<8}{ms:>10.2f} ms {ms / t.total_ms:>6.1%}  {latency.MEANING[part]}{extra}", file=sys.stderr)
+    if t.trace_id:
+        print(f"-- its trace, hop by hop: gaas trace {t.trace_id}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------- status
+
+
+def cmd_trace(args) -> int:
+    from gaas import traces
+
+    path = Path(args.file) if args.file else Path(args.run_dir) / traces.TRACES_FILE
+    if not path.is_file():
+        state = _state(Path(args.run_dir)) or {}
+        if state.get("trace_endpoint") and not state.get("traces_file"):
+            return _fail(f"this mesh sends its spans to {state['trace_endpoint']}: look for them there")
+        return _fail(f"no traces collected at {path}: start the mesh with `gaas up --trace` (or give --file)")
+    collected = traces.load(path)
+    if not collected:
+        return _fail(f"{path} holds no spans yet: send a request first (spans arrive within a few seconds)")
+    if args.list:
+        shown = list(collected.values())[-args.limit:]
+        if args.json:
+            print(json.dumps([{"trace_id": t.trace_id, "start_ns": t.start_ns, "duration_ms": round(t.duration_ms, 3),
+                               "spans": len(t.spans), "services": t.services(), "request_ids": sorted(t.request_ids())}
+                              for t in shown]))
+            return 0
+        print(f"{'trace id':<32}  {'spans':>5} {'ms':>9}  {'started':<12}  request")
+        for t in shown:
+            started = time.strftime("%H:%M:%S", time.localtime(t.start_ns / 1e9))
+            print(f"{t.trace_id:<32}  {len(t.spans):>5} {t.duration_ms:>9.2f}  {started:<12}  "
+                  f"{', '.join(sorted(t.request_ids())) or '-'}")
+        return 0
+    try:
+        trace = traces.find(collected, args.key) if args.key else list(collected.values())[-1]
+    except traces.TraceError as exc:
+        return _fail(str(exc))
+    if args.chrome:
+        Path(args.chrome).write_text(json.dumps(traces.chrome_events(trace)))
+        _say(f"wrote {args.chrome}: open it in https://ui.perfetto.dev or chrome://tracing")
+        return 0
+    if args.json:
+        trace.roots()
+        print(json.dumps({"trace_id": trace.trace_id, "spans": [
+            {"span_id": s.span_id, "parent_span_id": s.parent_id, "service": s.service, "name": s.name,
+             "start_ns": s.start_ns, "end_ns": s.end_ns, "attributes": s.attributes} for s in trace.spans]}))
+        return 0
+    print(traces.waterfall(trace))
+    return 0
 
 
 def cmd_status(args) -> int:
@@ -463,6 +525,29 @@ def cmd_status(args) -> int:
     if not state and not any(i.health == "SERVING" for i in health.instances):
         print("\nno mesh seems to be running here: start one with `make run` (or `gaas up`)")
     return 0 if health.healthy else 1
+
+
+def cmd_top(args) -> int:
+    from gaas import probe, top
+    from gaas.topology import TopologyError
+
+    state = _state(Path(args.run_dir))
+    try:
+        topo = _topology(args, state)
+    except TopologyError as exc:
+        return _fail(str(exc), 2)
+    if args.interval <= 0:
+        return _fail("--interval must be more than 0 seconds", 2)
+
+    def read() -> tuple[dict, list[dict]]:
+        health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout).to_dict()
+        return health, [f for f in (_router_flow(r.inbound) for r in topo.of("router")) if f is not None]
+
+    try:
+        top.run(read, args.interval, args.once)
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _router_flow(address: str) -> dict | None:
@@ -939,9 +1024,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve the ingress over TLS with this certificate (PEM, with its chain; env GAAS_TLS_CERT)")
     up.add_argument("--tls-key", default=os.environ.get("GAAS_TLS_KEY") or None,
                     help="the private key of --tls-cert (PEM; env GAAS_TLS_KEY)")
+    up.add_argument("--trace", nargs="?", const="local", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+                    metavar="OTLP_ENDPOINT",
+                    help="trace every request across the Envoys and services (OpenTelemetry, W3C traceparent). "
+                    "Alone: a local collector writes <run dir>/traces.jsonl, which `gaas trace` shows; with "
+                    "http://host:port: spans go to that OTLP/gRPC receiver (Jaeger, an OpenTelemetry Collector). "
+                    "Default: OTEL_EXPORTER_OTLP_ENDPOINT when set, else off")
+    up.add_argument("--trace-sample", type=float, default=100.0, metavar="PERCENT",
+                    help="share of requests the ingress starts a trace for, in percent (100)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to be ready (300)")
     up.add_argument("--json", action="store_true", help="print one JSON line when ready instead of the banner")
     up.set_defaults(func=cmd_up)
+
+    tr = sub.add_parser("trace", help="show a request's trace across the Envoys and services (gaas up --trace)",
+                        description="Read the spans `gaas up --trace` collected (<run dir>/traces.jsonl) and show one "
+                        "request's trace as a waterfall: every Envoy and service it crossed, parented, with the "
+                        "routing decision's attributes. Without KEY: the latest trace.")
+    tr.add_argument("key", nargs="?", help="a trace id (or its first 6+ characters) or a request id (gaas generate "
+                    "--explain prints the trace id)")
+    tr.add_argument("--list", action="store_true", help="list the latest traces instead")
+    tr.add_argument("--limit", type=int, default=20, help="how many --list shows (20)")
+    tr.add_argument("--chrome", metavar="FILE", help="write the trace as Chrome trace events (for ui.perfetto.dev)")
+    tr.add_argument("--json", action="store_true", help="print JSON instead")
+    tr.add_argument("--file", help="a traces file other than the running mesh's")
+    tr.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
+    tr.set_defaults(func=cmd_trace)
 
     gen = sub.add_parser("generate", help="stream a generation through the ingress",
                          description="Stream a generation: the text as it arrives, then TTFT, tokens and tokens/s.")
@@ -970,6 +1077,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=1.0, help="seconds per probe (1)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=cmd_status)
+
+    tp = sub.add_parser("top", help="a live view of workers, queues, KV cache use and tenants",
+                        description="Redraw, every few seconds, each worker's load (running, waiting, KV cache use, "
+                        "its batching window and breaker, memory), the routers' queues by priority band, and the "
+                        "busiest tenants of the last minute. Ctrl-C quits.")
+    mesh_args(tp)
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between frames (2)")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.add_argument("--timeout", type=float, default=1.0, help="seconds per probe (1)")
+    tp.set_defaults(func=cmd_top)
 
     rs = sub.add_parser("restart", help="restart instances one at a time, each drained first",
                         description="A rolling restart of a running mesh: each instance gets SIGTERM (it stops "

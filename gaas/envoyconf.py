@@ -10,6 +10,11 @@ Every sidecar has an inbound listener in front of its service and, when the serv
 anyone, an outbound listener that routes by gRPC service name to the peers' inbound listeners.
 Each cluster of peers is health-checked with the standard gRPC health protocol.
 
+Every Envoy also answers Prometheus on a TCP port of its own (its admin's /stats/prometheus, and
+nothing else of the admin, which stays on a Unix socket). With tracing (`gaas up --trace`), every
+connection manager starts a span per request and passes W3C traceparent on, so the services'
+spans (gaas.runtime.telemetry) and the Envoys' make one trace.
+
 Every hop between Envoys is mutual TLS with the mesh's own CA (gaas/pki.py): a sidecar's inbound
 listener accepts only certificates of the mesh, its RBAC filter lets each identity call only the
 methods gaas.topology.ALLOWED_CALLERS gives its kind, and it tells its service who called
@@ -26,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from gaas import pki
+from gaas.traces import TraceTarget
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
 from gaas.topology import ALLOWED_CALLERS, GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets, Topology
 
@@ -102,6 +108,50 @@ def _router_filter() -> dict:
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
     }
+
+
+def _tracing(target: TraceTarget | None, envoy: str, *, edge: bool = False) -> dict:
+    """The connection manager's tracing: a span per request to the OTLP cluster, named for this
+    Envoy; W3C traceparent in and out. A request whose traceparent says it is sampled is traced
+    (a client's own trace continues through the mesh); of the rest, the edge starts a trace for
+    target.sample_percent and the sidecars for none, so the mesh's own background calls (leases,
+    registry refreshes) make no traces."""
+    if target is None:
+        return {}
+    share = target.sample_percent if edge else 0.0
+    root = {"name": "envoy.tracers.opentelemetry.samplers.trace_id_ratio_based", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.tracers.opentelemetry.samplers.v3.TraceIdRatioBasedSamplerConfig",
+        "sampling_percentage": {"numerator": round(share * 10_000), "denominator": "MILLION"},
+    }}
+    tracing = {
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
+                "service_name": f"envoy-{envoy}",
+                "sampler": {"name": "envoy.tracers.opentelemetry.samplers.parent_based", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.tracers.opentelemetry.samplers.v3.ParentBasedSamplerConfig",
+                    "wrapped_sampler": root,
+                }},
+            },
+        },
+        "spawn_upstream_span": False,
+    }
+    # Whether to trace is the sampler's decision alone: a client's own x-request-id (passed on
+    # through the mesh, and often not a UUID) must not decide it.
+    request_id = {"typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
+        "use_request_id_for_trace_sampling": False,
+    }}
+    return {"tracing": tracing, "request_id_extension": request_id}
+
+
+OTLP_CLUSTER = "otlp_collector"
+
+
+def _otlp_cluster(target: TraceTarget) -> dict:
+    return _static_cluster(OTLP_CLUSTER, [(target.host, target.port)], health_check=False)
 
 
 def _hcm(stat_prefix: str, routes: list[dict], http_filters: list[dict], access_log: Path, **extra) -> dict:
@@ -265,12 +315,18 @@ def _unreached_replies() -> dict:
     }]}
 
 
-def _grpc_route(prefix: str, cluster: str, *, retry: dict | None = None, **match_extra) -> dict:
+def _decorator(operation: str) -> dict:
+    """Names the span a traced request gets on this route (not passed on as a header)."""
+    return {"decorator": {"operation": operation, "propagate": False}}
+
+
+def _grpc_route(prefix: str, cluster: str, *, retry: dict | None = None, operation: str = "", **match_extra) -> dict:
     # timeout 0: no route timeout, generations stream as long as they need.
     route = {"cluster": cluster, "timeout": "0s"}
     if retry:
         route["retry_policy"] = retry
-    return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": route}
+    return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": route,
+            **(_decorator(operation) if operation else {})}
 
 
 def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool, tls: dict | None = None) -> dict:
@@ -342,7 +398,48 @@ def _worker_clusters(topo: Topology, creds: pki.Credentials) -> list[dict]:
     ]
 
 
-def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict]) -> dict:
+STATS_PATH = "/stats/prometheus"
+
+
+def _stats_listener(host: str, port: int, admin: dict) -> tuple[dict, dict]:
+    """A listener for Prometheus in front of this Envoy's admin (given as its address): GET
+    /stats/prometheus (or /metrics) is passed on; nothing else of the admin is reachable."""
+    routes = [
+        {"match": {"path": STATS_PATH}, "route": {"cluster": "envoy_admin"}},
+        {"match": {"path": "/metrics"}, "route": {"cluster": "envoy_admin", "prefix_rewrite": STATS_PATH}},
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {
+            "inline_string": f"only {STATS_PATH} (or /metrics) is served here\n"}}},
+    ]
+    hcm = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "envoy_stats",
+            "codec_type": "AUTO",
+            "http_filters": [_router_filter()],
+            "route_config": {"name": "envoy_stats", "virtual_hosts": [
+                {"name": "envoy_stats", "domains": ["*"], "routes": routes}]},
+        },
+    }
+    cluster = {
+        "name": "envoy_admin",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "envoy_admin", "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": admin}}]}]},
+    }
+    return _listener("stats", host, port, hcm), cluster
+
+
+def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict], *,
+               stats: tuple[str, int] | None = None, trace: TraceTarget | None = None) -> dict:
+    listeners, clusters = list(listeners), list(clusters)
+    if stats is not None:
+        listener, cluster = _stats_listener(*stats, admin)
+        listeners.append(listener)
+        clusters.append(cluster)
+    if trace is not None:
+        clusters.append(_otlp_cluster(trace))
     return {
         "node": {"id": name, "cluster": name.rsplit("-", 1)[0]},
         "admin": {"address": admin},
@@ -353,19 +450,22 @@ def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dic
     }
 
 
-def inbound_hcm(stat_prefix: str, kind: str, access_log: Path) -> dict:
+def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarget | None = None,
+                envoy: str = "", instance: str = "") -> dict:
     """A sidecar's inbound HTTP connection manager, to its one service (the local_service cluster):
     RBAC for kind's methods, the verified caller passed on, its own replies for a service it could
     not reach marked."""
     return _hcm(
         stat_prefix,
-        [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}],
+        [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"},
+          **_decorator(f"inbound to {instance or kind}")}],
         [_rbac(kind)],
         access_log,
         # The service learns who called from what this sidecar verified, never from the caller.
         forward_client_cert_details="SANITIZE_SET",
         set_current_client_cert_details={"uri": True},
         local_reply_config=_unreached_replies(),
+        **_tracing(trace, envoy),
     )
 
 
@@ -382,13 +482,15 @@ def pipe_cluster(name: str, path: Path) -> dict:
 
 
 def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki.Authority,
-                   sockets: Path | None = None) -> dict:
+                   sockets: Path | None = None, trace: TraceTarget | None = None) -> dict:
     """The sidecar of one service instance: inbound in front of it, outbound to its peers. With
     sockets (a directory), the service and the sidecar's outbound listener are Unix sockets there
     (LocalSockets); else loopback TCP ports (a pod's loopback in Kubernetes)."""
     creds = authority.credentials(inst.service, inst.name)
     local = LocalSockets.of(sockets, inst.name) if sockets else None
-    inbound = inbound_hcm(f"{inst.name}_inbound", inst.service, log_dir / f"envoy-{inst.name}-access.log")
+    envoy = f"sidecar-{inst.name}"
+    inbound = inbound_hcm(f"{inst.name}_inbound", inst.service, log_dir / f"envoy-{inst.name}-access.log",
+                          trace, envoy, inst.name)
     listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound, _server_tls(creds))]
     clusters = [pipe_cluster("local_service", local.service) if local
                 else _static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
@@ -404,17 +506,19 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
                 routes.append({
                     "match": {"prefix": prefix, "grpc": {}, "headers": [{"name": WORKER_HEADER, "present_match": True}]},
                     "route": {"cluster_header": WORKER_HEADER, "timeout": "0s"},
+                    **_decorator("outbound to a worker"),
                 })
                 clusters.extend(_worker_clusters(topo, creds))
             else:
-                routes.append(_grpc_route(prefix, peer, retry=RETRY_UNREACHED))
+                routes.append(_grpc_route(prefix, peer, retry=RETRY_UNREACHED, operation=f"outbound to {peer}"))
                 clusters.append(_static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)],
                                                 health_check=True, tls=_client_tls(creds, peer)))
-        outbound = _hcm(f"{inst.name}_outbound", routes, [], log_dir / f"envoy-{inst.name}-access.log")
+        outbound = _hcm(f"{inst.name}_outbound", routes, [], log_dir / f"envoy-{inst.name}-access.log",
+                        **_tracing(trace, envoy))
         listeners.append(_listener("outbound", inst.host, inst.outbound_port, outbound,
                                    pipe=local.outbound if local else None))
     admin = _pipe(local.admin) if local else _address(inst.host, inst.admin_port)
-    return _bootstrap(f"sidecar-{inst.name}", admin, listeners, clusters)
+    return _bootstrap(envoy, admin, listeners, clusters, stats=(inst.host, inst.envoy_stats_port), trace=trace)
 
 
 OPENAI_ERRORS_LUA = Path(__file__).resolve().parent.parent / "envoy" / "openai_errors.lua"
@@ -451,7 +555,8 @@ MAX_HTTP_BODY = 8 << 20
 
 
 def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
-                   tls: tuple[Path, Path] | None = None, sockets: Path | None = None) -> dict:
+                   tls: tuple[Path, Path] | None = None, sockets: Path | None = None,
+                   trace: TraceTarget | None = None) -> dict:
     """The edge: gRPC and HTTP/1.1 on one port (TLS with the given certificate and key, when given);
     JSON transcoded to the router's gRPC APIs (the native one and the OpenAI-compatible one), whose
     errors get OpenAI's shape. It reaches the routers as the mesh's ingress identity."""
@@ -483,9 +588,9 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         },
     }
     routes = [
-        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE),
-        _grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE),
-        *(_grpc_route(f"/{name}/", "router", retry=RETRY_BEFORE_RESPONSE) for name in PUBLIC_GRPC_EXTRAS),
+        _grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
+        _grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
+        *(_grpc_route(f"/{name}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress") for name in PUBLIC_GRPC_EXTRAS),
         # After transcoding the path is the gRPC one; anything else is not ours.
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]
@@ -509,6 +614,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # as vLLM's server echoes it; GaaS keys everything internal on its own id.
         preserve_external_request_id=True,
         always_set_request_id_in_response=True,
+        **_tracing(trace, "ingress-0", edge=True),
     )
     edge_tls = _downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
     listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm, edge_tls)]
@@ -517,7 +623,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
                         tls=_client_tls(authority.credentials(*pki.INGRESS), "router"))
     ]
     admin = _pipe(LocalSockets.of(sockets, "ingress-0").admin) if sockets else _address(topo.host, topo.ingress_admin_port)
-    return _bootstrap("ingress-0", admin, listeners, clusters)
+    return _bootstrap("ingress-0", admin, listeners, clusters, stats=(topo.host, topo.ingress_stats_port), trace=trace)
 
 
 def issue_certificates(topo: Topology, authority: pki.Authority) -> None:
@@ -531,15 +637,17 @@ def issue_certificates(topo: Topology, authority: pki.Authority) -> None:
 
 
 def render(topo: Topology, out_dir: Path, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
-           ingress_tls: tuple[Path, Path] | None = None, sockets: Path | None = None) -> dict[str, Path]:
+           ingress_tls: tuple[Path, Path] | None = None, sockets: Path | None = None,
+           trace: TraceTarget | None = None) -> dict[str, Path]:
     """Write ingress.yaml and sidecar-<instance>.yaml into out_dir; returns envoy name -> file.
     The certificates they name are authority's (issue_certificates makes them); services are
-    reached on Unix sockets under sockets, when given."""
+    reached on Unix sockets under sockets, when given; spans go to trace, when given."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
-    configs = {"ingress-0": ingress_config(topo, descriptor_set.resolve(), log_dir.resolve(), authority, ingress_tls, sockets)}
+    configs = {"ingress-0": ingress_config(topo, descriptor_set.resolve(), log_dir.resolve(), authority, ingress_tls,
+                                           sockets, trace)}
     for inst in topo.instances:
-        configs[f"sidecar-{inst.name}"] = sidecar_config(topo, inst, log_dir.resolve(), authority, sockets)
+        configs[f"sidecar-{inst.name}"] = sidecar_config(topo, inst, log_dir.resolve(), authority, sockets, trace)
     files = {}
     for name, cfg in configs.items():
         path = out_dir / f"{name}.yaml"

@@ -26,6 +26,7 @@ from gaas.model.build import build_model, is_built
 from gaas.runtime import placement
 from gaas.runtime.devices import visible_gpus
 from gaas.topology import Instance, LocalSockets, Topology, sockets_root
+from gaas.traces import TRACES_FILE, TraceTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_FILE = "mesh.json"
@@ -175,8 +176,14 @@ class Mesh:
         extra_env: dict[str, str] | None = None,
         topology_file: Path | None = None,
         ingress_tls: tuple[Path, Path] | None = None,
+        trace: TraceTarget | None = None,
+        trace_sink: bool = False,
     ) -> None:
         self.topo = topo
+        # Where every service and Envoy sends its spans (None: no tracing); trace_sink: run the
+        # local collector (gaas.tracesink) there, writing traces_file.
+        self.trace = trace
+        self.trace_sink = trace_sink
         # The certificate and key the ingress serves TLS with (None: plaintext).
         self.ingress_tls = ingress_tls
         self.run_dir = Path(run_dir).resolve()
@@ -212,7 +219,8 @@ class Mesh:
         # Everything the mesh writes (databases, keys, the Redis password, logs) is its owner's alone.
         os.umask(0o077)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        busy = [p for p in self.topo.tcp_ports() if port_in_use(self.topo.host, p)]
+        ports = self.topo.tcp_ports() + ([self.topo.trace_port] if self.trace_sink else [])
+        busy = [p for p in ports if port_in_use(self.topo.host, p)]
         if busy:
             raise MeshError(
                 f"port(s) {', '.join(map(str, busy[:5]))} on {self.topo.host} are in use: is another mesh running"
@@ -229,13 +237,22 @@ class Mesh:
         authority = pki.Authority(self.run_dir)
         envoyconf.issue_certificates(self.topo, authority)
         configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
-                                   authority, self.ingress_tls, self.sockets)
+                                   authority, self.ingress_tls, self.sockets, self.trace)
         promconf.write(self.topo, self.run_dir / "prometheus.yml")
+        if self.trace_sink and self.trace is not None:
+            self._spawn("tracesink", "tracesink", [
+                sys.executable, "-m", "gaas.tracesink", "--listen", f"{self.trace.host}:{self.trace.port}",
+                "--out", str(self.traces_file),
+            ], {**os.environ, "PYTHONUNBUFFERED": "1"})
         for inst in self.topo.instances:
             self._spawn_service(inst)
         for name, path in configs.items():
             self._spawn_envoy(name, path)
         self._write_state()
+
+    @property
+    def traces_file(self) -> Path:
+        return self.run_dir / TRACES_FILE
 
     def _ensure_models(self) -> None:
         for name in sorted({str(w.options["model"]) for w in self.topo.of("worker")}):
@@ -318,6 +335,12 @@ class Mesh:
             "GAAS_REDIS_URL": self.redis_url,
             "GAAS_SPOOL_DIR": str(self.run_dir / "spool"),
         }
+        if self.trace is not None:
+            # gaas.runtime.telemetry exports there; the W3C context comes from the sidecars.
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.trace.endpoint
+            env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+            # Follow the caller's decision; never start a trace of their own (background calls).
+            env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
         env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
         env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
         if inst.service in ("control", "billing", "router"):
@@ -380,6 +403,8 @@ class Mesh:
             "topology": str(Path(self.topology_file).resolve()) if self.topology_file else None,
             "redis_url": self.redis_url,
             "ingress_tls_cert": str(self.ingress_tls[0]) if self.ingress_tls else None,
+            "trace_endpoint": self.trace.endpoint if self.trace else None,
+            "traces_file": str(self.traces_file) if self.trace_sink else None,
             "children": {c.name: c.proc.pid for c in self.children},
             "restarts": {c.name: c.restarts for c in self.children if c.restarts},
         }
@@ -472,7 +497,7 @@ class Mesh:
             [c for c in self.children if c.name == "ingress-0"],
             [c for c in self.children if c.kind in SERVICE_MODULES],
             [c for c in self.children if c.kind == "envoy" and c.name != "ingress-0"],
-            [c for c in self.children if c.kind == "redis"],
+            [c for c in self.children if c.kind in ("redis", "tracesink")],
         ]
         for group in order:
             for c in group:

@@ -1,5 +1,6 @@
 """Prometheus's scrape configuration for a mesh, from its topology (the one source of its ports):
-every instance's /metrics, labelled by service and instance. `gaas up` writes it into the run
+every instance's /metrics, labelled by service and instance, and every Envoy's statistics
+(gaas-envoy: its /stats/prometheus, labelled envoy=ingress-0 or sidecar-<instance>). `gaas up` writes it into the run
 directory (prometheus.yml); `prometheus --config.file=.gaas/prometheus.yml` then scrapes the local
 mesh, and deploy/grafana/gaas.json is a dashboard over what it collects."""
 
@@ -27,6 +28,11 @@ def config(topo: Topology) -> dict:
                 for i in instances
             ],
         })
+    jobs.append({
+        "job_name": "gaas-envoy",
+        "metrics_path": "/stats/prometheus",
+        "static_configs": [{"targets": [target], "labels": {"envoy": name}} for name, target in topo.envoy_stats().items()],
+    })
     return {"global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
             "scrape_configs": jobs}
 

@@ -59,6 +59,10 @@ ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
 
 PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
+# An Envoy's statistics for Prometheus (its admin's /stats/prometheus, nothing else of the admin).
+ENVOY_STATS_OFFSET = 5
+# In the ingress's block: where `gaas up --trace` receives spans over OTLP/gRPC (gaas.tracesink).
+TRACE_OFFSET = 6
 
 WORKER_DEFAULTS = {
     # enforce_eager "auto": eager on the CPU (start time), CUDA graphs and torch.compile on GPUs.
@@ -105,6 +109,10 @@ class Instance:
     @property
     def metrics_port(self) -> int:
         return self.base + METRICS_OFFSET
+
+    @property
+    def envoy_stats_port(self) -> int:
+        return self.base + ENVOY_STATS_OFFSET
 
     @property
     def address(self) -> str:
@@ -170,8 +178,21 @@ class Topology:
         return self.port_base + ADMIN_OFFSET
 
     @property
+    def ingress_stats_port(self) -> int:
+        return self.port_base + ENVOY_STATS_OFFSET
+
+    @property
+    def trace_port(self) -> int:
+        return self.port_base + TRACE_OFFSET
+
+    @property
     def ingress(self) -> str:
         return f"{self.host}:{self.ingress_port}"
+
+    def envoy_stats(self) -> dict[str, str]:
+        """Each Envoy of the mesh (ingress-0, sidecar-<instance>) -> host:port of its statistics."""
+        return {"ingress-0": f"{self.host}:{self.ingress_stats_port}",
+                **{f"sidecar-{i.name}": f"{i.host}:{i.envoy_stats_port}" for i in self.instances}}
 
     def of(self, service: str) -> list[Instance]:
         return [i for i in self.instances if i.service == service]
@@ -183,16 +204,17 @@ class Topology:
         raise KeyError(f"no instance named {name!r} in the topology")
 
     def all_ports(self) -> list[int]:
-        ports = [self.ingress_port, self.ingress_admin_port]
+        ports = [self.ingress_port, self.ingress_admin_port, self.ingress_stats_port, self.trace_port]
         for i in self.instances:
-            ports += [i.port, i.inbound_port, i.outbound_port, i.admin_port, i.metrics_port]
+            ports += [i.port, i.inbound_port, i.outbound_port, i.admin_port, i.metrics_port, i.envoy_stats_port]
         return ports
 
     def tcp_ports(self) -> list[int]:
         """The ports a mesh started by `gaas up` listens on (its services, outbound listeners and
         Envoy admin interfaces are Unix sockets): the ingress, each sidecar's inbound listener and
-        each service's /metrics."""
-        return [self.ingress_port, *(p for i in self.instances for p in (i.inbound_port, i.metrics_port))]
+        each service's /metrics and each Envoy's statistics (and trace_port under `gaas up --trace`)."""
+        return [self.ingress_port, self.ingress_stats_port,
+                *(p for i in self.instances for p in (i.inbound_port, i.metrics_port, i.envoy_stats_port))]
 
 
 def _int(value: object, what: str, minimum: int = 0) -> int:

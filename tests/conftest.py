@@ -137,6 +137,8 @@ def mesh(tmp_path_factory) -> RunningMesh:
         "--workers", str(MESH_WORKERS),
         "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
         "--timeout", str(MESH_START_TIMEOUT),
+        # Every request traced, as an operator looking into one would run it (tests/test_traces.py).
+        "--trace",
         "--json",
     ]
     out = open(output, "w")

@@ -68,7 +68,8 @@ def test_inbound_forwards_to_the_local_service(rendered):
     inbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "inbound")
     assert inbound["address"]["socket_address"]["port_value"] == topo.instance("worker-1").inbound_port
     # The service is a Unix socket in the instance's own directory; so are the outbound listener
-    # and the admin interface: nothing but the inbound (mutual TLS) listens on TCP.
+    # and the admin interface: nothing but the inbound (mutual TLS) and the statistics for
+    # Prometheus listen on TCP.
     local = _clusters(cfg)["local_service"]
     addr = local["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     root = Path(cfg["admin"]["address"]["pipe"]["path"]).parent
@@ -77,17 +78,17 @@ def test_inbound_forwards_to_the_local_service(rendered):
     assert outbound["address"]["pipe"] == {"path": str(root / "outbound.sock"), "mode": 0o600}
     for name, c in configs.items():
         tcp = [x["name"] for x in c["static_resources"]["listeners"] if "socket_address" in x["address"]]
-        assert tcp == (["ingress"] if name == "ingress-0" else ["inbound"]), name
+        assert tcp == (["ingress", "stats"] if name == "ingress-0" else ["inbound", "stats"]), name
         assert "pipe" in c["admin"]["address"], name
 
 
 def test_control_has_no_outbound_and_worker_reaches_only_its_peers(rendered):
     topo, configs, _ = rendered
-    assert [x["name"] for x in configs["sidecar-control-0"]["static_resources"]["listeners"]] == ["inbound"]
-    assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control"}
+    assert [x["name"] for x in configs["sidecar-control-0"]["static_resources"]["listeners"]] == ["inbound", "stats"]
+    assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control", "envoy_admin"}
     # The KV directory watches the workers (each named in x-gaas-worker).
     workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
-    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control"} | workers
+    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control", "envoy_admin"} | workers
 
 
 def test_ingress_strips_trusted_headers_and_transcodes(rendered):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from gaas import errors, genrequest, kvhash, latency, qos
@@ -27,6 +28,7 @@ from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
 from gaas.tokenizer import ChatMessage, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from services.router.activity import TenantActivity
 from services.router.auth import Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
@@ -126,8 +128,10 @@ class Dispatcher:
         kv: KVDirectoryClient | None = None,
         metrics: RouterMetrics = RouterMetrics(),
         flow: Flow | None = None,
+        activity: TenantActivity | None = None,
     ) -> None:
         self._directory = directory
+        self.activity = activity or TenantActivity()
         self._scheduler = scheduler
         self._workers = worker_stub
         self._tokenizer_for = tokenizer_for
@@ -301,6 +305,8 @@ class Dispatcher:
         labels = (prepared.model.name, principal.tier)
         outcome = "cancelled"
         first_at = None
+        tokens = 0
+        self.activity.started(principal.tenant, principal.tier)
         try:
             async for chunk in self._stream(prepared, principal, request_id, time_remaining, arrived, tenant_s,
                                             ingress_s):
@@ -311,6 +317,7 @@ class Dispatcher:
                 if chunk.HasField("usage"):
                     outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
                     u = chunk.usage
+                    tokens = u.prompt_tokens + u.completion_tokens
                     if m.tokens is not None:
                         m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)
                         m.tokens.labels(*labels, "completion").inc(u.completion_tokens)
@@ -325,6 +332,7 @@ class Dispatcher:
             outcome = "INTERNAL"
             raise
         finally:
+            self.activity.finished(principal.tenant, tokens)
             if m.requests is not None:
                 m.requests.labels(*labels, outcome).inc()
 
@@ -352,6 +360,11 @@ class Dispatcher:
         def remaining() -> float | None:
             return None if time_remaining is None else max(0.0, time_remaining - (time.monotonic() - started))
 
+        # The routing decision goes on the request's span (the router's server span, when traced).
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({"gaas.request_id": request_id, "gaas.tenant": principal.tenant,
+                                 "gaas.tier": principal.tier, "gaas.model": model.name})
         priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
         if priority is not None:
             worker_request.engine_priority = priority
@@ -362,6 +375,13 @@ class Dispatcher:
             decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, remaining())
             queued_s = time.perf_counter() - placing
             worker = decision.worker
+            if span.is_recording():
+                span.set_attributes({
+                    "gaas.worker": worker.worker_id, "gaas.policy": self._scheduler.name, "gaas.attempt": attempt,
+                    "gaas.queue_ms": round(queued_s * 1000, 3),
+                    "gaas.prefix_tokens": ctx.prefix.get(worker.worker_id, 0) * worker.block_size,
+                    "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
+                })
             tried.add(worker.worker_id)
             if ctx.block_hashes and self._kv is not None:
                 owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
@@ -392,6 +412,8 @@ class Dispatcher:
                         latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,
                                          router_queue_s=queued_s, call_s=now - sent_at, ingress_s=ingress_s)
                         chunk.tenant = principal.tenant
+                        if span.is_recording():
+                            chunk.timings.trace_id = format(span.get_span_context().trace_id, "032x")
                         log.info(
                             "served for %s by %s: %d prompt (%d cached, %d blocks predicted) + %d completion "
                             "tokens, %s, TTFT %.1f ms at the worker",

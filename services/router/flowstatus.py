@@ -6,13 +6,15 @@ from gaas.qos import BAND_NAMES
 from gaas.runtime.metrics import nearest_rank
 from gaas.v1 import router_pb2 as pb
 from gaas.v1 import router_pb2_grpc
+from services.router.activity import TenantActivity
 from services.router.flow import Flow
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, name: str, flow: Flow) -> None:
+    def __init__(self, name: str, flow: Flow, activity: TenantActivity | None = None) -> None:
         self._name = name
         self._flow = flow
+        self._activity = activity or TenantActivity()
 
     async def GetFlowStatus(self, request: pb.GetFlowStatusRequest, context) -> pb.FlowStatus:
         flow = self._flow
@@ -30,4 +32,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 window_grows=w.grows, breaker=b.state if b else "closed", breaker_trips=b.trips if b else 0,
                 ttft_threshold_ms=flow.breakers.threshold_ms(worker),
             ))
-        return pb.FlowStatus(router=self._name, qos_enabled=flow.settings.enabled, bands=bands, workers=workers)
+        tenants = [pb.TenantFlow(tenant=t.tenant, tier=t.tier, in_flight=t.in_flight, requests_1m=t.requests,
+                                 tokens_1m=t.tokens) for t in self._activity.snapshot()]
+        return pb.FlowStatus(router=self._name, qos_enabled=flow.settings.enabled, bands=bands, workers=workers,
+                             tenants=tenants)

@@ -1,0 +1,98 @@
+"""`gaas top`: a live terminal view of a running mesh. Each frame reads what `gaas status` reads
+(the workers' load from the control plane's registry, each router's flow control and tenant
+activity) and draws workers, queues and tenants; frame() is pure, so tests and --once print it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+CLEAR = "\033[H\033[2J"
+
+
+def _bar(share: float, width: int = 10) -> str:
+    share = min(max(share, 0.0), 1.0)
+    full = round(share * width)
+    return "█" * full + "·" * (width - full)
+
+
+def frame(health: dict, flows: Sequence[dict], *, now: float | None = None, tenants_shown: int = 10) -> str:
+    """One screen: health is probe.MeshHealth.to_dict(), flows admin.router_flow() of each router."""
+    when = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
+    instances = health.get("instances", [])
+    serving = sum(1 for i in instances if i["health"] == "SERVING" and i["sidecar_ready"])
+    lines = [f"gaas top  {when}  ingress {health.get('ingress', '?')} "
+             f"{'READY' if health.get('ingress_ready') else 'DOWN'}  services {serving}/{len(instances)} serving"]
+    down = [i["name"] for i in instances if not (i["health"] == "SERVING" and i["sidecar_ready"])]
+    if down:
+        lines.append(f"  not serving: {', '.join(down)}")
+
+    windows: dict[str, list[dict]] = {}
+    for f in flows:
+        for w in f.get("workers", []):
+            windows.setdefault(w["worker_id"], []).append(w)
+    lines += ["", f"{'WORKER':<11}{'DEVICE':<20}{'RUN':>4}{'WAIT':>5}  {'KV CACHE':<17}{'WINDOW':>9}  {'BREAKER':<10}"
+              f"{'MEMORY':>14}  BUSY"]
+    for w in health.get("workers", []):
+        load = w["load"]
+        mine = windows.get(w["worker_id"], [])
+        window = sum(x["window"] for x in mine)
+        in_flight = sum(x["in_flight"] for x in mine)
+        states = {x["breaker"] for x in mine} - {"closed"}
+        breaker = ",".join(sorted(states)).upper() if states else "closed"
+        mem = (f"{load['device_memory_used'] / 2**30:.1f}/{load['device_memory_total'] / 2**30:.0f} GiB"
+               if load.get("device_memory_total") else "-")
+        lines.append(
+            f"{w['worker_id']:<11}{w['device'][:19]:<20}{load['running']:>4}{load['waiting']:>5}  "
+            f"{_bar(load['kv_cache_usage'])} {load['kv_cache_usage']:>4.0%} {in_flight:>4}/{window:<4g}  "
+            f"{breaker:<10}{mem:>14}  {load.get('device_utilization', 0):.0%}"
+            + ("" if w["state"] == "SERVING" else f"  {w['state']}"))
+    if not health.get("workers"):
+        lines.append("(no worker registered)")
+
+    lines += ["", f"{'QUEUE':<8}{'WAITING':>8}{'ADMITTED':>10}{'SHED':>7}{'TIMED OUT':>11}{'WAIT P95':>11}"]
+    bands: dict[str, dict] = {}
+    for f in flows:
+        for b in f.get("bands", []):
+            agg = bands.setdefault(b["band"], {"waiting": 0, "admitted": 0, "shed": 0, "timed_out": 0, "p95": 0.0})
+            for k in ("waiting", "admitted", "shed", "timed_out"):
+                agg[k] += b[k]
+            agg["p95"] = max(agg["p95"], b["wait_p95_ms"])
+    for name, b in bands.items():
+        lines.append(f"{name:<8}{b['waiting']:>8}{b['admitted']:>10}{b['shed']:>7}{b['timed_out']:>11}{b['p95']:>8.0f} ms")
+    if not flows:
+        lines.append("(no router answered)")
+
+    tenants: dict[str, dict] = {}
+    for f in flows:
+        for t in f.get("tenants", []):
+            agg = tenants.setdefault(t["tenant"], {"tier": t["tier"], "in_flight": 0, "requests_1m": 0, "tokens_1m": 0})
+            for k in ("in_flight", "requests_1m", "tokens_1m"):
+                agg[k] += t[k]
+    total_tokens = sum(t["tokens_1m"] for t in tenants.values())
+    lines += ["", f"{'TENANT':<24}{'TIER':<8}{'ACTIVE':>7}{'REQ/MIN':>9}{'TOKENS/S':>10}   "
+              f"(mesh: {total_tokens / 60:,.1f} tokens/s over the last minute)"]
+    ranked = sorted(tenants.items(), key=lambda kv: (-kv[1]["tokens_1m"], -kv[1]["in_flight"], kv[0]))
+    for name, t in ranked[:tenants_shown]:
+        lines.append(f"{name[:23]:<24}{t['tier']:<8}{t['in_flight']:>7}{t['requests_1m']:>9}{t['tokens_1m'] / 60:>10.1f}")
+    if len(ranked) > tenants_shown:
+        lines.append(f"... and {len(ranked) - tenants_shown} more")
+    if not ranked:
+        lines.append("(no tenant active in the last minute)")
+    return "\n".join(lines)
+
+
+def run(read: Callable[[], tuple[dict, list[dict]]], interval: float, once: bool, out=None) -> None:
+    """Draw frames every interval seconds until Ctrl-C (or one, with once)."""
+    import sys
+
+    out = out or sys.stdout
+    while True:
+        health, flows = read()
+        text = frame(health, flows)
+        out.write(text + "\n" if once else CLEAR + text + "\n\n(refreshing every "
+                  f"{interval:g} s; Ctrl-C quits)\n")
+        out.flush()
+        if once:
+            return
+        time.sleep(interval)
