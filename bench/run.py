@@ -231,9 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="streams at once in the throughput run (8; 0 skips it)")
     ap.add_argument("--skip-vllm", action="store_true", help="measure GaaS only")
     ap.add_argument("--with-stock", action="store_true", help="also measure vLLM's server as it comes (no pinning)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed message, for the workers and vLLM's server alike (1)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args(argv)
 
+    from bench import footprint
     from bench.vllm_bench import run as vllm_bench
     from gaas import topology
     from gaas.admin import Admin
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GAAS_HOME"] = str(run_dir)
     base = free_port_base(span=200, start=42000)
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190, workers=1)
+    topo = topology.with_worker_options(topo, stream_interval=args.stream_interval)
     mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
                 redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 log = run_dir / "logs" / f"vllm-openai-server-{variant}.log"
                 say(f"starting vLLM's OpenAI server ({variant}) on 127.0.0.1:{port}, model runner on core {core} "
                     f"(log {log})")
-                proc = start_vllm_server(Path(model.source), model.name, port, core, log)
+                proc = start_vllm_server(Path(model.source), model.name, port, core, log,
+                                         ["--stream-interval", str(args.stream_interval)])
                 vllm_procs.append(proc)
                 wait_http(f"http://127.0.0.1:{port}/health", proc, 300, log)
                 if variant == "pinned":
@@ -300,8 +305,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.concurrency > 0:
                 for target in targets:
                     say(f"vllm bench serve --backend {backend}: {args.concurrency} streams at once on {target}")
+                    measured = target == "gaas ingress" and backend == "openai"
+                    if measured:
+                        cpu_before = {c.name: footprint.cpu_seconds(c.proc.pid) for c in mesh.children}
                     r = bench(target, backend, args.concurrency * 8, args.concurrency)
                     results["serving"][f"{target} | {backend} | {args.concurrency}"] = merge_detailed([r])
+                    if measured:
+                        # CPU each mesh process spent on the run, per token it carried.
+                        tokens = sum(n for n, err in zip(r["output_lens"], r["errors"]) if not err)
+                        results["cpu"] = {"output_tokens": tokens, "seconds": {
+                            c.name: round(footprint.cpu_seconds(c.proc.pid) - cpu_before[c.name], 3)
+                            for c in mesh.children}}
 
         say("gaas native gRPC API, gaas client")
         gaas_grpc = GaasClient(topo.ingress, api_key=key)
@@ -317,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             results["grpc"]["concurrent"] = concurrent_throughput(fn, args.concurrency * 8, args.concurrency,
                                                                   args.output_len)
         gaas_grpc.close()
+        # What each mesh process holds after the load (its whole process tree: a worker's engine).
+        results["memory"] = {c.name: footprint.memory(c.proc.pid) for c in mesh.children}
     finally:
         for proc in vllm_procs:
             stop_group(proc)
@@ -327,13 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         "model": model.name, "model_dir": model.source, "input_len": args.input_len, "output_len": args.output_len,
         "worker_core": core, "cpus": os.cpu_count(), "machine": platform.machine(),
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tool": "vllm bench serve",
+        "stream_interval": args.stream_interval,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
     print(f"\nvllm bench serve, random dataset, {model.name}, {args.input_len} prompt + {args.output_len} output tokens, "
-          f"greedy (worker and vLLM server pinned to core {core})\n")
+          f"greedy (worker and vLLM server pinned to core {core}; {args.stream_interval} token(s) per streamed message)\n")
     head = f"{'target':<32} {'backend':<12} {'conc':>4} {'ok':>4} {'fail':>4} {'TTFT p50':>9} {'TTFT p99':>9} " \
            f"{'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'tok/s':>7}"
     print(head + "   (ms)")
@@ -354,9 +371,65 @@ def main(argv: list[str] | None = None) -> int:
         print("\nwhere the time went, gRPC one at a time (the mesh's own account, ms):  "
               + "  ".join(f"{part} {v['p50']:g} / {v['p99']:g}" for part, v in g["latency_ms"].items())
               + "   (p50 / p99)")
+    goals = overhead_goals(results, args.concurrency)
+    results["goals"] = goals
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    if results.get("memory"):
+        print("\nmemory after the load, each process tree (MB): "
+              + "  ".join(f"{name} {m['pss_mb']:g} PSS / {m['rss_mb']:g} RSS" for name, m in results["memory"].items()))
+    if results.get("cpu"):
+        c = results["cpu"]
+        busy = sorted(c["seconds"].items(), key=lambda kv: -kv[1])
+        print(f"CPU seconds during the {args.concurrency}-stream /v1/completions run ({c['output_tokens']} tokens): "
+              + "  ".join(f"{n} {v:g}" for n, v in busy if v > 0))
+    if goals:
+        print("\nthe mesh's own cost against issue 11's goals:")
+        for g in goals:
+            print(f"  {g['what']:<58} {g['shown']:>12}  goal {g['goal']:<10} {'met' if g['met'] else 'NOT MET'}")
     failed = sum(s["failed"] for s in results["serving"].values())
     print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
     return 1 if failed else 0
+
+
+WORKER_MEMORY_GOAL_MB = 2300
+SERVICE_MEMORY_GOAL_MB = 150
+ROUTER_TOKENS_PER_CORE_GOAL = 50_000
+
+
+def overhead_goals(results: dict, concurrency: int) -> list[dict]:
+    """Each figure the mesh's own cost is judged by (issue 11), measured against vLLM's server
+    with the same placement on /v1/completions: the TTFT the mesh adds at p50, the TTFT tail's
+    ratio, the throughput ratio with concurrent streams; the router's tokens per CPU-second; the
+    memory of the worker (its engine included) and of each other service (PSS)."""
+    s = results["serving"]
+    gaas1, vllm1 = s.get("gaas ingress | openai | 1"), s.get("vllm server, gaas's placement | openai | 1")
+    goals = []
+
+    def goal(what, measured, shown, goal, met):
+        goals.append({"what": what, "measured": measured, "shown": shown, "goal": goal, "met": bool(met)})
+
+    if gaas1 and vllm1:
+        added = round(gaas1["ttft_p50_ms"] - vllm1["ttft_p50_ms"], 2)
+        goal("TTFT the mesh adds, p50 (ingress vs vLLM server)", added, f"{added:+.2f} ms", "<= 3 ms", added <= 3)
+        ratio = round(gaas1["ttft_p99_ms"] / vllm1["ttft_p99_ms"], 2)
+        goal("TTFT p99, mesh / vLLM server", ratio, f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5)
+    gaasn = s.get(f"gaas ingress | openai | {concurrency}")
+    vllmn = s.get(f"vllm server, gaas's placement | openai | {concurrency}")
+    if gaasn and vllmn and vllmn["output_tokens_per_s"]:
+        ratio = round(gaasn["output_tokens_per_s"] / vllmn["output_tokens_per_s"], 3)
+        goal(f"tokens/s with {concurrency} streams, mesh / vLLM server", ratio, f"{ratio:.2f}x", ">= 0.95x", ratio >= 0.95)
+    cpu = results.get("cpu")
+    if cpu and cpu["seconds"].get("router-0"):
+        rate = round(cpu["output_tokens"] / cpu["seconds"]["router-0"])
+        goal("tokens the router forwards per CPU-second", rate, f"{rate:,}", ">= 50,000", rate >= ROUTER_TOKENS_PER_CORE_GOAL)
+    for name, m in results.get("memory", {}).items():
+        if name.startswith("worker-"):
+            goal(f"{name} memory, engine included (PSS)", m["pss_mb"], f"{m['pss_mb']:,.0f} MB", "<= 2300 MB",
+                 m["pss_mb"] <= WORKER_MEMORY_GOAL_MB)
+        elif name.split("-")[0] in ("router", "control", "kvcache", "billing"):
+            goal(f"{name} memory (PSS)", m["pss_mb"], f"{m['pss_mb']:,.0f} MB", "<= 150 MB",
+                 m["pss_mb"] <= SERVICE_MEMORY_GOAL_MB)
+    return goals
 
 
 if __name__ == "__main__":

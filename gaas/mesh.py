@@ -359,6 +359,7 @@ class Mesh:
                 GAAS_MAX_NUM_SEQS=str(inst.options["max_num_seqs"]),
                 GAAS_MAX_NUM_BATCHED_TOKENS=str(inst.options["max_num_batched_tokens"]),
                 GAAS_MAX_WAITING=str(inst.options["max_waiting"]),
+                GAAS_STREAM_INTERVAL=str(inst.options["stream_interval"]),
             )
             if self.gpu_slots:
                 slot = self.gpu_slots[inst.index]

@@ -69,6 +69,8 @@ WORKER_DEFAULTS = {
     "model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": "auto",
     # vLLM's batch limits (0: its default tokens per step) and the bound on requests waiting.
     "max_num_seqs": 64, "max_num_batched_tokens": 0, "max_waiting": 128,
+    # Tokens per streamed message (vLLM's stream_interval; the first token always goes at once).
+    "stream_interval": 1,
 }
 
 
@@ -277,6 +279,7 @@ def build(
                 raise TopologyError("services.worker.model is required (a model name from deploy/gaas.yaml)")
             if _int(options["block_size"], "services.worker.block_size", 16) % 16:
                 raise TopologyError("services.worker.block_size must be a multiple of 16")
+            _int(options["stream_interval"], "services.worker.stream_interval", 1)
             if options["enforce_eager"] not in (True, False, "auto"):
                 raise TopologyError("services.worker.enforce_eager must be true, false or auto")
         elif settings:

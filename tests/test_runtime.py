@@ -244,3 +244,18 @@ async def test_tracing_instruments_servers_and_channels_only_when_configured():
         await server.stop(0)
     kinds = sorted(s.kind.name for s in spans.get_finished_spans())
     assert kinds == ["CLIENT", "SERVER"]
+
+
+def test_a_stream_closed_under_its_handler_counts_as_cancelled_not_unknown():
+    import asyncio
+
+    from gaas.runtime.interceptors import _status_of
+
+    class Context:
+        def code(self):
+            return None
+
+    assert _status_of(GeneratorExit(), Context()) == "CANCELLED"
+    assert _status_of(asyncio.CancelledError(), Context()) == "CANCELLED"
+    assert _status_of(RuntimeError("boom"), Context()) == "UNKNOWN"
+    assert _status_of(None, Context()) == "OK"

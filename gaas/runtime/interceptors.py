@@ -46,7 +46,9 @@ def _metadata_value(metadata, key: str) -> str:
 
 
 def _status_of(exc: BaseException | None, context) -> str:
-    if isinstance(exc, asyncio.CancelledError):
+    # A stream closed under its handler (GeneratorExit: the client went away between messages)
+    # was cancelled, as much as one cancelled while it waited.
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         return grpc.StatusCode.CANCELLED.name
     code = context.code()
     if code is not None:

@@ -72,6 +72,10 @@ class RouterConfig:
     auth_cache_seconds: float
     # While control is unreachable: how long the last view of the mesh and verified keys are used.
     max_stale_seconds: float
+    # Adaptive coalescing (services/router/coalescing.py): streams in flight per token of a
+    # message (0: one token a message always), and the most tokens a message.
+    coalesce_per_step: int
+    coalesce_max: int
     # Largest OpenAI-API request body accepted.
     max_body_bytes: int
     # Redis: usage events, budgets.
@@ -101,6 +105,8 @@ class RouterConfig:
             auth_cache_seconds=env_float(env, "GAAS_AUTH_CACHE_SECONDS", 2.0),
             max_stale_seconds=env_float(env, "GAAS_MAX_STALE_SECONDS", 60.0),
             max_body_bytes=env_int(env, "GAAS_MAX_BODY_BYTES", 1 << 20),
+            coalesce_per_step=env_int(env, "GAAS_COALESCE_PER_STEP", 2),
+            coalesce_max=env_int(env, "GAAS_COALESCE_MAX", 8),
             redis_url=env_str(env, "GAAS_REDIS_URL", "redis://127.0.0.1:6379/0"),
             spool_dir=env_str(env, "GAAS_SPOOL_DIR", ".gaas/spool"),
         )

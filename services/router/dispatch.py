@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -30,6 +30,7 @@ from gaas.tokenizer import ChatMessage, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.activity import TenantActivity
 from services.router.auth import Principal
+from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
 from services.router.kvclient import KVDirectoryClient
@@ -54,6 +55,11 @@ class Prepared:
     prompt_tokens: int
     # The prefix-cache salt: the tenant's, or a public prefix's when the prompt begins with one.
     cache_salt: str
+    # The prompt's block hashes, and the KV directory's answer for them: asked for as soon as the
+    # prompt is tokenized, so that it overlaps the tenant's admission (None: not asked, when
+    # routing has no use for it).
+    block_hashes: list[int] = field(default_factory=list)
+    prefix_lookup: asyncio.Task | None = None
 
 
 def cache_salt(model: ModelEntry, request: inference_pb2.GenerateRequest, tenant_salt: str) -> str:
@@ -129,12 +135,15 @@ class Dispatcher:
         metrics: RouterMetrics = RouterMetrics(),
         flow: Flow | None = None,
         activity: TenantActivity | None = None,
+        coalescing: Coalescing = Coalescing(),
     ) -> None:
+        self._coalescing = coalescing
         self._directory = directory
         self.activity = activity or TenantActivity()
         self._scheduler = scheduler
         self._workers = worker_stub
         self._tokenizer_for = tokenizer_for
+        self._tokenizers: dict[str, Tokenizer] = {}
         self._retries = retries
         self._max_stream_seconds = max_stream_seconds
         self._kv = kv
@@ -169,11 +178,17 @@ class Dispatcher:
         return await self._directory.resolve_model(name)
 
     async def tokenizer(self, model: ModelEntry) -> Tokenizer:
+        # Loaded once per model source, in a thread (it reads files); then taken from here
+        # without leaving the event loop (a thread handoff per request costs more than tokenizing).
+        if (tok := self._tokenizers.get(model.source)) is not None:
+            return tok
         try:
-            return await asyncio.to_thread(self._tokenizer_for, model)
+            tok = await asyncio.to_thread(self._tokenizer_for, model)
         except (OSError, ValueError) as exc:
             log.error("cannot load the tokenizer of %s from %s: %s", model.name, model.source, exc)
             raise errors.Unavailable(f"model {model.name!r} cannot be served: its tokenizer is missing on this router") from None
+        self._tokenizers[model.source] = tok
+        return tok
 
     async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal) -> Prepared:
         """Resolve the model, tokenize the prompt (chat template applied), check what the worker
@@ -182,7 +197,7 @@ class Dispatcher:
             raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
         model = await self.resolve_model(request.model)
         genrequest.check(request, model.max_model_len or None)
-        await self._directory.workers(model.name)  # a model nobody serves is refused before any work
+        workers = await self._directory.workers(model.name)  # a model nobody serves is refused before any work
         tok = await self.tokenizer(model)
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
@@ -208,7 +223,29 @@ class Dispatcher:
                 )
             raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
         genrequest.check(forwarded, limit or None, tok.vocab_size)
-        return Prepared(model, forwarded, len(ids), cache_salt(model, request, principal.cache_salt))
+        prepared = Prepared(model, forwarded, len(ids), cache_salt(model, request, principal.cache_salt))
+        self._ask_prefix(prepared, workers)
+        return prepared
+
+    def _ask_prefix(self, prepared: Prepared, workers) -> None:
+        """Hash the prompt's blocks and start the KV directory lookup without waiting for it.
+        With one worker to choose from its answer could change nothing: it is not asked."""
+        block_size = workers[0].block_size if workers else 0
+        if self._kv is None or not self._scheduler.needs_prefix or not block_size:
+            return
+        prepared.block_hashes = kvhash.prefix_hashes(prepared.request.prompt_token_ids, block_size, prepared.cache_salt)
+        if prepared.block_hashes and len(workers) > 1:
+            task = asyncio.create_task(self._lookup(prepared.block_hashes))
+            # A request refused at admission never reads it.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            prepared.prefix_lookup = task
+
+    async def _lookup(self, hashes: list[int]) -> tuple[dict, dict]:
+        started = time.perf_counter()
+        found = await self._kv.lookup(hashes)
+        if self._metrics.lookup_seconds is not None:
+            self._metrics.lookup_seconds.observe(time.perf_counter() - started)
+        return found
 
     async def _tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest) -> list[int]:
         if request.prompt_token_ids:
@@ -250,13 +287,9 @@ class Dispatcher:
             prompt_tokens=prepared.prompt_tokens, max_tokens=req.max_tokens,
         )
         confirmed: dict = {}
-        block_size = workers[0].block_size
-        if self._kv is not None and self._scheduler.needs_prefix and block_size:
-            ctx.block_hashes = kvhash.prefix_hashes(req.prompt_token_ids, block_size, prepared.cache_salt)
-            started = time.perf_counter()
-            ctx.prefix, confirmed = await self._kv.lookup(ctx.block_hashes)
-            if self._metrics.lookup_seconds is not None:
-                self._metrics.lookup_seconds.observe(time.perf_counter() - started)
+        ctx.block_hashes = prepared.block_hashes
+        if prepared.prefix_lookup is not None:
+            ctx.prefix, confirmed = await prepared.prefix_lookup
         ctx.inflight = {w.worker_id: self._inflight.since(w.worker_id, w.load.reported_ms) for w in workers}
         return ctx, confirmed
 
@@ -365,6 +398,12 @@ class Dispatcher:
         if span.is_recording():
             span.set_attributes({"gaas.request_id": request_id, "gaas.tenant": principal.tenant,
                                  "gaas.tier": principal.tier, "gaas.model": model.name})
+        # Fuller messages as this router's streams grow (the first token still goes alone).
+        interval = self._coalescing.interval(self._inflight.total)
+        if interval > 1:
+            worker_request.stream_interval = interval
+        if span.is_recording():
+            span.set_attribute("gaas.stream_interval", interval)
         priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
         if priority is not None:
             worker_request.engine_priority = priority
@@ -383,7 +422,9 @@ class Dispatcher:
                     "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
                 })
             tried.add(worker.worker_id)
-            if ctx.block_hashes and self._kv is not None:
+            if ctx.block_hashes and self._kv is not None and len(workers) > 1:
+                # Where the blocks will be, before the engine says so (with one worker nothing
+                # is decided by it; the engine's own events tell the directory).
                 owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
                 self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
             if self._metrics.routed is not None:

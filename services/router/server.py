@@ -22,6 +22,7 @@ from gaas.v1 import (
 )
 from services.router.auth import Authenticator
 from services.router.billingclient import usage_reader
+from services.router.coalescing import Coalescing
 from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import DirectoryCollector, MeshDirectory
@@ -52,6 +53,8 @@ HELP_ENV = """environment:
   GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
   GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB)
+  GAAS_COALESCE_PER_STEP / _MAX  fuller streamed messages as streams grow: streams in flight per token
+                       of a message (2; 0: one token a message always), and the most tokens a message (8)
   GAAS_REDIS_URL       Redis, where usage events go and budgets are kept (redis://127.0.0.1:6379/0)
   GAAS_SPOOL_DIR       where usage events wait while Redis does not answer (.gaas/spool)
   GAAS_METRICS_PORT    /metrics port (-1: none)
@@ -92,6 +95,7 @@ async def serve(cfg: RouterConfig) -> None:
         max_stream_seconds=cfg.max_stream_seconds,
         kv=kv,
         flow=flow,
+        coalescing=Coalescing(cfg.coalesce_per_step, max(1, cfg.coalesce_max)),
         metrics=RouterMetrics(
             routed=rt.metrics.counter("routed_total", "Requests sent to each worker, by policy", ("policy", "worker")),
             prediction_misses=rt.metrics.counter(

@@ -49,6 +49,8 @@ class WorkerConfig:
     # Most requests waiting for their first token; more are refused (RESOURCE_EXHAUSTED, which the
     # router takes elsewhere); 0: no bound.
     max_waiting: int
+    # Tokens per streamed message (vLLM's stream_interval).
+    stream_interval: int
     # KV-cache size in blocks (vLLM's num_gpu_blocks_override); 0 sizes it by memory.
     kv_cache_blocks: int
     # Publish the engine's KV events to the directories.
@@ -76,6 +78,7 @@ class WorkerConfig:
             max_num_seqs=env_int(env, "GAAS_MAX_NUM_SEQS", 64),
             max_num_batched_tokens=env_int(env, "GAAS_MAX_NUM_BATCHED_TOKENS", 0),
             max_waiting=env_int(env, "GAAS_MAX_WAITING", 128),
+            stream_interval=env_int(env, "GAAS_STREAM_INTERVAL", 1),
             kv_cache_blocks=env_int(env, "GAAS_KV_CACHE_BLOCKS", 0),
             kv_events=env_bool(env, "GAAS_KV_EVENTS", True),
             lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 0.5),
@@ -84,6 +87,8 @@ class WorkerConfig:
             raise ConfigError(f"GAAS_BLOCK_SIZE must be a multiple of 16 (32 on the CPU), got {cfg.block_size}")
         if cfg.kv_cache_gib < 1:
             raise ConfigError("GAAS_KV_CACHE_GIB must be at least 1")
+        if cfg.stream_interval < 1:
+            raise ConfigError(f"GAAS_STREAM_INTERVAL must be at least 1 (tokens per message), got {cfg.stream_interval}")
         if cfg.device not in ("", "cpu", "cuda"):
             raise ConfigError(f"GAAS_DEVICE must be cpu or cuda, got {cfg.device!r}")
         if not 0 < cfg.gpu_memory_utilization <= 1:

@@ -68,6 +68,8 @@ class GenerationRequest:
     # Chat messages: open the assistant's turn / continue the last message.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Tokens per streamed delta (0 or 1: each token; never below the engine's own setting).
+    stream_interval: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +174,8 @@ class VllmSettings:
     kv_events_dir: str | None = None
     # "cuda" or "cpu": what the launcher found (gaas.runtime.devices); "" checks nothing.
     device: str = ""
+    # Tokens per streamed output (the first always goes at once).
+    stream_interval: int = 1
 
 
 # The KV-event sockets in kv_events_dir, and the topic.
@@ -277,6 +281,7 @@ class VllmEngine(Engine):
             enable_prefix_caching=True,
             enforce_eager=(not on_gpu) if s.enforce_eager is None else s.enforce_eager,
             max_num_seqs=s.max_num_seqs,
+            stream_interval=s.stream_interval,
             scheduling_policy="priority",
             gpu_memory_utilization=s.gpu_memory_utilization,
             disable_log_stats=False,  # our load tracker is a stat logger
@@ -337,6 +342,7 @@ class VllmEngine(Engine):
                 stop=r.stop or None,
                 logprobs=r.logprobs,
                 output_kind=RequestOutputKind.DELTA,
+                stream_interval=r.stream_interval if r.stream_interval > 1 else None,
                 **r.sampling,
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM validates ranges itself

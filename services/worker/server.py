@@ -37,6 +37,7 @@ HELP_ENV = """environment:
                        that computes elsewhere
   GAAS_MAX_NUM_BATCHED_TOKENS  most tokens per engine step (0: vLLM's default)
   GAAS_MAX_WAITING     most requests waiting for their first token; more get RESOURCE_EXHAUSTED (128; 0: no bound)
+  GAAS_STREAM_INTERVAL tokens per streamed message (1; the first token always goes at once)
   GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
   GAAS_KV_CACHE_BLOCKS KV-cache size in blocks (vLLM's num_gpu_blocks_override; 0: sized by memory)
   GAAS_KV_EVENTS       publish the engine's KV events to the KV directories (true)
@@ -104,6 +105,7 @@ async def serve(cfg: WorkerConfig) -> None:
                 kv_cache_blocks=cfg.kv_cache_blocks or None,
                 kv_events_dir=events_dir,
                 device=cfg.device,
+                stream_interval=cfg.stream_interval,
             )
         )
     )

@@ -15,6 +15,9 @@ from services.worker.kvevents import KVEventRelay
 
 log = logging.getLogger(__name__)
 
+# Most tokens a streamed chunk may gather (a caller asking for more gets this).
+MAX_STREAM_INTERVAL = 64
+
 FINISH_TO_PB = {
     STOP: common_pb2.FINISH_REASON_STOP,
     LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -74,6 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             add_special_tokens=r.add_special_tokens if r.HasField("add_special_tokens") else not r.messages,
             add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
             continue_final_message=r.continue_final_message,
+            stream_interval=min(request.stream_interval, MAX_STREAM_INTERVAL),
         )
         if self._max_waiting and self._waiting >= self._max_waiting:
             raise errors.ResourceExhausted(

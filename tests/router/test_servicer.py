@@ -246,3 +246,68 @@ async def test_the_engine_gets_the_tiers_band_whatever_priority_the_client_asks_
     assert bronze_high == qos.engine_priority("bronze", common_pb2.PRIORITY_HIGH)
     assert gold_low == qos.engine_priority("gold", common_pb2.PRIORITY_LOW)
     assert gold_low < bronze_high  # vLLM serves lower values first
+
+
+class SlowKV:
+    """KVDirectoryClient stand-in: w1 holds every block; each lookup takes `delay` seconds."""
+
+    def __init__(self, delay):
+        self.delay = delay
+        self.asked = []  # perf_counter when each lookup began
+        self.provisioned = []
+
+    async def lookup(self, hashes):
+        import asyncio
+        import time
+
+        self.asked.append(time.perf_counter())
+        await asyncio.sleep(self.delay)
+        return {WorkerId("w1"): len(hashes)}, {WorkerId("w1"): len(hashes)}
+
+    def provision(self, worker, hashes, owner):
+        self.provisioned.append((worker, len(hashes)))
+
+
+async def _prepared(workers, kv):
+    import time
+
+    models = [ModelEntry("tiny", "1.0", 4096, True)]
+    cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 4096, block_size=64) for w in workers]
+
+    async def fetch():
+        return models, cands
+
+    dispatcher = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), FakeWorkers({w: OK for w in workers}),
+                            lambda model: FakeTokenizer(), retries=0, max_stream_seconds=30, kv=kv)
+    principal = KEYS["key-acme"]
+    prepared = await dispatcher.prepare(
+        inference_pb2.GenerateRequest(prompt_token_ids=list(range(1, 200)), max_tokens=4), principal)
+    return dispatcher, principal, prepared, time.perf_counter()
+
+
+async def test_the_kv_lookup_starts_with_preparing_so_it_overlaps_admission_and_still_routes():
+    import asyncio
+    import time
+
+    kv = SlowKV(delay=0.2)
+    dispatcher, principal, prepared, prepared_at = await _prepared(("w0", "w1"), kv)
+    assert len(prepared.block_hashes) == 3 and prepared.prefix_lookup is not None
+    await asyncio.sleep(0.2)  # the tenant's admission, meanwhile
+    assert kv.asked and kv.asked[0] - prepared_at < 0.05, "asked as soon as the caller awaited anything"
+    streaming = time.perf_counter()
+    chunks = [c async for c in dispatcher.stream(prepared, principal, "req-x", None, time.perf_counter())]
+    assert time.perf_counter() - streaming < 0.15, "the lookup's time was not spent a second time"
+    assert [c.text for c in chunks] == ["a", "b"]
+    assert [a for a, _ in dispatcher._workers.calls] == ["w1"]  # routed where the prefix is
+    assert kv.provisioned == [("w1", 3)]
+
+
+async def test_with_one_worker_the_kv_directory_is_not_asked():
+    import time
+
+    kv = SlowKV(delay=0.2)
+    dispatcher, principal, prepared, _ = await _prepared(("w0",), kv)
+    assert prepared.prefix_lookup is None and kv.asked == []
+    chunks = [c async for c in dispatcher.stream(prepared, principal, "req-y", None, time.perf_counter())]
+    assert [c.text for c in chunks] == ["a", "b"]
+    assert kv.provisioned == []  # nothing to predict for: the engine's events tell the directory

@@ -205,9 +205,11 @@ async def test_a_full_waiting_queue_refuses_with_resource_exhausted_and_the_tier
             await asyncio.gather(*firsts)
             prioritized = wreq("r4", prompt_token_ids=[1], priority=common_pb2.PRIORITY_HIGH)
             prioritized.engine_priority = 7
+            prioritized.stream_interval = 1000  # the router's coalescing, capped
             [c async for c in stub.Generate(prioritized, timeout=5)]  # room again once they streamed
             for c in calls:
                 c.cancel()
     finally:
         await rt.shutdown()
     assert engine.requests[-1].priority == 7, "the router's tier-bound priority, not the client's"
+    assert engine.requests[-1].stream_interval == 64 and engine.requests[0].stream_interval == 0
