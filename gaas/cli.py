@@ -458,7 +458,6 @@ def cmd_trace(args) -> int:
         _say(f"wrote {args.chrome}: open it in https://ui.perfetto.dev or chrome://tracing")
         return 0
     if args.json:
-        trace.roots()
         print(json.dumps({"trace_id": trace.trace_id, "spans": [
             {"span_id": s.span_id, "parent_span_id": s.parent_id, "service": s.service, "name": s.name,
              "start_ns": s.start_ns, "end_ns": s.end_ns, "attributes": s.attributes} for s in trace.spans]}))

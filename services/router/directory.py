@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from gaas import errors
 from gaas.pricing import Price
-from services.router.scheduling.types import Candidate, WorkerId
+from services.router.scheduling.types import Candidate
 
 log = logging.getLogger(__name__)
 
