@@ -498,7 +498,7 @@ def cmd_status(args) -> int:
             print(f"  {'':<10} {load['running']} running, {load['waiting']} waiting, KV cache "
                   f"{load['kv_cache_usage']:.0%} of {load['kv_cache_blocks']} blocks used, {w['cached_blocks']} "
                   f"blocks indexed{mem}, device {load['device_utilization']:.0%} busy")
-    flows = [f for f in (_router_flow(r.inbound) for r in topo.of("router")) if f is not None]
+    flows = _router_flows(topo)
     for f in flows:
         print(f"\n{f['router']}: flow control {'on' if f['qos_enabled'] else 'OFF (GAAS_QOS=off)'}")
         print("  queue  " + " | ".join(
@@ -540,13 +540,18 @@ def cmd_top(args) -> int:
 
     def read() -> tuple[dict, list[dict]]:
         health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout).to_dict()
-        return health, [f for f in (_router_flow(r.inbound) for r in topo.of("router")) if f is not None]
+        return health, _router_flows(topo)
 
     try:
         top.run(read, args.interval, args.once)
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _router_flows(topo) -> list[dict]:
+    """The flow control of every router that answers."""
+    return [f for f in (_router_flow(r.inbound) for r in topo.of("router")) if f is not None]
 
 
 def _router_flow(address: str) -> dict | None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from gaas import pki
-from gaas.traces import TraceTarget
+from gaas.traces import TraceTarget, envoy_service
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
 from gaas.topology import ALLOWED_CALLERS, GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets, Topology
 
@@ -129,7 +129,7 @@ def _tracing(target: TraceTarget | None, envoy: str, *, edge: bool = False) -> d
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
                 "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
-                "service_name": f"envoy-{envoy}",
+                "service_name": envoy_service(envoy),
                 "sampler": {"name": "envoy.tracers.opentelemetry.samplers.parent_based", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.tracers.opentelemetry.samplers.v3.ParentBasedSamplerConfig",
                     "wrapped_sampler": root,
@@ -148,10 +148,6 @@ def _tracing(target: TraceTarget | None, envoy: str, *, edge: bool = False) -> d
 
 
 OTLP_CLUSTER = "otlp_collector"
-
-
-def _otlp_cluster(target: TraceTarget) -> dict:
-    return _static_cluster(OTLP_CLUSTER, [(target.host, target.port)], health_check=False)
 
 
 def _hcm(stat_prefix: str, routes: list[dict], http_filters: list[dict], access_log: Path, **extra) -> dict:
@@ -439,7 +435,7 @@ def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dic
         listeners.append(listener)
         clusters.append(cluster)
     if trace is not None:
-        clusters.append(_otlp_cluster(trace))
+        clusters.append(_static_cluster(OTLP_CLUSTER, [(trace.host, trace.port)], health_check=False))
     return {
         "node": {"id": name, "cluster": name.rsplit("-", 1)[0]},
         "admin": {"address": admin},

@@ -20,7 +20,14 @@ TRACES_FILE = "traces.jsonl"
 # (a client's own, or the one it made and returned in the response).
 REQUEST_ID_ATTRIBUTE = "gaas.request_id"
 INGRESS_REQUEST_ID_ATTRIBUTE = "guid:x-request-id"
-INGRESS_SERVICE = "envoy-ingress-0"
+
+
+def envoy_service(envoy: str) -> str:
+    """The service name an Envoy's spans carry (envoy: "ingress-0" or "sidecar-<instance>")."""
+    return f"envoy-{envoy}"
+
+
+INGRESS_SERVICE = envoy_service("ingress-0")
 
 
 class TraceError(ValueError):
@@ -75,10 +82,6 @@ class Span:
     @property
     def duration_ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
-
-    @property
-    def is_envoy(self) -> bool:
-        return self.service.startswith("envoy-")
 
 
 @dataclass(slots=True)

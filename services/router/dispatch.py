@@ -394,16 +394,15 @@ class Dispatcher:
             return None if time_remaining is None else max(0.0, time_remaining - (time.monotonic() - started))
 
         # The routing decision goes on the request's span (the router's server span, when traced).
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.set_attributes({"gaas.request_id": request_id, "gaas.tenant": principal.tenant,
-                                 "gaas.tier": principal.tier, "gaas.model": model.name})
         # Fuller messages as this router's streams grow (the first token still goes alone).
         interval = self._coalescing.interval(self._inflight.total)
         if interval > 1:
             worker_request.stream_interval = interval
+        span = trace.get_current_span()
         if span.is_recording():
-            span.set_attribute("gaas.stream_interval", interval)
+            span.set_attributes({"gaas.request_id": request_id, "gaas.tenant": principal.tenant,
+                                 "gaas.tier": principal.tier, "gaas.model": model.name,
+                                 "gaas.stream_interval": interval})
         priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
         if priority is not None:
             worker_request.engine_priority = priority
