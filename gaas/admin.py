@@ -159,7 +159,7 @@ class Admin(_Service):
 def usage_row(r: billing_pb.UsageRow) -> dict:
     return {
         "group": r.group, "requests": r.requests, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-        "completion_tokens": r.completion_tokens, "cost_usd": pricing.usd(r.cost_micros),
+        "completion_tokens": r.completion_tokens, "cost_usd": pricing.usd(r.cost_micros), "sessions": r.sessions,
     }
 
 

@@ -333,6 +333,8 @@ def cmd_generate(args) -> int:
                 stop=args.stop or (),
                 priority=args.priority,
                 timeout=args.timeout,
+                session_id=args.session or "",
+                messages=[("user", prompt)] if args.chat else None,
             )
             try:
                 for chunk in stream:
@@ -385,6 +387,8 @@ def cmd_generate(args) -> int:
             summary["latency_ms"] = latency.as_dict(final.timings)
         if final.timings.trace_id:
             summary["trace_id"] = final.timings.trace_id
+        if final.HasField("session"):
+            summary["session"] = _session_turn(final.session)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -397,8 +401,90 @@ def cmd_generate(args) -> int:
         if final is not None:
             parts += [f"{summary['finish_reason']}", f"{final.model} {final.model_version} on {final.worker_id}"]
         print(f"\n-- {' | '.join(parts)}", file=sys.stderr)
+        if final is not None and final.HasField("session"):
+            s = final.session
+            dropped = (f"; {s.dropped_turns} oldest turn(s), about {s.dropped_tokens} tokens, dropped to fit the model's "
+                       "context" if s.dropped_turns else "")
+            print(f"-- session {s.session_id}{' (new)' if s.created else ''}: version {s.version}, {s.turns} turn(s), "
+                  f"{s.context_tokens} tokens of context{dropped}", file=sys.stderr)
         if args.explain:
             _explain(final, elapsed)
+    return 0
+
+
+def _session_turn(s) -> dict:
+    return {"id": s.session_id, "version": s.version, "turns": s.turns, "context_tokens": s.context_tokens,
+            "created": s.created, "dropped_turns": s.dropped_turns, "dropped_tokens": s.dropped_tokens}
+
+
+def _session_dict(s) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _client_call(args, fn):
+    """fn(client) against the ingress with the tenant's API key; (result, None) or (None, exit code)."""
+    from gaas.client import GaasClient, GaasError
+
+    target = _ingress(args)
+    try:
+        with GaasClient(target, api_key=_api_key(args), **_ingress_tls(args)) as client:
+            return fn(client), None
+    except GaasError as exc:
+        if exc.code == "UNAVAILABLE" and "connect" in exc.message.lower():
+            return None, _fail(f"nothing answers at {target}: is the mesh up? (`make run` / `gaas up`)")
+        return None, _fail(f"{exc.code}: {exc.message}")
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000)) if ms else "-"
+
+
+def cmd_session_list(args) -> int:
+    rows, err = _client_call(args, lambda c: c.list_sessions(args.limit))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps([_session_dict(s) for s in rows], indent=2))
+        return 0
+    if not rows:
+        print("no sessions (a request naming a session_id starts one)")
+        return 0
+    print(f"{'session':<36} {'model':<14} {'kind':<5} {'ver':>5} {'turns':>6} {'tokens':>8} {'worker':<10} "
+          f"{'last turn':<19} {'expires':<19}")
+    for s in rows:
+        busy = " *" if s.turn_in_progress else ""
+        print(f"{s.session_id:<36} {s.model:<14} {s.kind:<5} {s.version:>5} {s.turns:>6} {s.context_tokens:>8} "
+              f"{s.worker_id:<10} {_when(s.updated_unix_ms):<19} {_when(s.expires_unix_ms):<19}{busy}")
+    if any(s.turn_in_progress for s in rows):
+        print("* a turn is in progress")
+    return 0
+
+
+def cmd_session_show(args) -> int:
+    s, err = _client_call(args, lambda c: c.get_session(args.session_id))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(_session_dict(s), indent=2))
+        return 0
+    print(f"session {s.session_id}: {s.kind} with {s.model}, version {s.version}")
+    print(f"  turns {s.turns} in context ({s.committed_turns} committed, {s.dropped_turns} dropped to fit), "
+          f"{s.context_tokens} tokens; last served by {s.worker_id or '-'}")
+    print(f"  started {_when(s.created_unix_ms)}, last turn {_when(s.updated_unix_ms)}, expires "
+          f"{_when(s.expires_unix_ms)}{'; a turn is in progress' if s.turn_in_progress else ''}")
+    for m in s.messages:
+        text = m.content if len(m.content) <= 400 else m.content[:400] + f"... ({len(m.content)} characters)"
+        print(f"\n[{m.role}]\n{text}")
+    return 0
+
+
+def cmd_session_delete(args) -> int:
+    _, err = _client_call(args, lambda c: c.delete_session(args.session_id))
+    if err is not None:
+        return err
+    print(f"deleted session {args.session_id}")
     return 0
 
 
@@ -1069,10 +1155,42 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default=None, help="API key (env GAAS_API_KEY; default: the demo key `gaas up` saved)")
     gen.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, timings, usage, latency_ms) instead")
+    gen.add_argument("--session", default=None, metavar="ID",
+                     help="make this a turn of session ID (started by its first turn): GaaS keeps the conversation, "
+                     "send only what is new")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message (the model's chat template), not as raw text")
     gen.add_argument("--explain", action="store_true",
                      help="after the text, print where the request's time went: tenant (auth, quota), router, queue, "
                      "prefill, decode, net")
     gen.set_defaults(func=cmd_generate)
+
+    session = sub.add_parser(
+        "session", help="your multi-turn sessions (the API key's tenant)",
+        description="Sessions are conversations GaaS keeps in Redis for a tenant: a request naming a session_id "
+        "(gRPC field, the x-gaas-session header or the body's session_id) is a turn of it, and only its new part needs "
+        "sending. These commands act with the API key's tenant (GET/DELETE /v1/gaas/sessions at the ingress); another "
+        "tenant's session id is not found.")
+    ssub = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
+
+    def ingress_args(sp) -> None:
+        sp.add_argument("--ingress", default=None, help="host:port of the ingress (env GAAS_INGRESS; default: the running mesh's)")
+        sp.add_argument("--api-key", default=None, help="API key (env GAAS_API_KEY; default: the demo key `gaas up` saved)")
+        sp.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    slist = ssub.add_parser("list", help="your sessions, most recent first")
+    slist.add_argument("--limit", type=int, default=100, help="most sessions to list (100; at most 1000)")
+    ingress_args(slist)
+    slist.set_defaults(func=cmd_session_list)
+    sshow = ssub.add_parser("show", help="one session with its conversation")
+    sshow.add_argument("session_id")
+    ingress_args(sshow)
+    sshow.set_defaults(func=cmd_session_show)
+    sdel = ssub.add_parser("delete", help="forget a session")
+    sdel.add_argument("session_id")
+    ingress_args(sdel)
+    sdel.set_defaults(func=cmd_session_delete)
 
     st = sub.add_parser("status", help="health of each service instance, Envoy and worker",
                         description="Ask every instance's health service through its sidecar, every Envoy's admin "

@@ -74,11 +74,14 @@ class GaasClient:
         n: int = 1,
         logprobs: int | None = None,
         timeout: float | None = None,
+        messages: Sequence[tuple[str, str]] | None = None,
         **sampling_fields,
     ) -> GenerateStream:
-        """Start a generation; prompt is text or a list of token ids. Other keyword arguments are
-        gaas.v1.SamplingParams fields (min_p=0.1, ignore_eos=True, stop_token_ids=[...], ...).
-        With n > 1 the choices' chunks interleave; chunk.index tells them apart."""
+        """Start a generation; prompt is text or a list of token ids, or messages a conversation of
+        (role, content) pairs (prompt then ""). Other keyword arguments are gaas.v1.SamplingParams
+        fields (min_p=0.1, ignore_eos=True, stop_token_ids=[...], ...). With n > 1 the choices'
+        chunks interleave; chunk.index tells them apart. session_id makes it a turn of that session:
+        send only the new prompt or messages; the last chunk's `session` says what the turn did."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         fields = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, **sampling_fields}
@@ -95,7 +98,9 @@ class GaasClient:
         )
         if logprobs is not None:
             req.logprobs = logprobs
-        if isinstance(prompt, str):
+        if messages is not None:
+            req.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        elif isinstance(prompt, str):
             req.prompt = prompt
         else:
             req.prompt_token_ids.extend(prompt)
@@ -116,6 +121,22 @@ class GaasClient:
             )
         except grpc.RpcError as exc:
             raise from_rpc(exc) from None
+
+    def _unary(self, method: str, request, timeout: float):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc(exc) from None
+
+    def list_sessions(self, limit: int = 100, timeout: float = 10.0) -> list[inference_pb2.Session]:
+        """The calling tenant's sessions, most recent first (without their messages)."""
+        return list(self._unary("ListSessions", inference_pb2.ListSessionsRequest(limit=limit), timeout).sessions)
+
+    def get_session(self, session_id: str, timeout: float = 10.0) -> inference_pb2.Session:
+        return self._unary("GetSession", inference_pb2.GetSessionRequest(session_id=session_id), timeout)
+
+    def delete_session(self, session_id: str, timeout: float = 10.0) -> None:
+        self._unary("DeleteSession", inference_pb2.DeleteSessionRequest(session_id=session_id), timeout)
 
     def close(self) -> None:
         self._channel.close()

@@ -45,6 +45,8 @@ class DeploySpec:
     meters: dict = field(default_factory=lambda: dict(DEFAULT_METERS))
     # Quotas and service targets per tier (gaas.qos).
     qos: dict = field(default_factory=dict)
+    # Multi-turn sessions: how long they are kept, how their context is shortened (gaas.sessions).
+    sessions: object = None
 
     def policy(self, tier: str):
         from gaas.qos import DEFAULT_POLICIES
@@ -118,9 +120,10 @@ def _billing(doc: object) -> tuple[dict, dict]:
 def parse(doc: object, root: Path) -> DeploySpec:
     if not isinstance(doc, dict):
         raise SpecError("the deployment file must be a mapping with a 'models' list")
-    unknown = set(doc) - {"models", "billing", "qos"}
+    unknown = set(doc) - {"models", "billing", "qos", "sessions"}
     if unknown:
-        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models', 'billing' and 'qos'")
+        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models', 'billing', 'qos' "
+                        "and 'sessions'")
     entries = doc.get("models") or []
     if not isinstance(entries, list) or not entries:
         raise SpecError("'models' must be a non-empty list")
@@ -138,7 +141,13 @@ def parse(doc: object, root: Path) -> DeploySpec:
         qos = parse_policies(doc.get("qos"))
     except ValueError as exc:
         raise SpecError(str(exc)) from None
-    return DeploySpec(models=models, prices=prices, meters=meters, qos=qos)
+    from gaas.sessions import parse_policy
+
+    try:
+        sessions = parse_policy(doc.get("sessions"))
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    return DeploySpec(models=models, prices=prices, meters=meters, qos=qos, sessions=sessions)
 
 
 def load(path: Path) -> DeploySpec:

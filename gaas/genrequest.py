@@ -133,12 +133,21 @@ def sampling_dict(sp: common_pb2.SamplingParams, vocab_size: int | None = None) 
     return out
 
 
-def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, what: str) -> InvalidArgument:
-    return InvalidArgument(
+class ContextTooLong(InvalidArgument):
+    """The prompt and the completion asked for do not fit the model's context (a session turn
+    shortens its context and tries again)."""
+
+    def __init__(self, message: str, *, param: str, prompt_tokens: int) -> None:
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+
+
+def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, what: str) -> ContextTooLong:
+    return ContextTooLong(
         f"this model's maximum context length is {max_model_len} tokens, but the request needs "
         f"{prompt_tokens + max_tokens} ({prompt_tokens} in the {what}, {max_tokens} in the completion): shorten the "
         f"{what} or lower max_tokens",
-        param="max_tokens",
+        param="max_tokens", prompt_tokens=prompt_tokens,
     )
 
 

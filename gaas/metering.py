@@ -55,6 +55,8 @@ class UsageEvent:
     e2e_ms: float = 0.0
     # The id the client gave its request, for the tenant's own records.
     client_request_id: str = ""
+    # The session the request was a turn of ("": none).
+    session_id: str = ""
 
     @property
     def cost_micros(self) -> int:

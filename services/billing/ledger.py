@@ -78,12 +78,16 @@ MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE INDEX IF NOT EXISTS stripe_outbox_due ON stripe_outbox (state, next_attempt_ms)",
     ],
+    # 4: the session a request was a turn of.
+    [
+        "ALTER TABLE usage_ledger ADD COLUMN session_id TEXT NOT NULL DEFAULT ''",
+    ],
 ]
 
 COLUMNS = (
     "request_id", "tenant", "key_id", "tier", "model", "model_version", "prompt_tokens", "cached_tokens",
     "completion_tokens", "cost_input_micros", "cost_cached_micros", "cost_output_micros", "outcome", "worker",
-    "finished_ms", "queue_ms", "ttft_ms", "e2e_ms", "client_request_id", "recorded_ms",
+    "finished_ms", "queue_ms", "ttft_ms", "e2e_ms", "client_request_id", "recorded_ms", "session_id",
 )
 # The SQL of each of gaas.metering.USAGE_GROUPS ("": the total).
 GROUPS = {"": "''", "model": "model", "key": "key_id", "day": "finished_ms / 86400000"}
@@ -98,6 +102,8 @@ class UsageRow:
     cached_tokens: int
     completion_tokens: int
     cost_micros: int
+    # Distinct sessions the requests were turns of.
+    sessions: int = 0
 
 
 class Ledger:
@@ -117,7 +123,7 @@ class Ledger:
         rows = [
             (e.request_id, e.tenant, e.key_id, e.tier, e.model, e.model_version, e.prompt_tokens, e.cached_tokens,
              e.completion_tokens, e.cost_input_micros, e.cost_cached_micros, e.cost_output_micros, e.outcome,
-             e.worker, e.finished_ms, e.queue_ms, e.ttft_ms, e.e2e_ms, e.client_request_id, now)
+             e.worker, e.finished_ms, e.queue_ms, e.ttft_ms, e.e2e_ms, e.client_request_id, now, e.session_id)
             for e in unique.values()
         ]
         return await self.db.insert_new("usage_ledger", COLUMNS, rows, "request_id")
@@ -128,7 +134,8 @@ class Ledger:
         query = (
             f"SELECT {group}, COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
             " COALESCE(SUM(completion_tokens), 0),"
-            " COALESCE(SUM(cost_input_micros + cost_cached_micros + cost_output_micros), 0)"
+            " COALESCE(SUM(cost_input_micros + cost_cached_micros + cost_output_micros), 0),"
+            " COUNT(DISTINCT NULLIF(session_id, ''))"
             " FROM usage_ledger WHERE tenant = ? AND finished_ms >= ?"
         )
         params: list = [tenant, start_ms]
@@ -140,7 +147,8 @@ class Ledger:
         rows = await self.db.execute(query, params)
         if not group_by and rows and not rows[0][1]:
             return []  # no rows: no total either
-        return [UsageRow(_group_name(group_by, g), int(n), int(p), int(c), int(o), int(cost)) for g, n, p, c, o, cost in rows]
+        return [UsageRow(_group_name(group_by, g), int(n), int(p), int(c), int(o), int(cost), int(s))
+                for g, n, p, c, o, cost, s in rows]
 
     async def totals(self, tenant: str, start_ms: int = 0, end_ms: int = 0) -> UsageRow:
         rows = await self.usage(tenant, start_ms, end_ms)

@@ -15,7 +15,7 @@ def row_pb(r: UsageRow) -> pb.UsageRow:
     return pb.UsageRow(
         group=r.group, requests=r.requests, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         completion_tokens=r.completion_tokens, cost_micros=r.cost_micros,
-        cost_usd=pricing.usd(r.cost_micros),
+        cost_usd=pricing.usd(r.cost_micros), sessions=r.sessions,
     )
 
 

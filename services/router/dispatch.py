@@ -60,6 +60,8 @@ class Prepared:
     # routing has no use for it).
     block_hashes: list[int] = field(default_factory=list)
     prefix_lookup: asyncio.Task | None = None
+    # A session turn: the worker that served the session's last turn ("": none).
+    session_worker: str = ""
 
 
 def cache_salt(model: ModelEntry, request: inference_pb2.GenerateRequest, tenant_salt: str) -> str:
@@ -217,9 +219,9 @@ class Dispatcher:
             forwarded.max_tokens = genrequest.DEFAULT_MAX_TOKENS if not request.messages else limit - len(ids)
         if limit and len(ids) + forwarded.max_tokens > limit:
             if forwarded.max_tokens < 1 or len(ids) >= limit:
-                raise errors.InvalidArgument(
+                raise genrequest.ContextTooLong(
                     f"the {what} are {len(ids)} tokens: no room left in the model's context of {limit} tokens",
-                    param=what,
+                    param=what, prompt_tokens=len(ids),
                 )
             raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
         genrequest.check(forwarded, limit or None, tok.vocab_size)
@@ -285,6 +287,7 @@ class Dispatcher:
         ctx = RequestContext(
             model=prepared.model.name, tenant=principal.tenant, tier=principal.tier,
             prompt_tokens=prepared.prompt_tokens, max_tokens=req.max_tokens,
+            session_worker=WorkerId(prepared.session_worker),
         )
         confirmed: dict = {}
         ctx.block_hashes = prepared.block_hashes

@@ -56,6 +56,8 @@ class Metered:
     # The chunks' prompt tokens as the router counted them (for a request cut short).
     prompt_tokens: int = 0
     done: bool = False
+    # The session the request is a turn of ("": none).
+    session_id: str = ""
 
     def add(self, chunk: common_pb2.GenerateChunk) -> bool:
         """Count a chunk; True when it completes the request (every part has its usage)."""
@@ -83,7 +85,7 @@ class Metered:
             queue_ms=round(last.timings.queue_ms, 3) if last else 0.0,
             ttft_ms=round(last.timings.ttft_ms, 3) if last else 0.0,
             e2e_ms=round((time.perf_counter() - self.arrived) * 1000, 3),
-            client_request_id=self.client_request_id,
+            client_request_id=self.client_request_id, session_id=self.session_id,
         )
 
 

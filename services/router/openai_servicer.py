@@ -20,8 +20,9 @@ from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
 from services.router import jsonbody, openai_api
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge
-from services.router.servicer import admit, admit_usage, metered, note_client_id
+from services.router.servicer import admit, admit_usage, metered, note_client_id, prepare_one, with_session
 from services.router.metering import Meter
+from services.router.sessions import SessionStore
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -39,6 +40,10 @@ def _event(data: bytes) -> httpbody_pb2.HttpBody:
 # under EXPLAIN_FIELD, in milliseconds (a streamed one gets the usage chunk for it).
 EXPLAIN_HEADER = "x-gaas-explain"
 EXPLAIN_FIELD = "gaas_latency_ms"
+# A request is a turn of this session (as the body's session_id extension would say); the response
+# (the last streamed chunk) says what the turn did to it under SESSION_FIELD.
+SESSION_HEADER = "x-gaas-session"
+SESSION_FIELD = "gaas_session"
 
 
 @dataclass(slots=True)
@@ -79,13 +84,14 @@ class _Usage:
 class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     def __init__(
         self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int, metrics: CollectorRegistry,
-        meter: Meter | None = None,
+        meter: Meter | None = None, sessions: SessionStore | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._auth = authenticator
         self._max_body = max_body_bytes
         self._metrics = metrics
         self._meter = meter
+        self._sessions = sessions
 
     # ------------------------------------------------------------ models
 
@@ -112,24 +118,40 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         request_id = current_request_id()
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         note_client_id(parsed.client_request_id)
+        session_id = _session_id(parsed, metadata)
+        engine_requests = _engine_requests(parsed)
+        if session_id and len(engine_requests) > 1:
+            raise errors.InvalidArgument("a session turn is one prompt, not a batch", param="prompt")
         # Every prompt is checked and tokenized before anything is generated.
-        prepared = [await self._dispatcher.prepare(r, principal) for r in _engine_requests(parsed)]
-        fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
-        n = parsed.n
-        usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared),
-                       explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
-        remaining = context.time_remaining()
-        admitting = time.perf_counter()
-        metered_request = await admit_usage(
-            self._meter, principal, prepared, request_id, sum(n * p.request.max_tokens for p in prepared), arrived
-        )
-        tenant_s += time.perf_counter() - admitting
+        if session_id:
+            first, plan = await prepare_one(self._dispatcher, self._sessions, engine_requests[0], principal, request_id)
+            prepared = [first]
+        else:
+            prepared, plan = [await self._dispatcher.prepare(r, principal) for r in engine_requests], None
+        try:
+            fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
+            n = parsed.n
+            usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared),
+                           explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
+            remaining = context.time_remaining()
+            admitting = time.perf_counter()
+            metered_request = await admit_usage(
+                self._meter, principal, prepared, request_id, sum(n * p.request.max_tokens for p in prepared), arrived,
+                session_id,
+            )
+            tenant_s += time.perf_counter() - admitting + (plan.tenant_s if plan else 0.0)
+        except BaseException:
+            if plan is not None:
+                self._sessions.release_later(plan.held)
+            raise
         ingress_s = latency.ingress_seconds(metadata, arrived_wall)
         streams = [
-            self._dispatcher.stream(p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining,
-                                    arrived, tenant_s, ingress_s)
+            with_session(self._sessions, plan, self._dispatcher.stream(
+                p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining, arrived, tenant_s,
+                ingress_s))
             for i, p in enumerate(prepared)
         ]
+        turn = None
         choices: dict[int, _Choice] = {}
         started = False
         try:
@@ -142,6 +164,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                 usage.completion += len(c.token_ids)
                 if c.HasField("usage"):
                     usage.add_final(c)
+                if c.HasField("session"):
+                    turn = session_json(c.session, self._sessions.policy.truncation)
                 if not parsed.stream:
                     choice.text.append(c.text)
                     choice.logprobs.extend(c.logprobs)
@@ -151,7 +175,10 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                 # One event per engine step, even when its text is empty (a character still being
                 # completed byte by byte): clients see the pace of generation as it is.
                 running = usage.running() if parsed.continuous_usage else None
-                yield _event(openai_api.sse(fmt.chunk(index, c, first=not choice.started, usage_obj=running)))
+                event = fmt.chunk(index, c, first=not choice.started, usage_obj=running)
+                if c.HasField("session"):
+                    event[SESSION_FIELD] = turn
+                yield _event(openai_api.sse(event))
                 choice.started = started = True
         except Exception as exc:  # noqa: BLE001 - answered in the shape the client can read
             if not started:
@@ -167,7 +194,10 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                 fmt.choice(i, "".join(ch.text), fmt.logprobs(i, ch.logprobs), ch.final or common_pb2.GenerateChunk())
                 for i, ch in choices.items()
             ]
-            yield _json(fmt.response(out, usage.final()))
+            body = fmt.response(out, usage.final())
+            if turn is not None:
+                body[SESSION_FIELD] = turn
+            yield _json(body)
             return
         if parsed.include_usage or usage.explain:
             yield _event(openai_api.sse(fmt.usage_chunk(usage.final())))
@@ -219,6 +249,28 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def Metrics(self, request, context) -> httpbody_pb2.HttpBody:
         return httpbody_pb2.HttpBody(content_type=CONTENT_TYPE_LATEST, data=generate_latest(self._metrics))
+
+
+def _session_id(parsed: openai_api.OpenAIRequest, metadata: dict) -> str:
+    """The session a request is a turn of: the x-gaas-session header or the body's session_id
+    (both: they must agree); set on the engine request."""
+    header = metadata.get(SESSION_HEADER, "")
+    body = parsed.generate.session_id
+    if header and body and header != body:
+        raise errors.InvalidArgument(f"the {SESSION_HEADER} header and the body's session_id name different sessions",
+                                     param="session_id")
+    parsed.generate.session_id = header or body
+    return parsed.generate.session_id
+
+
+def session_json(s: common_pb2.SessionTurn, truncation: str) -> dict:
+    """What a turn did to its session, as the OpenAI routes return it."""
+    out = {"id": s.session_id, "version": s.version, "turns": s.turns, "context_tokens": s.context_tokens,
+           "created": s.created}
+    if s.dropped_turns:
+        out["truncated"] = {"dropped_turns": s.dropped_turns, "dropped_tokens": s.dropped_tokens,
+                            "policy": truncation}
+    return out
 
 
 def _engine_requests(parsed: openai_api.OpenAIRequest) -> list[inference_pb2.GenerateRequest]:

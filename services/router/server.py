@@ -34,6 +34,8 @@ from services.router.metering import Meter
 from services.router.openai_servicer import OpenAIServicer
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
+from services.router.sessions import SessionStore
+from gaas.sessions import SessionPolicy
 
 log = logging.getLogger("gaas.router")
 
@@ -50,12 +52,12 @@ HELP_ENV = """environment:
   GAAS_QUEUE_MAX       most requests waiting for a worker in this router (256)
   GAAS_WINDOW_INITIAL / _MIN / _MAX  each worker's batching window, requests (8 / 2 / 64)
   GAAS_BREAKER_COOLDOWN_SECONDS  how long a worker whose breaker opened is left alone (5)
-  GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:)
+  GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:), sessions (sessions:)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
   GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB)
   GAAS_COALESCE_PER_STEP / _MAX  fuller streamed messages as streams grow: streams in flight per token
                        of a message (2; 0: one token a message always), and the most tokens a message (8)
-  GAAS_REDIS_URL       Redis, where usage events go and budgets are kept (redis://127.0.0.1:6379/0)
+  GAAS_REDIS_URL       Redis, where usage events go and budgets and sessions are kept (redis://127.0.0.1:6379/0)
   GAAS_SPOOL_DIR       where usage events wait while Redis does not answer (.gaas/spool)
   GAAS_METRICS_PORT    /metrics port (-1: none)
 """
@@ -68,7 +70,9 @@ async def serve(cfg: RouterConfig) -> None:
     channel = rt.channel(cfg.outbound)
     control = control_pb2_grpc.ControlStub(channel)
     tokenizers = TokenizerCache()
-    policies = deployspec.load(Path(cfg.deploy_file)).qos if cfg.deploy_file else dict(qos.DEFAULT_POLICIES)
+    spec = deployspec.load(Path(cfg.deploy_file)) if cfg.deploy_file else None
+    policies = spec.qos if spec else dict(qos.DEFAULT_POLICIES)
+    session_policy = spec.sessions if spec else SessionPolicy()
     flow = Flow(policies, FlowSettings(
         enabled=cfg.qos, max_waiting=cfg.max_waiting, window_initial=cfg.window_initial, window_min=cfg.window_min,
         window_max=cfg.window_max, breaker_cooldown_seconds=cfg.breaker_cooldown_seconds,
@@ -131,13 +135,17 @@ async def serve(cfg: RouterConfig) -> None:
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
+    sessions = SessionStore(redis, session_policy)
+    log.info("sessions kept %d s after their last turn; context past a model's window: %s (reply reserve %d tokens)",
+             session_policy.ttl_seconds, session_policy.truncation, session_policy.reply_reserve_tokens)
     read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))
     rt.add_service(
-        inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(dispatcher, auth, meter, read_usage),
-        "gaas.v1.Inference",
+        inference_pb2_grpc.add_InferenceServicer_to_server,
+        InferenceServicer(dispatcher, auth, meter, read_usage, sessions), "gaas.v1.Inference",
     )
     rt.add_service(
-        openai_pb2_grpc.add_OpenAIServicer_to_server, OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter), "gaas.v1.OpenAI"
+        openai_pb2_grpc.add_OpenAIServicer_to_server,
+        OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter, sessions), "gaas.v1.OpenAI"
     )
     rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity), "gaas.v1.Router",
                    listed=False)  # reached through the router's sidecar only, never the ingress
@@ -150,6 +158,7 @@ async def serve(cfg: RouterConfig) -> None:
         spool.cancel()
         await asyncio.gather(refresher, spool, return_exceptions=True)
         await kv.close()
+        await sessions.close()
         await meter.close()
         await meter.drain_spool()
         await redis.aclose()

@@ -19,6 +19,7 @@ from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
 from services.router.metering import Meter, Metered
+from services.router.sessions import SessionStore, TurnPlan, check_turn, committing, plan_turn, session_message
 
 async def admit(authenticator: Authenticator) -> Principal:
     """The caller's Principal (errors.Unauthenticated, or Unavailable when the control plane cannot
@@ -68,42 +69,69 @@ async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda
 
 async def admit_usage(
     meter: Meter | None, principal: Principal, prepared: list[Prepared], request_id: str, parts_tokens: int,
-    arrived: float,
+    arrived: float, session_id: str = "",
 ) -> Metered | None:
     """The budget check of a request about to start (parts_tokens: the most tokens it generates)."""
     if meter is None:
         return None
     model = prepared[0].model
-    return await meter.admit(
+    m = await meter.admit(
         principal, request_id, model.name, model.version, model.prices.get(principal.tier, FREE),
         sum(p.prompt_tokens for p in prepared), parts_tokens, len(prepared), client_request_id_var.get(), arrived,
     )
+    m.session_id = session_id
+    return m
+
+
+async def prepare_one(dispatcher: Dispatcher, sessions: SessionStore | None, request: inference_pb2.GenerateRequest,
+                      principal: Principal, request_id: str) -> tuple[Prepared, TurnPlan | None]:
+    """A request prepared for a worker; a session's turn with its stored context before it (the
+    session's turn then held: whoever gets a plan releases it through sessions.committing, or
+    release_later when it never streams)."""
+    if not check_turn(request):
+        return await dispatcher.prepare(request, principal), None
+    if sessions is None:
+        raise errors.Unimplemented("sessions are not available on this router")
+    plan = await plan_turn(sessions, dispatcher, request, principal, request_id)
+    return plan.prepared, plan
+
+
+def with_session(sessions: SessionStore | None, plan: TurnPlan | None, chunks):
+    return chunks if plan is None else committing(sessions, plan, chunks)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(
         self, dispatcher: Dispatcher, authenticator: Authenticator, meter: Meter | None = None, read_usage=None,
+        sessions: SessionStore | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._auth = authenticator
         self._meter = meter
         self._read_usage = read_usage
+        self._sessions = sessions
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context):
         arrived, arrived_wall = time.perf_counter(), time.time()
         principal = await admit(self._auth)
         tenant_s = time.perf_counter() - arrived
         note_client_id(request.request_id)
-        prepared = await self._dispatcher.prepare(request, principal)
         request_id = current_request_id()
-        n = prepared.request.n or 1
-        admitting = time.perf_counter()
-        m = await admit_usage(self._meter, principal, [prepared], request_id, n * prepared.request.max_tokens, arrived)
-        tenant_s += time.perf_counter() - admitting
+        prepared, plan = await prepare_one(self._dispatcher, self._sessions, request, principal, request_id)
+        try:
+            n = prepared.request.n or 1
+            admitting = time.perf_counter()
+            m = await admit_usage(self._meter, principal, [prepared], request_id, n * prepared.request.max_tokens,
+                                  arrived, request.session_id)
+            tenant_s += time.perf_counter() - admitting + (plan.tenant_s if plan else 0.0)
+        except BaseException:
+            if plan is not None:
+                self._sessions.release_later(plan.held)
+            raise
         ingress_s = latency.ingress_seconds(dict(context.invocation_metadata() or ()), arrived_wall)
         chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived, tenant_s,
                                          ingress_s)
-        async for chunk in metered(self._meter, m, chunks,
+        async for chunk in metered(self._meter, m, with_session(self._sessions, plan, chunks),
                                    on_last=lambda c: self._dispatcher.observe_latency(c.timings, principal.tier)):
             yield chunk
 
@@ -129,3 +157,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if end and end <= start:
             raise errors.InvalidArgument("until must be after since", param="until")
         return await self._read_usage(principal.tenant, start, end, request.by)
+
+    # ------------------------------------------------------------ sessions (the caller's own only)
+
+    def _store(self) -> SessionStore:
+        if self._sessions is None:
+            raise errors.Unimplemented("sessions are not available on this router")
+        return self._sessions
+
+    async def ListSessions(self, request: inference_pb2.ListSessionsRequest, context) -> inference_pb2.ListSessionsResponse:
+        principal = await admit(self._auth)
+        rows = await self._store().list(principal.tenant, request.limit)
+        return inference_pb2.ListSessionsResponse(sessions=[session_message(r) for r in rows])
+
+    async def GetSession(self, request: inference_pb2.GetSessionRequest, context) -> inference_pb2.Session:
+        principal = await admit(self._auth)
+        summary, ctx = await self._store().get(principal.tenant, request.session_id)
+        return session_message(summary, ctx)
+
+    async def DeleteSession(self, request: inference_pb2.DeleteSessionRequest, context) -> inference_pb2.DeleteSessionResponse:
+        principal = await admit(self._auth)
+        await self._store().delete(principal.tenant, request.session_id)
+        return inference_pb2.DeleteSessionResponse(session_id=request.session_id, deleted=True)

@@ -11,9 +11,9 @@ from tests.sqlurls import database_urls, make_url
 TABLES = ("usage_ledger", "budgets", "dead_letters", "stripe_outbox", "schema_migrations")
 
 
-def event(rid, tenant="acme", ms=1000, prompt=10, cached=4, completion=5, model="m", key="key_1"):
+def event(rid, tenant="acme", ms=1000, prompt=10, cached=4, completion=5, model="m", key="key_1", session=""):
     return UsageEvent(rid, tenant, key, "gold", model, "1", prompt, cached, completion, 6 * (prompt - cached),
-                      cached, 20 * completion, "finished", "worker-0", ms)
+                      cached, 20 * completion, "finished", "worker-0", ms, session_id=session)
 
 
 @pytest.fixture(params=database_urls())
@@ -51,6 +51,16 @@ async def test_usage_by_model_day_and_key_and_time_range(db):
     assert (await ledger.totals("nobody")).requests == 0
 
 
+async def test_sessions_are_counted_in_the_tenants_usage_once_each(db):
+    ledger = Ledger(db)
+    await ledger.init_schema()
+    await ledger.record([event("a", session="s1"), event("b", session="s1"), event("c", session="s2"), event("d"),
+                         event("e", tenant="other", session="s3")])
+    total = await ledger.totals("acme")
+    assert (total.requests, total.sessions) == (4, 2), "two sessions of three turns; a request outside any is not one"
+    assert [(r.group, r.sessions) for r in await ledger.usage("acme", group_by="model")] == [("m", 2)]
+
+
 async def test_migrations_upgrade_the_first_schema_and_run_once(db):
     db.execute_sync(MIGRATIONS[0][0])  # a ledger as the first billing service left it, with a row
     db.execute_sync("INSERT INTO usage_ledger VALUES ('old', 'acme', 'm', '1', 1, 0, 1, 5)")
@@ -59,7 +69,7 @@ async def test_migrations_upgrade_the_first_schema_and_run_once(db):
     await ledger.init_schema()  # a restart: nothing applied twice
     assert (await ledger.totals("acme")).requests == 1
     versions = db.execute_sync("SELECT version FROM schema_migrations WHERE component = 'billing' ORDER BY version")
-    assert [v for (v,) in versions] == [1, 2, 3]
+    assert [v for (v,) in versions] == [1, 2, 3, 4]
     await ledger.record([event("new")])
     assert (await ledger.totals("acme")).requests == 2
 

@@ -132,7 +132,7 @@ def test_every_plugin_reports_its_time():
     s = make_scheduler("kv_aware", observe=lambda plugin, seconds: seen.append(plugin))
     s.schedule(ctx(block_hashes=[1]), [cand()])
     assert set(seen) == {"model", "not_tried", "breaker", "context_fit", "window", "saturation", "prefix", "queue", "kv_usage",
-                         "device_memory", "max_score"}
+                         "device_memory", "session", "max_score"}
 
 
 def test_no_room_in_any_window_is_a_wait_not_a_refusal():

@@ -17,8 +17,9 @@ from services.router.scheduling.scorers.device_memory import DeviceMemoryScorer
 from services.router.scheduling.scorers.kv_usage import KVUsageScorer
 from services.router.scheduling.scorers.prefix import PrefixScorer
 from services.router.scheduling.scorers.queue import QueueScorer
+from services.router.scheduling.scorers.session import SessionScorer
 
-SCORERS = {s.name: s for s in (PrefixScorer, QueueScorer, KVUsageScorer, DeviceMemoryScorer)}
+SCORERS = {s.name: s for s in (PrefixScorer, QueueScorer, KVUsageScorer, DeviceMemoryScorer, SessionScorer)}
 
 # profile -> (scorer weights, picker). Every profile filters by model, failures, circuit breakers,
 # context and batching windows.
@@ -27,7 +28,8 @@ PROFILES: dict[str, tuple[dict[str, float], str]] = {
     "least_load": ({"queue": 2.0, "kv_usage": 1.0}, "max_score"),
     # Where the prefix lives, unless load says otherwise: a full prefix outweighs a moderate queue
     # (the engine skips that prefill), a long one does not, and saturated workers are filtered out.
-    "kv_aware": ({"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5, "device_memory": 0.25}, "max_score"),
+    # A session's turn also leans to the worker of its last turn (what the directory may not know yet).
+    "kv_aware": ({"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5, "device_memory": 0.25, "session": 1.0}, "max_score"),
 }
 
 

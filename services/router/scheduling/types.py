@@ -70,6 +70,8 @@ class RequestContext:
     # answer), and requests this router sent each worker since its last load report.
     prefix: Mapping[WorkerId, int] = field(default_factory=dict)
     inflight: Mapping[WorkerId, int] = field(default_factory=dict)
+    # A session's turn: the worker that served its last turn (its prefix is likely there).
+    session_worker: WorkerId = WorkerId("")
 
     def queue(self, c: Candidate) -> int:
         """Requests ahead of this one at c: running and waiting as reported, plus those sent since."""

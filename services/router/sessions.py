@@ -1,0 +1,420 @@
+"""The router's side of sessions (gaas/sessions.py has the model, the policy and the scripts):
+taking a session's turn in Redis, building the turn's request from the stored context (shortened
+to the model's window by the declared policy), committing the reply with a compare-and-set on the
+version before the turn's last chunk is released, and the tenant's list / show / delete.
+
+Every router replica shares the sessions through Redis; each keeps copies of the contexts it
+served lately, reloading one whenever Redis holds a newer version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gaas import errors, genrequest, latency, metering, sessions
+from gaas.sessions import Context, SessionPolicy
+from gaas.v1 import common_pb2, inference_pb2
+from services.router.auth import Principal
+from services.router.metering import _Script
+
+log = logging.getLogger(__name__)
+
+# Contexts each router keeps a copy of (the sessions it served last).
+CACHE_SESSIONS = 1024
+# Turns dropped at most per attempt to fit, before giving up on shortening.
+FIT_ATTEMPTS = 8
+LIST_MAX = 1000
+
+
+def _unavailable() -> errors.Unavailable:
+    return errors.Unavailable(
+        "sessions are kept in Redis, which does not answer right now; retry shortly (a request without "
+        "session_id is served meanwhile)"
+    )
+
+
+@dataclass(slots=True)
+class Held:
+    """A session's turn, held by one request."""
+
+    tenant: str
+    session_id: str
+    request_id: str
+    # The version the turn read (0: the session is new), and its context then.
+    version: int
+    context: Context | None
+    renewing: asyncio.Task | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """A turn ready to go: the request to prepare, and what to commit once the reply is in."""
+
+    held: Held
+    context: Context
+    # The turn's own part (its messages, or its prompt), and the first context turn kept.
+    new: list[tuple[str, str]]
+    keep_from: int = 0
+    prepared: object = None
+    # Time taken by the session's store before the turn (the tenant's part of its latency).
+    tenant_s: float = 0.0
+    reply: list[str] = field(default_factory=list)
+
+    @property
+    def created(self) -> bool:
+        return self.held.version == 0
+
+
+class SessionStore:
+    def __init__(self, redis: Redis, policy: SessionPolicy = SessionPolicy(),
+                 clock: Callable[[], int] = metering.now_ms, cache_size: int = CACHE_SESSIONS) -> None:
+        self.policy = policy
+        self._redis = redis
+        self._clock = clock
+        self._begin = _Script(redis, sessions.BEGIN)
+        self._renew = _Script(redis, sessions.RENEW)
+        self._commit = _Script(redis, sessions.COMMIT)
+        self._release = _Script(redis, sessions.RELEASE)
+        self._list = _Script(redis, sessions.LIST)
+        self._cache: OrderedDict[tuple[str, str], tuple[int, Context]] = OrderedDict()
+        self._cache_size = cache_size
+        self._tasks: set[asyncio.Task] = set()
+        # Contexts read from Redis because this router's copy was missing or older.
+        self.reloads = 0
+
+    def now_ms(self) -> int:
+        return self._clock()
+
+    @property
+    def ttl_ms(self) -> int:
+        return self.policy.ttl_seconds * 1000
+
+    @property
+    def lease_ms(self) -> int:
+        return self.policy.lease_seconds * 1000
+
+    # ------------------------------------------------------------ a turn
+
+    async def begin(self, tenant: str, session_id: str, request_id: str) -> Held:
+        """Take the session's turn; errors.Aborted when another request holds it."""
+        key = (tenant, session_id)
+        cached = self._cache.get(key)
+        try:
+            answer = await self._begin(
+                keys=[sessions.session_key(tenant, session_id), sessions.index_key(tenant)],
+                args=[request_id, self._clock(), self.lease_ms, self.ttl_ms, session_id,
+                      cached[0] if cached else -1],
+            )
+        except RedisError as exc:
+            log.warning("cannot begin a turn of a session (%s)", exc)
+            raise _unavailable() from None
+        version = int(answer[0])
+        if version < 0:
+            holder, left_ms = _text(answer[1]), int(answer[2])
+            raise errors.Aborted(
+                f"session {session_id!r} has a turn in progress (request {holder}); send the next turn when it has "
+                f"finished (its hold lapses within {max(1, -(-left_ms // 1000))} s if that request was lost)",
+                reason="session_busy",
+            )
+        if version == 0:
+            context = None
+            self._cache.pop(key, None)
+        elif len(answer) > 1:
+            context = Context.from_json(answer[1])
+            self.reloads += 1
+            self._remember(key, version, context)
+        else:
+            context = cached[1]
+            self._cache.move_to_end(key)
+        held = Held(tenant, session_id, request_id, version, context)
+        held.renewing = asyncio.create_task(self._keep(held), name=f"session-lease-{session_id}")
+        return held
+
+    async def _keep(self, held: Held) -> None:
+        """Renew the turn's lease while it runs (a router that dies lets it lapse)."""
+        key = sessions.session_key(held.tenant, held.session_id)
+        while True:
+            await asyncio.sleep(self.policy.lease_seconds / 3)
+            try:
+                if not await self._renew(keys=[key], args=[held.request_id, self._clock(), self.lease_ms]):
+                    log.warning("session %s: request %s no longer holds its turn", held.session_id, held.request_id)
+                    return
+            except RedisError as exc:
+                log.warning("cannot renew the turn of session %s (%s)", held.session_id, exc)
+
+    def _stop(self, held: Held) -> None:
+        held.done = True
+        if held.renewing is not None:
+            held.renewing.cancel()
+
+    async def commit(self, held: Held, context: Context) -> int:
+        """Store the turn's context if the session is still at the version the turn read; the
+        new version. errors.Aborted when it moved (the turn's reply is then not in the session)."""
+        self._stop(held)
+        key = (held.tenant, held.session_id)
+        summary = [v for pair in context.summary().items() for v in pair]
+        try:
+            answer = await self._commit(
+                keys=[sessions.session_key(held.tenant, held.session_id), sessions.index_key(held.tenant)],
+                args=[held.request_id, held.version, context.to_json(), self._clock(), self.ttl_ms, held.session_id,
+                      *summary],
+            )
+        except RedisError as exc:
+            log.warning("cannot commit a turn of session %s (%s)", held.session_id, exc)
+            self._cache.pop(key, None)
+            self.release_later(held, force=True)
+            raise errors.Unavailable(
+                "this turn's reply could not be added to its session: Redis does not answer; the session is as it "
+                "was before this turn"
+            ) from None
+        version = int(answer[0])
+        if version < 0:
+            self._cache.pop(key, None)
+            why = ("another turn was committed meanwhile" if version == -1
+                   else "the session was deleted, or its hold lapsed and another turn took it")
+            raise errors.Aborted(
+                f"this turn's reply was not added to session {held.session_id!r}: {why}; read it again "
+                "(GET /v1/gaas/sessions/ID) before the next turn",
+                reason="session_changed",
+            )
+        self._remember(key, version, context)
+        return version
+
+    def release_later(self, held: Held, force: bool = False) -> None:
+        """Give back a turn that will not commit (from a stream's cleanup: it does not wait)."""
+        if held.done and not force:
+            return
+        self._stop(held)
+        task = asyncio.get_running_loop().create_task(self._give_back(held))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _give_back(self, held: Held) -> None:
+        try:
+            await self._release(keys=[sessions.session_key(held.tenant, held.session_id)], args=[held.request_id])
+        except RedisError as exc:
+            log.warning("cannot release the turn of session %s (%s); it lapses by itself", held.session_id, exc)
+
+    def _remember(self, key: tuple[str, str], version: int, context: Context) -> None:
+        self._cache[key] = (version, context)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ the tenant's view
+
+    async def list(self, tenant: str, limit: int = 100) -> list[dict]:
+        limit = min(max(1, limit or 100), LIST_MAX)
+        try:
+            flat = await self._list(keys=[sessions.index_key(tenant)], args=[self._clock(), limit])
+            ids = [(_text(flat[i]), int(float(flat[i + 1]))) for i in range(0, len(flat), 2)]
+            pipe = self._redis.pipeline(transaction=False)
+            for sid, _ in ids:
+                pipe.hgetall(sessions.session_key(tenant, sid))
+            rows = await pipe.execute()
+        except RedisError as exc:
+            log.warning("cannot list sessions (%s)", exc)
+            raise _unavailable() from None
+        return [_summary(sid, expires, raw) for (sid, expires), raw in zip(ids, rows) if raw and raw.get("v")]
+
+    async def get(self, tenant: str, session_id: str) -> tuple[dict, Context]:
+        sessions.check_id(session_id)
+        key = sessions.session_key(tenant, session_id)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hgetall(key)
+            pipe.pttl(key)
+            raw, ttl = await pipe.execute()
+        except RedisError as exc:
+            log.warning("cannot read a session (%s)", exc)
+            raise _unavailable() from None
+        if not raw or not raw.get("v"):
+            raise _not_found(session_id)
+        return _summary(session_id, self._clock() + max(0, int(ttl)), raw), Context.from_json(raw["ctx"])
+
+    async def delete(self, tenant: str, session_id: str) -> None:
+        sessions.check_id(session_id)
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hexists(sessions.session_key(tenant, session_id), "v")
+            pipe.delete(sessions.session_key(tenant, session_id))
+            pipe.zrem(sessions.index_key(tenant), session_id)
+            existed, _, _ = await pipe.execute()
+        except RedisError as exc:
+            log.warning("cannot delete a session (%s)", exc)
+            raise _unavailable() from None
+        self._cache.pop((tenant, session_id), None)
+        if not existed:
+            raise _not_found(session_id)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _not_found(session_id: str) -> errors.NotFound:
+    return errors.NotFound(f"no session {session_id!r} (it may have expired: a session is kept for a while after "
+                           "its last turn)", param="session_id")
+
+
+def _summary(session_id: str, expires_ms: int, raw: dict) -> dict:
+    def field_(name: str, default: str = "0") -> str:
+        return _text(raw.get(name, default))
+
+    now = metering.now_ms()
+    return {
+        "session_id": session_id, "model": field_("model", ""), "kind": field_("kind", ""),
+        "version": int(field_("v")), "turns": int(field_("turns")), "committed_turns": int(field_("committed")),
+        "dropped_turns": int(field_("dropped")), "context_tokens": int(field_("tokens")),
+        "worker_id": field_("worker", ""), "created_unix_ms": int(field_("created")),
+        "updated_unix_ms": int(field_("updated")), "expires_unix_ms": expires_ms,
+        "turn_in_progress": bool(field_("turn", "")) and int(field_("turn_until")) > now,
+    }
+
+
+def session_message(summary: dict, context: Context | None = None) -> inference_pb2.Session:
+    s = inference_pb2.Session(**summary)
+    if context is not None:
+        if context.kind == "chat":
+            pairs = context.chat_messages()
+        else:
+            pairs = [p for t in context.turns for p in (("prompt", t.messages[0][1]), ("completion", t.reply))]
+        s.messages.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in pairs)
+    return s
+
+
+# ---------------------------------------------------------------- a turn's request and reply
+
+
+def check_turn(request: inference_pb2.GenerateRequest) -> str:
+    """The session id of a request that is a turn ("" when it is not), checked."""
+    if not request.session_id:
+        return ""
+    sessions.check_id(request.session_id)
+    if request.n > 1:
+        raise errors.InvalidArgument("a session turn generates one reply: n must be 1", param="n")
+    if request.prompt_token_ids:
+        raise errors.InvalidArgument(
+            "a session keeps text: send a turn's prompt as text or messages, not prompt_token_ids", param="prompt")
+    if request.continue_final_message:
+        raise errors.InvalidArgument("a session turn cannot continue_final_message", param="continue_final_message")
+    return request.session_id
+
+
+async def plan_turn(store: SessionStore, dispatcher, request: inference_pb2.GenerateRequest, principal: Principal,
+                    request_id: str) -> TurnPlan:
+    """Take the session's turn and prepare its request: the stored context, then the turn's new
+    part; the context's oldest turns dropped while the prompt leaves the reply no room."""
+    check_turn(request)
+    started = time.perf_counter()
+    held = await store.begin(principal.tenant, request.session_id, request_id)
+    began = time.perf_counter() - started
+    try:
+        plan = await _plan(store, dispatcher, request, principal, held)
+    except BaseException:
+        store.release_later(held)
+        raise
+    plan.tenant_s = began
+    return plan
+
+
+async def _plan(store: SessionStore, dispatcher, request: inference_pb2.GenerateRequest, principal: Principal,
+                held: Held) -> TurnPlan:
+    messages = [(m.role, m.content) for m in request.messages] if request.messages else None
+    prompt = request.prompt if not request.messages else None
+    if held.context is not None:
+        context = held.context
+        if request.model:
+            model = await dispatcher.resolve_model(request.model)
+            if model.name != context.model:
+                raise errors.InvalidArgument(
+                    f"session {held.session_id!r} is a conversation with {context.model}; continue it with that "
+                    "model (or leave model out), or start another session", param="model")
+        new = context.new_part(messages, prompt)
+    else:
+        model = await dispatcher.resolve_model(request.model)
+        context, new = Context.new(model.name, "chat" if messages is not None else "text", messages or [("prompt", prompt)])
+        if not new:
+            raise errors.InvalidArgument("a session's first turn needs a message besides the system prompt",
+                                         param="messages")
+    plan = TurnPlan(held, context, new)
+    model = await dispatcher.resolve_model(context.model)
+    limit = model.max_model_len
+    want = request.max_tokens or store.policy.reply_reserve_tokens
+    for _ in range(FIT_ATTEMPTS):
+        full = turn_request(request, context, new, plan.keep_from)
+        try:
+            plan.prepared = await dispatcher.prepare(full, principal)
+            room, too_long = limit - plan.prepared.prompt_tokens, None
+        except genrequest.ContextTooLong as exc:
+            plan.prepared, room, too_long = None, limit - exc.prompt_tokens, exc
+        if not limit or room >= want or plan.keep_from >= len(context.turns):
+            if too_long is not None:
+                raise too_long
+            break
+        plan.keep_from = context.drop_for(want - room, plan.keep_from)
+    else:
+        if plan.prepared is None:
+            raise errors.InvalidArgument(f"session {held.session_id!r} cannot be shortened to fit the model's context; "
+                                         "start another session", param="session_id")
+    plan.prepared.session_worker = context.worker
+    if plan.keep_from:
+        log.info("session %s: dropped its %d oldest turn(s) (about %d tokens) to fit %s's %d tokens", held.session_id,
+                 plan.keep_from, sessions.dropped_tokens(context, plan.keep_from), model.name, limit)
+    return plan
+
+
+def turn_request(request: inference_pb2.GenerateRequest, context: Context, new: list[tuple[str, str]],
+                 keep_from: int) -> inference_pb2.GenerateRequest:
+    """The engine request of a turn: the context (from turn keep_from), then the turn's part."""
+    full = inference_pb2.GenerateRequest()
+    full.CopyFrom(request)
+    full.model = context.model
+    full.ClearField("messages")
+    full.ClearField("prompt")
+    if context.kind == "chat":
+        full.messages.extend(
+            inference_pb2.ChatMessage(role=r, content=c) for r, c in context.chat_messages(keep_from) + new)
+    else:
+        full.prompt = context.text(keep_from) + new[0][1]
+    return full
+
+
+async def committing(store: SessionStore, plan: TurnPlan,
+                     chunks: AsyncIterator[common_pb2.GenerateChunk]) -> AsyncIterator[common_pb2.GenerateChunk]:
+    """Relay a turn's chunks, committing its reply to the session before the last one is released
+    (which then says what the turn did to the session). A turn that ends otherwise gives the
+    session back unchanged."""
+    held = plan.held
+    try:
+        async for chunk in chunks:
+            plan.reply.append(chunk.text)
+            if chunk.HasField("usage"):
+                started = time.perf_counter()
+                context = plan.context.committed(
+                    plan.new, "".join(plan.reply), plan.keep_from, chunk.usage.prompt_tokens,
+                    chunk.usage.completion_tokens, chunk.worker_id, store.now_ms(),
+                )
+                version = await store.commit(held, context)
+                latency.add_tenant(chunk.timings, time.perf_counter() - started)
+                chunk.session.CopyFrom(common_pb2.SessionTurn(
+                    session_id=held.session_id, version=version, turns=len(context.turns),
+                    context_tokens=context.tokens, created=plan.created, dropped_turns=plan.keep_from,
+                    dropped_tokens=sessions.dropped_tokens(plan.context, plan.keep_from),
+                ))
+            yield chunk
+    finally:
+        store.release_later(held)
