@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from gaas import errors
+
+log = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -75,6 +78,17 @@ class ChatMessage:
     content: str
 
 
+@dataclass(slots=True)
+class PromptPrefix:
+    """The token ids of a prompt's beginning, kept to tokenize a longer prompt that starts with it
+    (a session's next turn) without tokenizing that part again. It ends just after a special token:
+    the tokenizer splits on those before anything else, so nothing merges across one and the ids
+    of the beginning plus those of the rest are the ids of the whole (checked once per tokenizer)."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+
+
 class Tokenizer:
     """One model's tokenizer. Thread-safe (the router tokenizes long prompts off its event loop)."""
 
@@ -84,6 +98,9 @@ class Tokenizer:
         self._template = _compile(chat_template) if chat_template else None
         self.special_tokens = special_tokens
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        # Whether tokenizing at a special token gives the ids of the whole (None: not checked yet).
+        self._splits_cleanly: bool | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
@@ -109,6 +126,31 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_continuing(self, text: str, prefix: PromptPrefix) -> list[int]:
+        """encode(text, add_special_tokens=False), reusing prefix's ids when text begins with it;
+        prefix then holds text up to its last special token, for the next, longer prompt."""
+        start, head = 0, prefix.ids
+        if prefix.text and self._splits_cleanly is not False and text.startswith(prefix.text):
+            start = len(prefix.text)
+        enc = self._tok.encode(text[start:], add_special_tokens=False)
+        ids = (head + enc.ids) if start else enc.ids
+        if start and self._splits_cleanly is None:
+            self._splits_cleanly = ids == self.encode(text, False)
+            if not self._splits_cleanly:
+                log.warning("this tokenizer does not split cleanly at special tokens: session prompts are tokenized "
+                            "whole every turn")
+                return self.encode(text, False)
+        for j in range(len(enc.ids) - 1, -1, -1):
+            if enc.ids[j] in self._special_ids:
+                prefix.text = text[: start + enc.offsets[j][1]]
+                prefix.ids = ids[: (len(head) if start else 0) + j + 1]
+                break
+        return ids
+
+    def continued_chars(self, text: str, prefix: PromptPrefix) -> int:
+        """Characters of text that encode_continuing would tokenize anew."""
+        return len(text) - len(prefix.text) if prefix.text and text.startswith(prefix.text) else len(text)
 
     def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False

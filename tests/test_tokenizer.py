@@ -82,3 +82,22 @@ def test_a_model_without_template_or_tokenizer_is_a_clear_error(tiny_model, tmp_
         Tokenizer.load(d).render_chat([ChatMessage("user", "hi")])
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.load(tmp_path / "nothing")
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(st.tuples(st.text(max_size=60), st.text(max_size=60)), min_size=1, max_size=5),
+       system=st.text(max_size=40))
+def test_a_sessions_next_prompt_reuses_the_last_ones_tokens_and_gets_exactly_the_whole_prompts_ids(pair, turns, system):
+    from gaas.tokenizer import PromptPrefix
+
+    ours, _ = pair
+    prefix = PromptPrefix()
+    messages = [ChatMessage("system", system)]
+    for user, reply in turns:
+        messages.append(ChatMessage("user", user))
+        text = ours.render_chat(messages, True)
+        assert ours.encode_continuing(text, prefix) == ours.encode(text, False), "what tokenizing it whole gives"
+        assert text.startswith(prefix.text) and prefix.ids == ours.encode(prefix.text, False)
+        messages.append(ChatMessage("assistant", reply))
+    assert ours.continued_chars(ours.render_chat(messages + [ChatMessage("user", "x")], True), prefix) < len(
+        ours.render_chat(messages + [ChatMessage("user", "x")], True)), "the next turn tokenizes only its new part"

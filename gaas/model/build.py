@@ -66,6 +66,8 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("tiny", 128, 256, 2, 2, 1, 4096, 4096, "tests and the local demo: ~5-15 ms TTFT on a CPU core"),
         Preset("small", 512, 1536, 8, 8, 2, 8192, 8192, "benchmarks where prefill must cost something"),
+        Preset("long", 128, 256, 2, 2, 1, 4096, 32768,
+               "tiny's shape with a 32K-token context: long sessions and their switching cost (bench.sessions)"),
     )
 }
 

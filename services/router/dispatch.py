@@ -26,7 +26,7 @@ from prometheus_client import Counter, Histogram
 from gaas import errors, genrequest, kvhash, latency, qos
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
-from gaas.tokenizer import ChatMessage, Tokenizer
+from gaas.tokenizer import ChatMessage, PromptPrefix, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.activity import TenantActivity
 from services.router.auth import Principal
@@ -192,9 +192,11 @@ class Dispatcher:
         self._tokenizers[model.source] = tok
         return tok
 
-    async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal) -> Prepared:
+    async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal,
+                      prefix: PromptPrefix | None = None) -> Prepared:
         """Resolve the model, tokenize the prompt (chat template applied), check what the worker
-        will get: the prompt as token ids and an explicit max_tokens."""
+        will get: the prompt as token ids and an explicit max_tokens. prefix: the token ids of how
+        a session's last prompt began, reused when this one begins the same way (and updated)."""
         if len(request.model) > genrequest.MAX_MODEL_NAME:
             raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
         model = await self.resolve_model(request.model)
@@ -204,7 +206,7 @@ class Dispatcher:
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.model = model.name
-        ids = await self._tokenize(tok, request)
+        ids = await self._tokenize(tok, request, prefix)
         if not ids:
             raise errors.InvalidArgument("the prompt has no tokens", param="prompt")
         forwarded.ClearField("prompt")
@@ -249,15 +251,20 @@ class Dispatcher:
             self._metrics.lookup_seconds.observe(time.perf_counter() - started)
         return found
 
-    async def _tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest) -> list[int]:
+    async def _tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest,
+                        prefix: PromptPrefix | None = None) -> list[int]:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
         if request.messages:
             messages = [ChatMessage(m.role, m.content) for m in request.messages]
             agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-            args = (messages, agp, request.continue_final_message, request.add_special_tokens)
-            fn = tok.encode_chat
-            size = sum(len(m.content) for m in messages)
+            if prefix is not None and not request.add_special_tokens:
+                text = tok.render_chat(messages, agp, request.continue_final_message)
+                args, fn, size = (text, prefix), tok.encode_continuing, tok.continued_chars(text, prefix)
+            else:
+                args = (messages, agp, request.continue_final_message, request.add_special_tokens)
+                fn = tok.encode_chat
+                size = sum(len(m.content) for m in messages)
         else:
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             args, fn, size = (request.prompt, special), tok.encode, len(request.prompt)

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from gaas import errors, genrequest, latency, metering, sessions
 from gaas.sessions import Context, SessionPolicy
+from gaas.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Principal
 from services.router.metering import _Script
@@ -51,6 +52,8 @@ class Held:
     # The version the turn read (0: the session is new), and its context then.
     version: int
     context: Context | None
+    # How the session's last prompt was tokenized (this router's copy): reused by the next one.
+    prefix: PromptPrefix = field(default_factory=PromptPrefix)
     renewing: asyncio.Task | None = None
     done: bool = False
 
@@ -85,7 +88,7 @@ class SessionStore:
         self._commit = _Script(redis, sessions.COMMIT)
         self._release = _Script(redis, sessions.RELEASE)
         self._list = _Script(redis, sessions.LIST)
-        self._cache: OrderedDict[tuple[str, str], tuple[int, Context]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[int, Context, PromptPrefix]] = OrderedDict()
         self._cache_size = cache_size
         self._tasks: set[asyncio.Task] = set()
         # Contexts read from Redis because this router's copy was missing or older.
@@ -125,17 +128,19 @@ class SessionStore:
                 f"finished (its hold lapses within {max(1, -(-left_ms // 1000))} s if that request was lost)",
                 reason="session_busy",
             )
+        # (a stale copy's prompt prefix stays: it is only reused where the new prompt begins with it)
+        prefix = cached[2] if cached else PromptPrefix()
         if version == 0:
             context = None
             self._cache.pop(key, None)
         elif len(answer) > 1:
             context = Context.from_json(answer[1])
             self.reloads += 1
-            self._remember(key, version, context)
+            self._remember(key, version, context, prefix)
         else:
             context = cached[1]
             self._cache.move_to_end(key)
-        held = Held(tenant, session_id, request_id, version, context)
+        held = Held(tenant, session_id, request_id, version, context, prefix)
         held.renewing = asyncio.create_task(self._keep(held), name=f"session-lease-{session_id}")
         return held
 
@@ -186,7 +191,7 @@ class SessionStore:
                 "(GET /v1/gaas/sessions/ID) before the next turn",
                 reason="session_changed",
             )
-        self._remember(key, version, context)
+        self._remember(key, version, context, held.prefix)
         return version
 
     def release_later(self, held: Held, force: bool = False) -> None:
@@ -204,8 +209,8 @@ class SessionStore:
         except RedisError as exc:
             log.warning("cannot release the turn of session %s (%s); it lapses by itself", held.session_id, exc)
 
-    def _remember(self, key: tuple[str, str], version: int, context: Context) -> None:
-        self._cache[key] = (version, context)
+    def _remember(self, key: tuple[str, str], version: int, context: Context, prefix: PromptPrefix) -> None:
+        self._cache[key] = (version, context, prefix)
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -357,7 +362,7 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
     for _ in range(FIT_ATTEMPTS):
         full = turn_request(request, context, new, plan.keep_from)
         try:
-            plan.prepared = await dispatcher.prepare(full, principal)
+            plan.prepared = await dispatcher.prepare(full, principal, held.prefix)
             room, too_long = limit - plan.prepared.prompt_tokens, None
         except genrequest.ContextTooLong as exc:
             plan.prepared, room, too_long = None, limit - exc.prompt_tokens, exc

@@ -73,8 +73,17 @@ class FakeTokenizer:
     def encode(self, text, add_special_tokens=True):
         return ([0] if add_special_tokens else []) + [1 + ord(c) % 900 for c in text]
 
+    def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False):
+        return "".join(f"<{m.role}>{m.content}" for m in messages)
+
     def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, add_special_tokens=False):
-        return self.encode("".join(f"<{m.role}>{m.content}" for m in messages), add_special_tokens)
+        return self.encode(self.render_chat(messages), add_special_tokens)
+
+    def encode_continuing(self, text, prefix):
+        return self.encode(text, False)
+
+    def continued_chars(self, text, prefix):
+        return len(text)
 
 
 async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None):
