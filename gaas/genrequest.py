@@ -172,7 +172,7 @@ def check(req: inference_pb2.GenerateRequest, max_model_len: int | None = None, 
         raise InvalidArgument(
             "continue_final_message needs messages and add_generation_prompt false", param="continue_final_message"
         )
-    if vocab_size:
+    if vocab_size and req.prompt_token_ids and max(req.prompt_token_ids) >= vocab_size:  # (the loop only to name it)
         for i, t in enumerate(req.prompt_token_ids):
             if t >= vocab_size:
                 raise InvalidArgument(

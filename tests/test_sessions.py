@@ -7,6 +7,7 @@ session not found, and sessions counted in the tenant's usage."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -89,6 +90,10 @@ def test_a_second_turn_while_one_is_streaming_gets_409_and_the_first_commits(mes
     assert done["r"].model_extra["gaas_session"]["version"] == 2
     after = c.completions.create(model=MODEL, prompt=" and then", max_tokens=4, extra_body=body)
     assert after.model_extra["gaas_session"]["version"] == 3
+    status, metrics = http(mesh, "/metrics", method="GET", key="")
+    assert status == 200
+    for outcome in ("busy", "committed"):
+        assert re.search(rf'^gaas_router_session_turns_total{{outcome="{outcome}"}} [1-9]', metrics, re.M), outcome
 
 
 def test_gaas_session_list_show_delete_and_another_tenant_sees_none_of_it(mesh):

@@ -34,7 +34,7 @@ from services.router.metering import Meter
 from services.router.openai_servicer import OpenAIServicer
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
-from services.router.sessions import SessionStore
+from services.router.sessions import SessionMetrics, SessionStore
 from gaas.sessions import SessionPolicy
 
 log = logging.getLogger("gaas.router")
@@ -135,7 +135,14 @@ async def serve(cfg: RouterConfig) -> None:
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
-    sessions = SessionStore(redis, session_policy)
+    sessions = SessionStore(redis, session_policy, metrics=SessionMetrics(
+        turns=rt.metrics.counter("session_turns_total", "Session turns by outcome: committed, busy (another turn held "
+                                 "the session), changed (its version moved), released (no reply), unavailable",
+                                 ("outcome",)),
+        reloads=rt.metrics.counter("session_reloads_total", "Session contexts read again: this router's copy was older"),
+        dropped_turns=rt.metrics.counter("session_dropped_turns_total",
+                                         "Turns dropped from session contexts to fit a model's window"),
+    ))
     log.info("sessions kept %d s after their last turn; context past a model's window: %s (reply reserve %d tokens)",
              session_policy.ttl_seconds, session_policy.truncation, session_policy.reply_reserve_tokens)
     read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))

@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 
 # Contexts each router keeps a copy of (the sessions it served last).
 CACHE_SESSIONS = 1024
-# Turns dropped at most per attempt to fit, before giving up on shortening.
+# Attempts at dropping turns to fit, before giving up on shortening.
 FIT_ATTEMPTS = 8
+# A turn's hold is renewed at most this long (a turn whose stream never ended lets it lapse).
+MAX_TURN_SECONDS = 900
 LIST_MAX = 1000
 
 
@@ -77,10 +79,27 @@ class TurnPlan:
         return self.held.version == 0
 
 
+@dataclass(frozen=True, slots=True)
+class SessionMetrics:
+    # Turns by outcome: committed; busy (another turn held the session); changed (the version moved
+    # before the commit); released (ended without a reply); unavailable (Redis did not answer).
+    turns: object = None
+    # Contexts reloaded because this router's copy was older than Redis's.
+    reloads: object = None
+    # Turns dropped from contexts to fit a model's window.
+    dropped_turns: object = None
+
+    def count(self, outcome: str) -> None:
+        if self.turns is not None:
+            self.turns.labels(outcome).inc()
+
+
 class SessionStore:
     def __init__(self, redis: Redis, policy: SessionPolicy = SessionPolicy(),
-                 clock: Callable[[], int] = metering.now_ms, cache_size: int = CACHE_SESSIONS) -> None:
+                 clock: Callable[[], int] = metering.now_ms, cache_size: int = CACHE_SESSIONS,
+                 metrics: SessionMetrics = SessionMetrics()) -> None:
         self.policy = policy
+        self.metrics = metrics
         self._redis = redis
         self._clock = clock
         self._begin = _Script(redis, sessions.BEGIN)
@@ -119,9 +138,11 @@ class SessionStore:
             )
         except RedisError as exc:
             log.warning("cannot begin a turn of a session (%s)", exc)
+            self.metrics.count("unavailable")
             raise _unavailable() from None
         version = int(answer[0])
         if version < 0:
+            self.metrics.count("busy")
             holder, left_ms = _text(answer[1]), int(answer[2])
             raise errors.Aborted(
                 f"session {session_id!r} has a turn in progress (request {holder}); send the next turn when it has "
@@ -136,6 +157,8 @@ class SessionStore:
         elif len(answer) > 1:
             context = Context.from_json(answer[1])
             self.reloads += 1
+            if self.metrics.reloads is not None:
+                self.metrics.reloads.inc()
             self._remember(key, version, context, prefix)
         else:
             context = cached[1]
@@ -147,7 +170,8 @@ class SessionStore:
     async def _keep(self, held: Held) -> None:
         """Renew the turn's lease while it runs (a router that dies lets it lapse)."""
         key = sessions.session_key(held.tenant, held.session_id)
-        while True:
+        until = time.monotonic() + MAX_TURN_SECONDS
+        while time.monotonic() < until:
             await asyncio.sleep(self.policy.lease_seconds / 3)
             try:
                 if not await self._renew(keys=[key], args=[held.request_id, self._clock(), self.lease_ms]):
@@ -175,6 +199,7 @@ class SessionStore:
             )
         except RedisError as exc:
             log.warning("cannot commit a turn of session %s (%s)", held.session_id, exc)
+            self.metrics.count("unavailable")
             self._cache.pop(key, None)
             self.release_later(held, force=True)
             raise errors.Unavailable(
@@ -183,6 +208,7 @@ class SessionStore:
             ) from None
         version = int(answer[0])
         if version < 0:
+            self.metrics.count("changed")
             self._cache.pop(key, None)
             why = ("another turn was committed meanwhile" if version == -1
                    else "the session was deleted, or its hold lapsed and another turn took it")
@@ -192,12 +218,15 @@ class SessionStore:
                 reason="session_changed",
             )
         self._remember(key, version, context, held.prefix)
+        self.metrics.count("committed")
         return version
 
     def release_later(self, held: Held, force: bool = False) -> None:
         """Give back a turn that will not commit (from a stream's cleanup: it does not wait)."""
         if held.done and not force:
             return
+        if not held.done:
+            self.metrics.count("released")
         self._stop(held)
         task = asyncio.get_running_loop().create_task(self._give_back(held))
         self._tasks.add(task)
@@ -377,6 +406,8 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
                                          "start another session", param="session_id")
     plan.prepared.session_worker = context.worker
     if plan.keep_from:
+        if store.metrics.dropped_turns is not None:
+            store.metrics.dropped_turns.inc(plan.keep_from)
         log.info("session %s: dropped its %d oldest turn(s) (about %d tokens) to fit %s's %d tokens", held.session_id,
                  plan.keep_from, sessions.dropped_tokens(context, plan.keep_from), model.name, limit)
     return plan

@@ -193,7 +193,7 @@ async def test_a_replica_whose_copy_is_older_reloads_it(redis_url, redis):
     other = redisconn.connect(redis_url)
     try:
         a, b = SessionStore(redis), SessionStore(other)
-        (da, fa), (db, fb) = dispatcher(), dispatcher()
+        (da, fa), (db, _) = dispatcher(), dispatcher()
         await turn(a, da, session_id="s", messages=chat(("user", "one")), max_tokens=2)
         await turn(b, db, session_id="s", messages=chat(("user", "two")), max_tokens=2)
         assert b.reloads == 1
