@@ -159,7 +159,7 @@ def test_reflection_at_the_ingress_shows_the_public_services_only(mesh):
         chunk_fields = set(pool.FindMessageTypeByName("gaas.v1.GenerateChunk").fields_by_name)
     assert services == {"gaas.v1.Inference", "gaas.v1.OpenAI", "grpc.health.v1.Health",
                         "grpc.reflection.v1alpha.ServerReflection"}
-    assert methods == ["Generate", "ListModels", "GetUsage"] and {"index", "logprobs", "usage"} <= chunk_fields
+    assert methods == ["Generate", "ListModels", "GetUsage", "ListSessions", "GetSession", "DeleteSession"] and {"index", "logprobs", "usage"} <= chunk_fields
 
 
 @pytest.mark.parametrize(

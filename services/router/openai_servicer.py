@@ -20,7 +20,9 @@ from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
 from services.router import jsonbody, openai_api
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge
-from services.router.servicer import admit, admit_usage, metered, note_client_id, prepare_one, with_session
+from services.router.servicer import (
+    admit, admit_usage, metered, note_client_id, prepare_one, released_on_error, with_session,
+)
 from services.router.metering import Meter
 from services.router.sessions import SessionStore
 
@@ -128,7 +130,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             prepared = [first]
         else:
             prepared, plan = [await self._dispatcher.prepare(r, principal) for r in engine_requests], None
-        try:
+        with released_on_error(self._sessions, plan):
             fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
             n = parsed.n
             usage = _Usage(prompt=sum(p.prompt_tokens for p in prepared),
@@ -140,10 +142,6 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                 session_id,
             )
             tenant_s += time.perf_counter() - admitting + (plan.tenant_s if plan else 0.0)
-        except BaseException:
-            if plan is not None:
-                self._sessions.release_later(plan.held)
-            raise
         ingress_s = latency.ingress_seconds(metadata, arrived_wall)
         streams = [
             with_session(self._sessions, plan, self._dispatcher.stream(

@@ -4,6 +4,7 @@ Also admit(), the admission step both public APIs share."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from gaas import errors, latency, metering
@@ -100,6 +101,18 @@ def with_session(sessions: SessionStore | None, plan: TurnPlan | None, chunks):
     return chunks if plan is None else committing(sessions, plan, chunks)
 
 
+@contextlib.contextmanager
+def released_on_error(sessions: SessionStore | None, plan: TurnPlan | None):
+    """A session's turn, held between its planning and its stream, is given back if the request
+    fails in between (admission refused it...)."""
+    try:
+        yield
+    except BaseException:
+        if plan is not None:
+            sessions.release_later(plan.held)
+        raise
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(
         self, dispatcher: Dispatcher, authenticator: Authenticator, meter: Meter | None = None, read_usage=None,
@@ -118,16 +131,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         note_client_id(request.request_id)
         request_id = current_request_id()
         prepared, plan = await prepare_one(self._dispatcher, self._sessions, request, principal, request_id)
-        try:
+        with released_on_error(self._sessions, plan):
             n = prepared.request.n or 1
             admitting = time.perf_counter()
             m = await admit_usage(self._meter, principal, [prepared], request_id, n * prepared.request.max_tokens,
                                   arrived, request.session_id)
             tenant_s += time.perf_counter() - admitting + (plan.tenant_s if plan else 0.0)
-        except BaseException:
-            if plan is not None:
-                self._sessions.release_later(plan.held)
-            raise
         ingress_s = latency.ingress_seconds(dict(context.invocation_metadata() or ()), arrived_wall)
         chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived, tenant_s,
                                          ingress_s)
