@@ -204,6 +204,32 @@ class BillingAdmin(_Service):
         }
 
 
+class RouterAdmin(_Service):
+    """A router's operator API through its sidecar: any tenant's sessions."""
+
+    WHAT = "the router"
+
+    def __init__(self, address: str) -> None:
+        from gaas.v1 import router_pb2_grpc
+
+        super().__init__(address, router_pb2_grpc.RouterStub)
+
+    def list_sessions(self, tenant: str, limit: int = 100):
+        from gaas.v1 import router_pb2
+
+        return list(self._call("ListTenantSessions", router_pb2.TenantSessionsRequest(tenant=tenant, limit=limit)).sessions)
+
+    def get_session(self, tenant: str, session_id: str):
+        from gaas.v1 import router_pb2
+
+        return self._call("GetTenantSession", router_pb2.TenantSessionRequest(tenant=tenant, session_id=session_id))
+
+    def delete_session(self, tenant: str, session_id: str) -> None:
+        from gaas.v1 import router_pb2
+
+        self._call("DeleteTenantSession", router_pb2.TenantSessionRequest(tenant=tenant, session_id=session_id))
+
+
 def router_flow(address: str, timeout: float = 2.0) -> dict | None:
     """A router's flow control (its queue by band, each worker's window and breaker), through its
     sidecar; None when it does not answer."""

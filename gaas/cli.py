@@ -423,6 +423,22 @@ def _session_dict(s) -> dict:
     return MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def _session_call(args, method: str, *params):
+    """A session call: as the API key's tenant through the ingress, or with --tenant as the mesh's
+    operator through router-0's sidecar; (result, None) or (None, exit code)."""
+    if getattr(args, "tenant", None):
+        from gaas.admin import RouterAdmin
+        from gaas.errors import GaasError
+
+        address = _topology(args, _state(Path(args.run_dir))).of("router")[0].inbound
+        try:
+            with RouterAdmin(address) as router:
+                return getattr(router, method)(args.tenant, *params), None
+        except GaasError as exc:
+            return None, _fail(f"{exc.code}: {exc.message}", 1)
+    return _client_call(args, lambda c: getattr(c, method)(*params))
+
+
 def _client_call(args, fn):
     """fn(client) against the ingress with the tenant's API key; (result, None) or (None, exit code)."""
     from gaas.client import GaasClient, GaasError
@@ -442,7 +458,7 @@ def _when(ms: int) -> str:
 
 
 def cmd_session_list(args) -> int:
-    rows, err = _client_call(args, lambda c: c.list_sessions(args.limit))
+    rows, err = _session_call(args, "list_sessions", args.limit)
     if err is not None:
         return err
     if args.json:
@@ -463,7 +479,7 @@ def cmd_session_list(args) -> int:
 
 
 def cmd_session_show(args) -> int:
-    s, err = _client_call(args, lambda c: c.get_session(args.session_id))
+    s, err = _session_call(args, "get_session", args.session_id)
     if err is not None:
         return err
     if args.json:
@@ -481,7 +497,7 @@ def cmd_session_show(args) -> int:
 
 
 def cmd_session_delete(args) -> int:
-    _, err = _client_call(args, lambda c: c.delete_session(args.session_id))
+    _, err = _session_call(args, "delete_session", args.session_id)
     if err is not None:
         return err
     print(f"deleted session {args.session_id}")
@@ -1170,13 +1186,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sessions are conversations GaaS keeps in Redis for a tenant: a request naming a session_id "
         "(gRPC field, the x-gaas-session header or the body's session_id) is a turn of it, and only its new part needs "
         "sending. These commands act with the API key's tenant (GET/DELETE /v1/gaas/sessions at the ingress); another "
-        "tenant's session id is not found.")
+        "tenant's session id is not found. The mesh's operator names any tenant with --tenant instead.")
     ssub = session.add_subparsers(dest="session_command", required=True, metavar="ACTION")
 
     def ingress_args(sp) -> None:
+        sp.add_argument("--tenant", default=None,
+                        help="as the mesh's operator: this tenant's sessions (through the router's sidecar; no API key)")
         sp.add_argument("--ingress", default=None, help="host:port of the ingress (env GAAS_INGRESS; default: the running mesh's)")
         sp.add_argument("--api-key", default=None, help="API key (env GAAS_API_KEY; default: the demo key `gaas up` saved)")
-        sp.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help=argparse.SUPPRESS)
+        mesh_args(sp, workers=False)
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
     slist = ssub.add_parser("list", help="your sessions, most recent first")

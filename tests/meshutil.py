@@ -43,6 +43,22 @@ def http(mesh, path, body: bytes | None = None, method="POST", key: str | None =
         return err.code, err.read().decode()
 
 
+def wait_workers_idle(mesh, timeout: float = 30.0) -> None:
+    """Until every worker reports nothing running or waiting (what earlier tests left streaming has
+    ended), so that a test of where requests go starts from equal workers."""
+    from gaas import probe
+
+    control = next(i["address"] for i in mesh.ready["instances"] if i["name"] == "control-0")
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = probe.list_workers(control, run_dir=mesh.run_dir)
+        if workers and all(w["load"]["running"] + w["load"]["waiting"] == 0 for w in workers):
+            time.sleep(1.2)  # and the routers have read that report (they refresh every 0.5 s)
+            return
+        assert time.monotonic() < deadline, f"workers still busy after {timeout} s: {workers}"
+        time.sleep(0.3)
+
+
 def worker_addresses(mesh) -> dict[str, str]:
     return {w["worker_id"]: w["address"] for w in mesh.ready["workers"]}
 

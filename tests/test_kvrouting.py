@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.meshutil import gaas, generate, worker_addresses
+from tests.meshutil import gaas, generate, wait_workers_idle, worker_addresses
 
 pytestmark = pytest.mark.mesh
 
@@ -36,6 +36,7 @@ def test_the_directory_watches_every_worker(mesh):
 
 def test_a_repeated_long_prompt_lands_where_it_is_cached_and_the_hashes_agree(mesh):
     prompt = "A prompt long enough to fill many KV blocks, sent again and again by one tenant. " * 16
+    wait_workers_idle(mesh)
     finals = [generate(mesh, prompt=prompt, max_tokens=2)[-1] for _ in range(6)]
     holder = finals[0].worker_id
     assert all(f.worker_id == holder for f in finals), [f.worker_id for f in finals]

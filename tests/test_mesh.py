@@ -27,7 +27,7 @@ from gaas.v1 import (
     worker_pb2_grpc,
 )
 from tests.conftest import MESH_WORKERS, ROOT, process_alive
-from tests.meshutil import gaas, generate, http, wait_for_lines, worker_addresses
+from tests.meshutil import gaas, generate, http, wait_for_lines, wait_workers_idle, worker_addresses
 
 pytestmark = pytest.mark.mesh
 
@@ -101,6 +101,7 @@ def test_concurrent_requests_spread_over_the_workers(mesh):
     from concurrent.futures import ThreadPoolExecutor
 
     sampling = common_pb2.SamplingParams(ignore_eos=True)
+    wait_workers_idle(mesh)
     with ThreadPoolExecutor(4) as pool:
         finals = list(pool.map(lambda i: generate(mesh, prompt=f"spread {i}", max_tokens=200, sampling=sampling)[-1],
                                range(4)))

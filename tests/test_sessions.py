@@ -106,7 +106,7 @@ def test_gaas_session_list_show_delete_and_another_tenant_sees_none_of_it(mesh):
     assert row["kind"] == "text" and row["version"] == 1 and row["model"] == MODEL and row["turns"] == 1
     shown = gaas(mesh, "session", "show", s)
     assert shown.returncode == 0 and "[prompt]\nOnce upon a time" in shown.stdout, shown.stdout
-    _, key_b = new_tenant(mesh)
+    name_b, key_b = new_tenant(mesh)
     # another tenant: not found under its key, whatever it tries; its own session of that id is its own
     assert http(mesh, f"/v1/gaas/sessions/{s}", method="GET", key=key_b)[0] == 404
     assert http(mesh, f"/v1/gaas/sessions/{s}", method="DELETE", key=key_b)[0] == 404
@@ -114,6 +114,11 @@ def test_gaas_session_list_show_delete_and_another_tenant_sees_none_of_it(mesh):
     theirs = client(mesh, key_b).completions.create(model=MODEL, prompt="Hi", max_tokens=2,
                                                     extra_headers={"x-gaas-session": s})
     assert theirs.model_extra["gaas_session"]["created"] is True
+    # the operator names the tenant instead (through the router's sidecar, no API key)
+    listed_b = gaas(mesh, "session", "list", "--tenant", name_b, "--json")
+    assert listed_b.returncode == 0 and [r["session_id"] for r in json.loads(listed_b.stdout)] == [s], listed_b.stderr
+    shown_b = gaas(mesh, "session", "show", s, "--tenant", name_b)
+    assert shown_b.returncode == 0 and "[prompt]\nHi" in shown_b.stdout and "Once upon" not in shown_b.stdout
     deleted = gaas(mesh, "session", "delete", s)
     assert deleted.returncode == 0, deleted.stderr
     again = gaas(mesh, "session", "show", s)

@@ -45,6 +45,7 @@ def call(kind: str, method: str, ch):
         "Lookup": kvcache_pb2.LookupRequest(),
         "SetBudget": billing_pb2.SetBudgetRequest(),
         "GetFlowStatus": router_pb2.GetFlowStatusRequest(),
+        "ListTenantSessions": router_pb2.TenantSessionsRequest(tenant="demo"),
     }[method]
     result = fn(req, timeout=5)
     return list(result) if method in ("Generate", "WatchKVEvents") else result
@@ -61,6 +62,8 @@ REFUSED = [
     ("kvcache", "Lookup", [("worker", "worker-0"), pki.OPERATOR]),
     ("billing", "SetBudget", [("router", "router-0"), ("worker", "worker-0")]),
     ("router", "GetFlowStatus", [pki.INGRESS, ("worker", "worker-0")]),
+    # (a tenant reads its own sessions with its API key; any tenant's are the operator's)
+    ("router", "ListTenantSessions", [pki.INGRESS, ("worker", "worker-0"), ("kvcache", "kvcache-0")]),
 ]
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from gaas import errors
 from gaas.runtime.sql import Database
-from gaas.tenancy import TIERS
+from gaas.tenancy import TENANT_NAME_RE, TIERS
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+NAME_RE = TENANT_NAME_RE
 KEY_PREFIX = "gaas_"
 STRIPE_CUSTOMER_RE = re.compile(r"^cus_[A-Za-z0-9]{1,64}$")
 

@@ -1,20 +1,45 @@
-"""gaas.v1.Router: the router's flow control, as `gaas status` shows it."""
+"""gaas.v1.Router (the operator's, through the router's sidecar): the router's flow control, as
+`gaas status` shows it, and any tenant's sessions (`gaas session ... --tenant NAME`)."""
 
 from __future__ import annotations
 
+from gaas import errors
 from gaas.qos import BAND_NAMES
+from gaas.tenancy import TENANT_NAME_RE
 from gaas.runtime.metrics import nearest_rank
 from gaas.v1 import router_pb2 as pb
-from gaas.v1 import router_pb2_grpc
+from gaas.v1 import inference_pb2, router_pb2_grpc
 from services.router.activity import TenantActivity
 from services.router.flow import Flow
+from services.router.sessions import SessionStore, session_message
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, name: str, flow: Flow, activity: TenantActivity | None = None) -> None:
+    def __init__(self, name: str, flow: Flow, activity: TenantActivity | None = None,
+                 sessions: SessionStore | None = None) -> None:
         self._name = name
         self._flow = flow
         self._activity = activity or TenantActivity()
+        self._sessions = sessions
+
+    def _store(self, tenant: str) -> SessionStore:
+        if not TENANT_NAME_RE.match(tenant):
+            raise errors.InvalidArgument("tenant must be a tenant's name (see `gaas tenant list`)", param="tenant")
+        if self._sessions is None:
+            raise errors.Unimplemented("sessions are not available on this router")
+        return self._sessions
+
+    async def ListTenantSessions(self, request: pb.TenantSessionsRequest, context) -> inference_pb2.ListSessionsResponse:
+        rows = await self._store(request.tenant).list(request.tenant, request.limit)
+        return inference_pb2.ListSessionsResponse(sessions=[session_message(r) for r in rows])
+
+    async def GetTenantSession(self, request: pb.TenantSessionRequest, context) -> inference_pb2.Session:
+        summary, ctx = await self._store(request.tenant).get(request.tenant, request.session_id)
+        return session_message(summary, ctx)
+
+    async def DeleteTenantSession(self, request: pb.TenantSessionRequest, context) -> inference_pb2.DeleteSessionResponse:
+        await self._store(request.tenant).delete(request.tenant, request.session_id)
+        return inference_pb2.DeleteSessionResponse(session_id=request.session_id, deleted=True)
 
     async def GetFlowStatus(self, request: pb.GetFlowStatusRequest, context) -> pb.FlowStatus:
         flow = self._flow

@@ -154,7 +154,7 @@ async def serve(cfg: RouterConfig) -> None:
         openai_pb2_grpc.add_OpenAIServicer_to_server,
         OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter, sessions), "gaas.v1.OpenAI"
     )
-    rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity), "gaas.v1.Router",
+    rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity, sessions), "gaas.v1.Router",
                    listed=False)  # reached through the router's sidecar only, never the ingress
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
