@@ -77,6 +77,17 @@ def redis_url(tmp_path_factory):
     proc.wait(timeout=10)
 
 
+@pytest.fixture
+async def redis(redis_url):
+    """A client of the session's throw-away Redis, emptied first."""
+    from gaas.runtime import redisconn
+
+    client = redisconn.connect(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
 @dataclass
 class RunningMesh:
     proc: subprocess.Popen

@@ -2,20 +2,11 @@ import asyncio
 
 import pytest
 
-from gaas.runtime import redisconn
 from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerId, WorkerRecord, WorkerRegistry
 
 
 def record(worker_id="worker-0", model="gaas-tiny", address="127.0.0.1:20041"):
     return WorkerRecord(WorkerId(worker_id), address, model, "1.0.0", "vllm-cpu", "cpu", 32, 2048)
-
-
-@pytest.fixture
-async def redis(redis_url):
-    client = redisconn.connect(redis_url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
 
 
 async def test_register_list_deregister(redis):

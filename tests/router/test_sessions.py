@@ -71,14 +71,6 @@ def dispatcher(workers=("w0",), max_model_len=4096, pause=0.0):
     return d, fake
 
 
-@pytest.fixture
-async def redis(redis_url):
-    client = redisconn.connect(redis_url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
-
-
 async def turn(store, disp, principal=ACME, request_id=None, **req):
     """One turn, start to commit: the chunks the client gets."""
     request = inference_pb2.GenerateRequest(**req)
