@@ -34,7 +34,7 @@ from services.router.metering import Meter
 from services.router.openai_servicer import OpenAIServicer
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
-from services.router.sessions import SessionMetrics, SessionStore
+from services.router.sessions import SESSION_OUTCOMES, SessionMetrics, SessionStore
 from gaas.sessions import SessionPolicy
 
 log = logging.getLogger("gaas.router")
@@ -143,6 +143,8 @@ async def serve(cfg: RouterConfig) -> None:
         dropped_turns=rt.metrics.counter("session_dropped_turns_total",
                                          "Turns dropped from session contexts to fit a model's window"),
     ))
+    for outcome in SESSION_OUTCOMES:  # every outcome exported from the start, at 0
+        sessions.metrics.turns.labels(outcome)
     log.info("sessions kept %d s after their last turn; context past a model's window: %s (reply reserve %d tokens)",
              session_policy.ttl_seconds, session_policy.truncation, session_policy.reply_reserve_tokens)
     read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))

@@ -79,6 +79,9 @@ class TurnPlan:
         return self.held.version == 0
 
 
+SESSION_OUTCOMES = ("committed", "busy", "changed", "released", "unavailable")
+
+
 @dataclass(frozen=True, slots=True)
 class SessionMetrics:
     # Turns by outcome: committed; busy (another turn held the session); changed (the version moved
