@@ -24,6 +24,7 @@ from gaas.sessions import Context, SessionPolicy
 from gaas.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Principal
+from services.router.dispatch import Prepared
 from services.router.metering import _Script
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class TurnPlan:
     # The turn's own part (its messages, or its prompt), and the first context turn kept.
     new: list[tuple[str, str]]
     keep_from: int = 0
-    prepared: object = None
+    prepared: Prepared | None = None
     # Time taken by the session's store before the turn (the tenant's part of its latency).
     tenant_s: float = 0.0
     reply: list[str] = field(default_factory=list)
@@ -265,7 +266,8 @@ class SessionStore:
         except RedisError as exc:
             log.warning("cannot list sessions (%s)", exc)
             raise _unavailable() from None
-        return [_summary(sid, expires, raw) for (sid, expires), raw in zip(ids, rows) if raw and raw.get("v")]
+        now = self._clock()
+        return [_summary(sid, expires, raw, now) for (sid, expires), raw in zip(ids, rows) if raw and raw.get("v")]
 
     async def get(self, tenant: str, session_id: str) -> tuple[dict, Context]:
         sessions.check_id(session_id)
@@ -280,7 +282,8 @@ class SessionStore:
             raise _unavailable() from None
         if not raw or not raw.get("v"):
             raise _not_found(session_id)
-        return _summary(session_id, self._clock() + max(0, int(ttl)), raw), Context.from_json(raw["ctx"])
+        now = self._clock()
+        return _summary(session_id, now + max(0, int(ttl)), raw, now), Context.from_json(raw["ctx"])
 
     async def delete(self, tenant: str, session_id: str) -> None:
         sessions.check_id(session_id)
@@ -307,11 +310,10 @@ def _not_found(session_id: str) -> errors.NotFound:
                            "its last turn)", param="session_id")
 
 
-def _summary(session_id: str, expires_ms: int, raw: dict) -> dict:
+def _summary(session_id: str, expires_ms: int, raw: dict, now: int) -> dict:
     def field_(name: str, default: str = "0") -> str:
         return _text(raw.get(name, default))
 
-    now = metering.now_ms()
     return {
         "session_id": session_id, "model": field_("model", ""), "kind": field_("kind", ""),
         "version": int(field_("v")), "turns": int(field_("turns")), "committed_turns": int(field_("committed")),
@@ -374,12 +376,11 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
     prompt = request.prompt if not request.messages else None
     if held.context is not None:
         context = held.context
-        if request.model:
-            model = await dispatcher.resolve_model(request.model)
-            if model.name != context.model:
-                raise errors.InvalidArgument(
-                    f"session {held.session_id!r} is a conversation with {context.model}; continue it with that "
-                    "model (or leave model out), or start another session", param="model")
+        model = await dispatcher.resolve_model(request.model or context.model)
+        if model.name != context.model:
+            raise errors.InvalidArgument(
+                f"session {held.session_id!r} is a conversation with {context.model}; continue it with that "
+                "model (or leave model out), or start another session", param="model")
         new = context.new_part(messages, prompt)
     else:
         model = await dispatcher.resolve_model(request.model)
@@ -388,7 +389,6 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
             raise errors.InvalidArgument("a session's first turn needs a message besides the system prompt",
                                          param="messages")
     plan = TurnPlan(held, context, new)
-    model = await dispatcher.resolve_model(context.model)
     limit = model.max_model_len
     want = request.max_tokens or store.policy.reply_reserve_tokens
     for _ in range(FIT_ATTEMPTS):
