@@ -570,13 +570,9 @@ def cmd_trace(args) -> int:
 
 def cmd_status(args) -> int:
     from gaas import probe
-    from gaas.topology import TopologyError
 
     state = _state(Path(args.run_dir))
-    try:
-        topo = _topology(args, state)
-    except TopologyError as exc:
-        return _fail(str(exc), 2)
+    topo = _topology(args, state)
     health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout)
     if args.json:
         print(json.dumps({**health.to_dict(), "billing": _billing_status(topo),
@@ -630,13 +626,9 @@ def cmd_status(args) -> int:
 
 def cmd_top(args) -> int:
     from gaas import probe, top
-    from gaas.topology import TopologyError
 
     state = _state(Path(args.run_dir))
-    try:
-        topo = _topology(args, state)
-    except TopologyError as exc:
-        return _fail(str(exc), 2)
+    topo = _topology(args, state)
     if args.interval <= 0:
         return _fail("--interval must be more than 0 seconds", 2)
 
@@ -679,12 +671,8 @@ def _billing_status(topo) -> dict | None:
 
 def cmd_kv_stats(args) -> int:
     from gaas import probe
-    from gaas.topology import TopologyError
 
-    try:
-        topo = _topology(args, _state(Path(args.run_dir)))
-    except TopologyError as exc:
-        return _fail(str(exc), 2)
+    topo = _topology(args, _state(Path(args.run_dir)))
     kvs = topo.of("kvcache")
     stats = probe.kv_stats(kvs[0].inbound, timeout=args.timeout) if kvs else None
     if stats is None:
@@ -999,12 +987,8 @@ def cmd_model_build(args) -> int:
 
 def cmd_envoy_render(args) -> int:
     from gaas import envoyconf, protogen
-    from gaas.topology import TopologyError
 
-    try:
-        topo = _topology(args)
-    except TopologyError as exc:
-        return _fail(str(exc), 2)
+    topo = _topology(args)
     protogen.generate()
     out = Path(args.out)
     from gaas import pki
@@ -1026,17 +1010,13 @@ def cmd_restart(args) -> int:
     """Restart instances one at a time: SIGTERM (the instance drains: NOT_SERVING, deregistered,
     calls in flight finish), `gaas up` starts it again, and the next waits until it serves."""
     from gaas.probe import grpc_health, list_workers
-    from gaas.topology import TopologyError
     from services.router.config import REGISTRY_REFRESH_SECONDS
 
     run_dir = Path(args.run_dir)
     state = _state(run_dir)
     if state is None:
         return _fail(f"no mesh is running from {run_dir} (start one with `gaas up`, or give --run-dir)", 2)
-    try:
-        topo = _topology(args, state)
-    except TopologyError as exc:
-        return _fail(str(exc), 2)
+    topo = _topology(args, state)
     kinds = RESTARTABLE if args.target == "all" else (args.target,)
     instances = [i for k in kinds if k in RESTARTABLE for i in topo.of(k)] if args.target in (*RESTARTABLE, "all") \
         else [i for i in topo.instances if i.name == args.target]
@@ -1391,7 +1371,15 @@ def main(argv: list[str] | None = None) -> int:
         # Everything in this process reaches the mesh as the operator of this run directory
         # (its CA and certificate: gaas.pki.operator_channel).
         os.environ["GAAS_HOME"] = str(Path(args.run_dir).resolve())
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        # A malformed topology file, whichever command read it (a TopologyError: gaas.topology is
+        # loaded by then; not imported here, so commands that never read it do not pay for it).
+        topology = sys.modules.get("gaas.topology")
+        if topology is not None and isinstance(exc, topology.TopologyError):
+            return _fail(str(exc), 2)
+        raise
 
 
 if __name__ == "__main__":

@@ -95,3 +95,15 @@ def test_cpu_lists_read_as_vllm_writes_them(spec, cpus):
     from gaas.runtime.placement import parse_cpu_list
 
     assert parse_cpu_list(spec) == cpus
+
+
+@pytest.mark.parametrize("command", [["status"], ["kv", "stats"], ["session", "list", "--tenant", "demo"]])
+def test_every_command_that_reads_a_malformed_topology_says_what_is_wrong_and_exits_2(tmp_path, capsys, monkeypatch,
+                                                                                      command):
+    from gaas.cli import main
+
+    monkeypatch.setenv("GAAS_HOME", str(tmp_path))  # (main sets it: restored after the test)
+    bad = tmp_path / "topology.yaml"
+    bad.write_text("services: 3\n")
+    assert main([*command, "--topology", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "'services' must map service names" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from gaas.v1 import router_pb2 as pb
 from gaas.v1 import inference_pb2, router_pb2_grpc
 from services.router.activity import TenantActivity
 from services.router.flow import Flow
-from services.router.sessions import SessionStore, session_message
+from services.router.sessions import SessionStore, delete_response, get_response, list_response
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -22,24 +22,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._activity = activity or TenantActivity()
         self._sessions = sessions
 
-    def _store(self, tenant: str) -> SessionStore:
-        if not TENANT_NAME_RE.match(tenant):
-            raise errors.InvalidArgument("tenant must be a tenant's name (see `gaas tenant list`)", param="tenant")
-        if self._sessions is None:
-            raise errors.Unimplemented("sessions are not available on this router")
-        return self._sessions
-
     async def ListTenantSessions(self, request: pb.TenantSessionsRequest, context) -> inference_pb2.ListSessionsResponse:
-        rows = await self._store(request.tenant).list(request.tenant, request.limit)
-        return inference_pb2.ListSessionsResponse(sessions=[session_message(r) for r in rows])
+        return await list_response(self._sessions, _tenant(request.tenant), request.limit)
 
     async def GetTenantSession(self, request: pb.TenantSessionRequest, context) -> inference_pb2.Session:
-        summary, ctx = await self._store(request.tenant).get(request.tenant, request.session_id)
-        return session_message(summary, ctx)
+        return await get_response(self._sessions, _tenant(request.tenant), request.session_id)
 
     async def DeleteTenantSession(self, request: pb.TenantSessionRequest, context) -> inference_pb2.DeleteSessionResponse:
-        await self._store(request.tenant).delete(request.tenant, request.session_id)
-        return inference_pb2.DeleteSessionResponse(session_id=request.session_id, deleted=True)
+        return await delete_response(self._sessions, _tenant(request.tenant), request.session_id)
 
     async def GetFlowStatus(self, request: pb.GetFlowStatusRequest, context) -> pb.FlowStatus:
         flow = self._flow
@@ -61,3 +51,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                  tokens_1m=t.tokens) for t in self._activity.snapshot()]
         return pb.FlowStatus(router=self._name, qos_enabled=flow.settings.enabled, bands=bands, workers=workers,
                              tenants=tenants)
+
+
+def _tenant(name: str) -> str:
+    if not TENANT_NAME_RE.match(name):
+        raise errors.InvalidArgument("tenant must be a tenant's name (see `gaas tenant list`)", param="tenant")
+    return name

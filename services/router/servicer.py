@@ -20,7 +20,9 @@ from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
 from services.router.metering import Meter, Metered
-from services.router.sessions import SessionStore, TurnPlan, check_turn, committing, plan_turn, session_message
+from services.router.sessions import (
+    SessionStore, TurnPlan, available, check_turn, committing, delete_response, get_response, list_response, plan_turn,
+)
 
 async def admit(authenticator: Authenticator) -> Principal:
     """The caller's Principal (errors.Unauthenticated, or Unavailable when the control plane cannot
@@ -91,9 +93,7 @@ async def prepare_one(dispatcher: Dispatcher, sessions: SessionStore | None, req
     release_later when it never streams)."""
     if not check_turn(request):
         return await dispatcher.prepare(request, principal), None
-    if sessions is None:
-        raise errors.Unimplemented("sessions are not available on this router")
-    plan = await plan_turn(sessions, dispatcher, request, principal, request_id)
+    plan = await plan_turn(available(sessions), dispatcher, request, principal, request_id)
     return plan.prepared, plan
 
 
@@ -169,22 +169,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     # ------------------------------------------------------------ sessions (the caller's own only)
 
-    def _store(self) -> SessionStore:
-        if self._sessions is None:
-            raise errors.Unimplemented("sessions are not available on this router")
-        return self._sessions
-
     async def ListSessions(self, request: inference_pb2.ListSessionsRequest, context) -> inference_pb2.ListSessionsResponse:
-        principal = await admit(self._auth)
-        rows = await self._store().list(principal.tenant, request.limit)
-        return inference_pb2.ListSessionsResponse(sessions=[session_message(r) for r in rows])
+        return await list_response(self._sessions, (await admit(self._auth)).tenant, request.limit)
 
     async def GetSession(self, request: inference_pb2.GetSessionRequest, context) -> inference_pb2.Session:
-        principal = await admit(self._auth)
-        summary, ctx = await self._store().get(principal.tenant, request.session_id)
-        return session_message(summary, ctx)
+        return await get_response(self._sessions, (await admit(self._auth)).tenant, request.session_id)
 
     async def DeleteSession(self, request: inference_pb2.DeleteSessionRequest, context) -> inference_pb2.DeleteSessionResponse:
-        principal = await admit(self._auth)
-        await self._store().delete(principal.tenant, request.session_id)
-        return inference_pb2.DeleteSessionResponse(session_id=request.session_id, deleted=True)
+        return await delete_response(self._sessions, (await admit(self._auth)).tenant, request.session_id)

@@ -324,6 +324,29 @@ def _summary(session_id: str, expires_ms: int, raw: dict, now: int) -> dict:
     }
 
 
+def available(store: SessionStore | None) -> SessionStore:
+    if store is None:
+        raise errors.Unimplemented("sessions are not available on this router")
+    return store
+
+
+# The session calls as both APIs answer them: a tenant's own (gaas.v1.Inference, the API key's
+# tenant) and any tenant's (gaas.v1.Router, the operator's).
+
+async def list_response(store: SessionStore | None, tenant: str, limit: int) -> inference_pb2.ListSessionsResponse:
+    rows = await available(store).list(tenant, limit)
+    return inference_pb2.ListSessionsResponse(sessions=[session_message(r) for r in rows])
+
+
+async def get_response(store: SessionStore | None, tenant: str, session_id: str) -> inference_pb2.Session:
+    return session_message(*await available(store).get(tenant, session_id))
+
+
+async def delete_response(store: SessionStore | None, tenant: str, session_id: str) -> inference_pb2.DeleteSessionResponse:
+    await available(store).delete(tenant, session_id)
+    return inference_pb2.DeleteSessionResponse(session_id=session_id, deleted=True)
+
+
 def session_message(summary: dict, context: Context | None = None) -> inference_pb2.Session:
     s = inference_pb2.Session(**summary)
     if context is not None:
