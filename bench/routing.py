@@ -152,9 +152,11 @@ def ensure_vllm_router() -> str:
 
 
 def vllm_router_run(blocks: int, rounds, concurrency: int, log_dir: Path) -> dict:
+    from gaas import topology
     from gaas.deployspec import load as load_spec
 
     model = load_spec(ROOT / "deploy" / "gaas.yaml").model(MODEL)
+    executor = str(topology.load(ROOT / "deploy" / "topology.yaml", env={}).of("worker")[0].options["executor"])
     router_bin = ensure_vllm_router()
     procs = []
     try:
@@ -164,9 +166,11 @@ def vllm_router_run(blocks: int, rounds, concurrency: int, log_dir: Path) -> dic
             port = free_port()
             log = log_dir / f"vllm-server-{i}.log"
             say(f"starting vLLM's OpenAI server {i} on core {core} ({blocks} KV blocks; log {log})")
+            # The engine a GaaS worker runs (its executor), so the comparison is of the routing.
             proc = start_vllm_server(Path(model.source), MODEL, port, core, log,
                                      extra=["--num-gpu-blocks-override", str(blocks), "--max-model-len",
-                                            str(model.max_model_len), "--enable-prompt-tokens-details"])
+                                            str(model.max_model_len), "--enable-prompt-tokens-details"],
+                                     executor=executor)
             procs.append(proc)
             ports.append(port)
         for port, proc in zip(ports, procs):

@@ -360,6 +360,7 @@ class Mesh:
                 GAAS_MAX_NUM_BATCHED_TOKENS=str(inst.options["max_num_batched_tokens"]),
                 GAAS_MAX_WAITING=str(inst.options["max_waiting"]),
                 GAAS_STREAM_INTERVAL=str(inst.options["stream_interval"]),
+                GAAS_EXECUTOR=str(inst.options["executor"]),
             )
             if self.gpu_slots:
                 slot = self.gpu_slots[inst.index]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from gaas.runtime.placement import EXECUTORS
+
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")
 
@@ -71,6 +73,9 @@ WORKER_DEFAULTS = {
     "max_num_seqs": 64, "max_num_batched_tokens": 0, "max_waiting": 128,
     # Tokens per streamed message (vLLM's stream_interval; the first token always goes at once).
     "stream_interval": 1,
+    # Where the model runs (gaas.runtime.placement.EXECUTORS): "uni" in the engine core's process,
+    # "mp" in a process of its own.
+    "executor": "uni",
 }
 
 
@@ -280,6 +285,8 @@ def build(
             if _int(options["block_size"], "services.worker.block_size", 16) % 16:
                 raise TopologyError("services.worker.block_size must be a multiple of 16")
             _int(options["stream_interval"], "services.worker.stream_interval", 1)
+            if options["executor"] not in EXECUTORS:
+                raise TopologyError(f"services.worker.executor must be one of {', '.join(EXECUTORS)}")
             if options["enforce_eager"] not in (True, False, "auto"):
                 raise TopologyError("services.worker.enforce_eager must be true, false or auto")
         elif settings:

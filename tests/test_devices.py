@@ -299,6 +299,27 @@ def test_cpu_workers_stay_pinned_and_say_so(tmp_path, monkeypatch):
     m = _mesh(tmp_path, monkeypatch, [], 1)
     e = m.service_env(m.topo.of("worker")[0])
     assert e["GAAS_DEVICE"] == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" in e and "CUDA_VISIBLE_DEVICES" not in e
+    assert e["GAAS_EXECUTOR"] == "uni"  # the topology's executor reaches the worker
+
+
+@pytest.mark.parametrize("executor, on_gpu, bind, backend, env", [
+    # On the CPU in process: named by class (vLLM turns "uni" into "mp"), one OpenMP thread per core.
+    ("uni", False, "0", placement.IN_PROCESS_EXECUTOR, {"OMP_NUM_THREADS": "1"}),
+    ("uni", False, "2-5", placement.IN_PROCESS_EXECUTOR, {"OMP_NUM_THREADS": "4"}),
+    # Cores vLLM picks itself: it cannot size the engine core's threads, so a process of its own.
+    ("uni", False, "auto", "mp", {}),
+    # A GPU runs one device's model in process already: vLLM's own choice.
+    ("uni", True, "", None, {}),
+    ("mp", False, "0", "mp", {}),
+    ("mp", True, "", "mp", {}),
+])
+def test_where_the_model_runs_by_executor_and_device(executor, on_gpu, bind, backend, env):
+    assert placement.engine_executor(executor, on_gpu, bind) == (backend, env)
+
+
+def test_an_unknown_executor_is_refused():
+    with pytest.raises(placement.PlacementError, match="uni, mp"):
+        placement.engine_executor("ray", False, "0")
 
 
 # ------------------------------------------------------------------ the worker
@@ -315,6 +336,9 @@ def test_worker_settings_by_device():
         WorkerConfig.from_env({**base, "GAAS_DEVICE": "tpu"})
     with pytest.raises(ConfigError, match="GAAS_GPU_MEMORY_UTILIZATION"):
         WorkerConfig.from_env({**base, "GAAS_GPU_MEMORY_UTILIZATION": "1.5"})
+    assert WorkerConfig.from_env(base).executor == "uni"
+    with pytest.raises(ConfigError, match="GAAS_EXECUTOR must be one of uni, mp"):
+        WorkerConfig.from_env({**base, "GAAS_EXECUTOR": "ray"})
 
 
 def test_a_worker_refuses_a_vllm_build_for_the_other_device():

@@ -58,6 +58,7 @@ def test_env_overrides(tmp_path):
         ({"services": {**DOC["services"], "worker": {"model": "m", "gpus": 2}}}, "unknown setting"),
         ({"services": {**DOC["services"], "router": {"replicas": 0}}}, "at least 1"),
         ({"services": {**DOC["services"], "worker": {"model": "m", "stream_interval": 0}}}, "stream_interval"),
+        ({"services": {**DOC["services"], "worker": {"model": "m", "executor": "ray"}}}, "executor must be one of uni, mp"),
         ({"port_base": "lots"}, "port_base must be an integer"),
         ({"ingress": {"port": 20011}}, "collides"),
         ({"port_base": 65500}, "too few ports"),

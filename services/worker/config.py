@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gaas.runtime.envconfig import ConfigError, base_settings, env_bool, env_float, env_int, env_str
+from gaas.runtime.placement import EXECUTORS
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class WorkerConfig:
     max_waiting: int
     # Tokens per streamed message (vLLM's stream_interval).
     stream_interval: int
+    # Where the model runs: "uni" in the engine core's process, "mp" in one of its own.
+    executor: str
     # KV-cache size in blocks (vLLM's num_gpu_blocks_override); 0 sizes it by memory.
     kv_cache_blocks: int
     # Publish the engine's KV events to the directories.
@@ -79,6 +82,7 @@ class WorkerConfig:
             max_num_batched_tokens=env_int(env, "GAAS_MAX_NUM_BATCHED_TOKENS", 0),
             max_waiting=env_int(env, "GAAS_MAX_WAITING", 128),
             stream_interval=env_int(env, "GAAS_STREAM_INTERVAL", 1),
+            executor=env_str(env, "GAAS_EXECUTOR", "uni"),
             kv_cache_blocks=env_int(env, "GAAS_KV_CACHE_BLOCKS", 0),
             kv_events=env_bool(env, "GAAS_KV_EVENTS", True),
             lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 0.5),
@@ -89,6 +93,8 @@ class WorkerConfig:
             raise ConfigError("GAAS_KV_CACHE_GIB must be at least 1")
         if cfg.stream_interval < 1:
             raise ConfigError(f"GAAS_STREAM_INTERVAL must be at least 1 (tokens per message), got {cfg.stream_interval}")
+        if cfg.executor not in EXECUTORS:
+            raise ConfigError(f"GAAS_EXECUTOR must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
         if cfg.device not in ("", "cpu", "cuda"):
             raise ConfigError(f"GAAS_DEVICE must be cpu or cuda, got {cfg.device!r}")
         if not 0 < cfg.gpu_memory_utilization <= 1:

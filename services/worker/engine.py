@@ -176,6 +176,8 @@ class VllmSettings:
     device: str = ""
     # Tokens per streamed output (the first always goes at once).
     stream_interval: int = 1
+    # Where the model runs (placement.EXECUTORS): "uni" in the engine core's process, "mp" in its own.
+    executor: str = "uni"
 
 
 # The KV-event sockets in kv_events_dir, and the topic.
@@ -273,6 +275,12 @@ class VllmEngine(Engine):
             extra["kv_cache_memory_bytes"] = s.kv_cache_gib * 2**30
         if s.max_num_batched_tokens:
             extra["max_num_batched_tokens"] = s.max_num_batched_tokens
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        backend, engine_env = placement.engine_executor(s.executor, on_gpu, bind)
+        if backend:
+            extra["distributed_executor_backend"] = backend
+        # Before vLLM spawns its engine core, which takes this process's environment.
+        os.environ.update(engine_env)
         args = AsyncEngineArgs(
             model=s.model_path,
             served_model_name=[s.model],
@@ -293,7 +301,7 @@ class VllmEngine(Engine):
             AsyncLLM.from_engine_args, args, stat_loggers=[tracker.factory]
         )
         if not on_gpu:
-            _pin_engine_processes(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+            _pin_engine_processes(bind)
         gpu_uuid = None
         if on_gpu:
             # The first GPU this process sees: vLLM's cuda:0.
@@ -301,7 +309,6 @@ class VllmEngine(Engine):
             gpu_uuid = gpu.uuid if gpu else None
             device = gpu.describe() if gpu else "cuda (NVML cannot name it)"
         else:
-            bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
             device = f"cpu (cores {bind})"
         cache = llm.vllm_config.cache_config
         info = EngineInfo(
@@ -317,8 +324,9 @@ class VllmEngine(Engine):
             kv_replay_endpoint=replay,
         )
         log.info(
-            "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens",
+            "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens, model %s",
             time.monotonic() - started, s.model, device, cache.num_gpu_blocks, cache.block_size,
+            "in the engine core's process" if backend != "mp" else "in a process of its own",
         )
         tokenizer = await asyncio.to_thread(Tokenizer.load, s.model_path)
         return cls(llm, info, tracker, gpu_uuid, tokenizer)
@@ -445,12 +453,13 @@ def _logprobs(token_ids, positions) -> list[TokenLogprob]:
 
 
 def _pin_engine_processes(bind: str) -> None:
-    """Move vLLM's engine processes (the scheduler, EngineCore, and the model runner below it),
-    every thread of them, onto the cores the model runner is bound to.
+    """Move vLLM's engine processes (EngineCore, and the model runner below it when it has a
+    process of its own), every thread of them, onto the cores the model runner is bound to.
 
-    EngineCore busy-waits (sched_yield) for the runner's result at every step. Left on the cores
-    of this process's gRPC front end, that spinning takes most of their time and tokens reach
-    the client in bursts, tens of milliseconds late; beside the runner it only waits its turn.
+    With a runner process of its own, EngineCore busy-waits (sched_yield) for its result at every
+    step. Left on the cores of this process's gRPC front end, that spinning takes most of their
+    time and tokens reach the client in bursts, tens of milliseconds late; beside the runner it
+    only waits its turn. In process, EngineCore's socket threads belong beside its compute too.
     """
     cpus = placement.parse_cpu_list(bind)
     if cpus:

@@ -106,6 +106,7 @@ async def serve(cfg: WorkerConfig) -> None:
                 kv_events_dir=events_dir,
                 device=cfg.device,
                 stream_interval=cfg.stream_interval,
+                executor=cfg.executor,
             )
         )
     )
