@@ -47,13 +47,15 @@ def prompt(rng: random.Random, words: int = 90) -> str:
 
 
 async def one(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -> dict:
-    """One streamed completion: outcome, TTFT (ms), tokens."""
+    """One streamed completion: outcome, TTFT (ms), tokens, and where the mesh says its time went
+    (gaas.latency's parts, asked for with x-gaas-explain)."""
     body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     started = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, parts = None, 0, None
+    headers = {"Authorization": f"Bearer {key}", "x-gaas-explain": "1"}
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 kind = {503: "shed", 504: "timed_out", 429: "rate_limited"}.get(r.status_code, f"http_{r.status_code}")
@@ -68,9 +70,21 @@ async def one(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -
                     tokens += 1
                     if ttft is None:
                         ttft = (time.perf_counter() - started) * 1000
+                if (chunk.get("usage") or {}).get("gaas_latency_ms"):
+                    parts = chunk["usage"]["gaas_latency_ms"]
     except httpx.HTTPError as exc:
         return {"outcome": f"client_{type(exc).__name__}", "ms": (time.perf_counter() - started) * 1000}
-    return {"outcome": "ok", "ttft_ms": ttft or 0.0, "tokens": tokens, "ms": (time.perf_counter() - started) * 1000}
+    return {"outcome": "ok", "ttft_ms": ttft or 0.0, "tokens": tokens, "ms": (time.perf_counter() - started) * 1000,
+            "parts": parts}
+
+
+def parts_p50_p95(results: list[dict]) -> dict:
+    """Each latency part's p50 / p95 (ms) over the requests that reported them."""
+    reported = [r["parts"] for r in results if r.get("parts")]
+    if not reported:
+        return {}
+    return {part: {"p50": round(pct([p[part] for p in reported], 0.5), 2),
+                   "p95": round(pct([p[part] for p in reported], 0.95), 2)} for part in reported[0]}
 
 
 async def closed_loop(base: str, keys: dict, streams: int, seconds: float, max_tokens: int) -> tuple[float, float]:
@@ -104,14 +118,15 @@ async def capacity_at_target(base: str, keys: dict, target_ms: float, seconds: f
     return {"per_s": best or sweep[0]["per_s"], "sweep": sweep}
 
 
-async def unloaded(base: str, key: str, n: int, max_tokens: int) -> list[float]:
+async def unloaded(base: str, key: str, n: int, max_tokens: int) -> list[dict]:
+    """n requests one at a time: the ones served."""
     rng = random.Random(2)
     out = []
     async with httpx.AsyncClient(base_url=base, timeout=60) as c:
         for _ in range(n):
             r = await one(c, key, prompt(rng), max_tokens)
             if r["outcome"] == "ok":
-                out.append(r["ttft_ms"])
+                out.append(r)
     return out
 
 
@@ -149,7 +164,7 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
             "ttft_p99_ms": round(pct(ttfts, 0.99), 1), "shed": outcomes.get("shed", 0),
             "timed_out": outcomes.get("timed_out", 0),
             "other_failures": sum(v for k, v in outcomes.items() if k not in ("ok", "shed", "timed_out")),
-            "outcomes": outcomes,
+            "outcomes": outcomes, "latency_ms": parts_p50_p95(ok),
         }
     return out
 
@@ -215,7 +230,8 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
     try:
         say(f"QoS {mode}: warming up, then gold alone")
         asyncio.run(unloaded(base, keys["gold"][0], 10, args.max_tokens))
-        alone = asyncio.run(unloaded(base, keys["gold"][0], args.unloaded, args.max_tokens))
+        alone_results = asyncio.run(unloaded(base, keys["gold"][0], args.unloaded, args.max_tokens))
+        alone = [r["ttft_ms"] for r in alone_results]
         capacity = None
         if rate is None:
             target = 1.5 * pct(alone, 0.95)
@@ -232,6 +248,7 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
 
         return {"unloaded_gold_ttft_p50_ms": round(pct(alone, 0.5), 1),
                 "unloaded_gold_ttft_p95_ms": round(pct(alone, 0.95), 1),
+                "unloaded_gold_latency_ms": parts_p50_p95(alone_results),
                 "capacity_per_s": round(capacity["per_s"], 2) if capacity else None,
                 "capacity_sweep": capacity["sweep"] if capacity else None, "offered_per_s": round(rate, 2),
                 "load_generator_cores": round(client_cpu, 2), "tiers": tiers,
@@ -313,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['ttft_p99_ms']:>8} {t['shed']:>6} {t['timed_out']:>8} {t['other_failures']:>6}")
         print(f"{mode:<8} gold alone: TTFT p50 {r['unloaded_gold_ttft_p50_ms']} ms, p95 {r['unloaded_gold_ttft_p95_ms']} "
               f"ms; offered {r['offered_per_s']} req/s" + (f" (capacity {r['capacity_per_s']})" if r["capacity_per_s"] else ""))
+        for tier, parts in (("alone", r["unloaded_gold_latency_ms"]),
+                            *((tier, r["tiers"][tier]["latency_ms"]) for tier in TIERS)):
+            if parts:
+                print(f"{'':8} {tier:<7} where the time went (ms, p50 / p95): "
+                      + "  ".join(f"{k} {v['p50']:g} / {v['p95']:g}" for k, v in parts.items()))
     print(f"gold's TTFT target with QoS on: {results['gold_ttft_target_ms']} ms; the load generator used "
           f"{results['qos_on']['load_generator_cores']} of the machine's cores with QoS on, "
           f"{results['qos_off']['load_generator_cores']} off")
