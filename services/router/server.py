@@ -50,7 +50,7 @@ HELP_ENV = """environment:
   GAAS_ROUTER_RETRIES  other workers tried before the first token (2)
   GAAS_QOS             flow control by tier: bands, batching windows, the queue (on; off to compare)
   GAAS_QUEUE_MAX       most requests waiting for a worker in this router (256)
-  GAAS_WINDOW_INITIAL / _MIN / _MAX  each worker's batching window, requests (8 / 2 / 64)
+  GAAS_WINDOW_INITIAL / _MIN / _MAX  each worker's batching window, requests (8 / 4 / 64)
   GAAS_BREAKER_COOLDOWN_SECONDS  how long a worker whose breaker opened is left alone (5)
   GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:), sessions (sessions:)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)

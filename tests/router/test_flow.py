@@ -181,14 +181,14 @@ def test_a_window_that_turns_gold_away_grows_while_every_tier_meets_its_target()
     assert w.state()[worker].limit < grown and w.state()[worker].shrinks >= 1
 
 
-def test_bronze_fills_half_a_window_gold_all_of_it():
+def test_bronze_fills_half_a_window_silver_three_quarters_and_gold_goes_past_it():
     w = Windows({"gold": 100.0}, initial=8)
     worker = WorkerId("w0")
     for _ in range(4):
         w.acquire(worker)
     assert w.room([worker], qos.band("bronze")) == {worker: 0}
     assert w.room([worker], qos.band("silver")) == {worker: 2}
-    assert w.room([worker], qos.band("gold")) == {worker: 4}
+    assert w.room([worker], qos.band("gold")) == {worker: 12}  # to twice the window
 
 
 # ------------------------------------------------------------------ the breaker
