@@ -38,6 +38,8 @@ HELP_ENV = """environment:
   GAAS_MAX_NUM_BATCHED_TOKENS  most tokens per engine step (0: vLLM's default)
   GAAS_MAX_WAITING     most requests waiting for their first token; more get RESOURCE_EXHAUSTED (128; 0: no bound)
   GAAS_STREAM_INTERVAL tokens per streamed message (1; the first token always goes at once)
+  GAAS_EXECUTOR        where the model runs: uni, in vLLM's engine core process (default); mp, a process
+                       of its own (vLLM's CPU default)
   GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
   GAAS_KV_CACHE_BLOCKS KV-cache size in blocks (vLLM's num_gpu_blocks_override; 0: sized by memory)
   GAAS_KV_EVENTS       publish the engine's KV events to the KV directories (true)
