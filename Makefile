@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers)"
-	@echo "make bench   serving figures against vLLM's server (vllm bench serve), the routing comparison, the"
+	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions (prints tables, writes bench/results/*.json)"
 	@echo "make gpu-check   on a host with NVIDIA GPUs: install, start the mesh (one worker per GPU), stream"
 	@echo "             through it, compare with vLLM's own server on the same GPU (bench/results/gpu-check.json)"
@@ -34,6 +34,7 @@ test-unit: proto
 
 bench: proto
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.hops
 	$(BIN)/python -m bench.routing
 	$(BIN)/python -m bench.kvbench
 	$(BIN)/python -m bench.meteringbench
