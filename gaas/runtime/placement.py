@@ -121,7 +121,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-
 # Where a worker's model runs, vLLM's names: "uni", in the engine core's own process (one Python
 # process less per worker, ~400 MB, and no hand-off between processes at every engine step); "mp",
 # a process of its own (what vLLM's CPU platform otherwise insists on).

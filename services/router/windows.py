@@ -10,8 +10,9 @@ batch would). Priority bands share a window unequally: bronze may fill half of i
 quarters, so a flood of bronze never takes the room a gold request needs; gold may go past it, to
 twice the window, for the same reason: a window shrunk for gold's own target throttles the lower
 bands, not gold (measured: with gold held to the window, gold waited in the router's queue and
-its p95 TTFT at twice the fleet's load was 142 ms; allowed past it, 94 ms and no waits). Requests that find no room wait in the router's queue (services/router/
-waitqueue.py), in band order.
+its p95 TTFT at twice the fleet's load was 142 ms; allowed past it, 94 ms and no waits).
+Requests that find no room wait in the router's queue (services/router/waitqueue.py), in band
+order.
 """
 
 from __future__ import annotations
