@@ -138,7 +138,9 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
     tasks = []
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=2000)) as c:
         async def run(tier: str, key: str, text: str) -> None:
-            results[tier].append(await one(c, key, text, max_tokens))
+            r = await one(c, key, text, max_tokens)
+            r["ended"] = time.perf_counter()
+            results[tier].append(r)
 
         started = time.perf_counter()
         next_at = started
@@ -150,7 +152,10 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
             tasks.append(asyncio.create_task(run(tier, key, prompt(rng))))
             next_at += rng.expovariate(rate)
         await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
+    # Served per second while the fleet was serving: from the first arrival to the last request
+    # served (not to the last one shed or timed out in a queue, seconds later).
+    served_until = max((r["ended"] for rs in results.values() for r in rs if r["outcome"] == "ok"), default=started)
+    elapsed = max(1e-9, served_until - started)
     out = {}
     for tier, rs in results.items():
         ok = [r for r in rs if r["outcome"] == "ok"]
