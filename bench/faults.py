@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -169,24 +168,12 @@ def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
 
 
 def run(replicas: int, streams: int, settle: float, targets: tuple[str, ...] = TARGETS, keep: bool = False) -> list[dict]:
-    import yaml
-
-    from gaas import topology
+    from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
-    from gaas.mesh import Mesh, free_port_base
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gaas-faults-"))
-    # In-process admin calls (gaas.admin, gaas.probe) reach the sidecars as this mesh's operator.
-    os.environ["GAAS_HOME"] = str(run_dir)
-    base = free_port_base(span=200, start=47000)
-    doc = yaml.safe_load((ROOT / "deploy" / "topology.yaml").read_text())
-    for kind in ("control", "kvcache", "billing", "router"):
-        doc["services"][kind]["replicas"] = replicas
-    topo_file = run_dir / "topology.yaml"
-    topo_file.write_text(yaml.safe_dump(doc))
-    topo = topology.load(topo_file, env={}, port_base=base, ingress_port=base + 190, workers=2)
-    mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
+    mesh = bench_mesh("faults", 47000, say, workers=2,
+                      replicas={kind: replicas for kind in ("control", "kvcache", "billing", "router")})
+    topo, run_dir = mesh.topo, mesh.run_dir
     results = []
     supervising = threading.Event()
     supervisor = None

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -153,16 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hops.json"))
     args = ap.parse_args(argv)
 
-    from gaas import topology
+    from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
-    from gaas.mesh import Mesh, free_port_base
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gaas-hops-"))
-    os.environ["GAAS_HOME"] = str(run_dir)  # in-process admin calls present this mesh's operator certificate
-    base = free_port_base(span=200, start=44000)
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190, workers=1)
-    mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
+    mesh = bench_mesh("hops", 44000, say)
+    topo, run_dir = mesh.topo, mesh.run_dir
     model = str(topo.of("worker")[0].options["model"])
     try:
         say(f"starting the mesh (logs in {run_dir / 'logs'})")

@@ -175,24 +175,12 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
 
 
 def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path | None = None):
-    import yaml
-
-    from gaas import topology
+    from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
-    from gaas.mesh import Mesh, free_port_base
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gaas-qos-"))
-    # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
-    os.environ["GAAS_HOME"] = str(run_dir)
-    base = free_port_base(span=200, start=46000)
-    doc = yaml.safe_load((ROOT / "deploy" / "topology.yaml").read_text())
-    doc["services"]["router"]["replicas"] = routers
-    topo_file = run_dir / "topology.yaml"
-    topo_file.write_text(yaml.safe_dump(doc))
-    topo = topology.load(topo_file, env={}, port_base=base, ingress_port=base + 190, workers=workers)
-    mesh = Mesh(topo, run_dir=run_dir, deploy_file=deploy_file or ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say,
-                extra_env={"GAAS_QOS": "on" if qos_on else "off"})
+    mesh = bench_mesh("qos", 46000, say, workers=workers, replicas={"router": routers}, deploy_file=deploy_file,
+                      extra_env={"GAAS_QOS": "on" if qos_on else "off"})
+    topo, run_dir = mesh.topo, mesh.run_dir
     mesh.start()
     mesh.wait_ready(400)
     keys: dict[str, list[str]] = {t: [] for t in TIERS}

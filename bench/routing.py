@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -118,19 +117,13 @@ def working_set_blocks(rounds, block_size: int) -> int:
 
 
 def gaas_run(policy: str, workers: int, blocks: int, rounds, concurrency: int) -> dict:
-    from gaas import topology
+    from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
-    from gaas.mesh import Mesh, free_port_base
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gaas-routing-"))
-    # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
-    os.environ["GAAS_HOME"] = str(run_dir)
-    base = free_port_base(span=200, start=44000)
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190,
-                         workers=workers)
-    topo = topology.with_worker_options(topo, model=MODEL, kv_cache_blocks=blocks)
-    mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say, extra_env={"GAAS_ROUTER_POLICY": policy})
+    mesh = bench_mesh("routing", 44000, say, workers=workers,
+                      worker_options={"model": MODEL, "kv_cache_blocks": blocks},
+                      extra_env={"GAAS_ROUTER_POLICY": policy})
+    topo, run_dir = mesh.topo, mesh.run_dir
     try:
         mesh.start()
         mesh.wait_ready(400)

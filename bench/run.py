@@ -30,7 +30,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -248,20 +247,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import footprint
     from bench.vllm_bench import run as vllm_bench
-    from gaas import topology
+    from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
     from gaas.client import GaasClient
-    from gaas.mesh import Mesh, free_port_base
     from gaas.runtime.placement import pin_descendants, worker_cpus
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gaas-bench-"))
-    # In-process admin calls (gaas.admin) reach the sidecars as this mesh's operator.
-    os.environ["GAAS_HOME"] = str(run_dir)
-    base = free_port_base(span=200, start=42000)
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190, workers=1)
-    topo = topology.with_worker_options(topo, stream_interval=args.stream_interval)
-    mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
+    mesh = bench_mesh("bench", 42000, say, worker_options={"stream_interval": args.stream_interval})
+    topo, run_dir = mesh.topo, mesh.run_dir
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
     core, others = worker_cpus(0, 1)  # where gaas places worker-0's engine, and the rest
     vllm_procs: list[subprocess.Popen] = []

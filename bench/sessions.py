@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -93,18 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
     import openai
 
-    from gaas import topology
+    from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
-    from gaas.mesh import Mesh, free_port_base
     from gaas.tokenizer import Tokenizer
 
-    run_dir = Path(tempfile.mkdtemp(prefix="gaas-sessions-"))
-    os.environ["GAAS_HOME"] = str(run_dir)
-    base = free_port_base(span=200, start=44000)
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 190, workers=1)
-    topo = topology.with_worker_options(topo, model=MODEL)
-    mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=say)
+    mesh = bench_mesh("sessions", 44000, say, worker_options={"model": MODEL})
+    topo, run_dir = mesh.topo, mesh.run_dir
     rows = []
     try:
         say(f"starting a mesh with one worker serving {MODEL} (logs in {run_dir / 'logs'})")

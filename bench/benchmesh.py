@@ -1,0 +1,42 @@
+"""The mesh a benchmark runs against: `gaas up`'s machinery in a fresh run directory, on a free
+block of ports, with its own Redis, from the project's deploy/ files."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_mesh(
+    name: str, port_start: int, progress: Callable[[str], None], *, workers: int = 1,
+    replicas: Mapping[str, int] | None = None, worker_options: Mapping[str, object] | None = None,
+    deploy_file: Path | None = None, extra_env: Mapping[str, str] | None = None,
+):
+    """A gaas.mesh.Mesh, not yet started, in a new run directory (gaas-<name>-...): deploy/topology.yaml
+    with `workers` workers, other services' replicas as given, the workers' options as given.
+    The run directory becomes GAAS_HOME, so in-process admin calls (gaas.admin, gaas.probe) reach
+    the sidecars as this mesh's operator."""
+    import yaml
+
+    from gaas import topology
+    from gaas.mesh import Mesh, free_port_base
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"gaas-{name}-"))
+    os.environ["GAAS_HOME"] = str(run_dir)
+    base = free_port_base(span=200, start=port_start)
+    topo_file = ROOT / "deploy" / "topology.yaml"
+    if replicas:
+        doc = yaml.safe_load(topo_file.read_text())
+        for kind, n in replicas.items():
+            doc["services"][kind]["replicas"] = n
+        topo_file = run_dir / "topology.yaml"
+        topo_file.write_text(yaml.safe_dump(doc))
+    topo = topology.load(topo_file, env={}, port_base=base, ingress_port=base + 190, workers=workers)
+    if worker_options:
+        topo = topology.with_worker_options(topo, **worker_options)
+    return Mesh(topo, run_dir=run_dir, deploy_file=deploy_file or ROOT / "deploy" / "gaas.yaml",
+                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=progress, extra_env=dict(extra_env or {}))
