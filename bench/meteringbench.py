@@ -33,8 +33,8 @@ from gaas.runtime.sql import Database
 from gaas.v1 import common_pb2
 from services.billing.consumer import UsageConsumer
 from services.billing.ledger import Ledger
-from services.router.auth import Principal
-from services.router.metering import Meter
+from gaas.principal import Principal
+from gaas.meter import Meter
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POSTGRES = os.environ.get("GAAS_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

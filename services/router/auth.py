@@ -8,29 +8,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from gaas.errors import GaasError, Unauthenticated
-from gaas.qos import Limits
-from gaas.runtime.context import TenantId
+from gaas.principal import Principal
 
 log = logging.getLogger(__name__)
 
 # While control does not answer, how often a request still tries it (the others use what was verified).
 RECHECK_SECONDS = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    tenant: TenantId
-    # bronze, silver or gold.
-    tier: str
-    # Public id of the key used.
-    key_id: str
-    # The tenant's prefix-cache salt, set on every engine request.
-    cache_salt: str
-    # Its quotas (its own, else its tier's, as control resolved them).
-    limits: Limits = Limits()
 
 
 def bearer_key(authorization: str) -> str:

@@ -15,7 +15,7 @@ from gaas.qos import Limits
 from gaas.runtime.context import TenantId
 from gaas.tenancy import TIER_FROM_PB
 from gaas.v1 import control_pb2, control_pb2_grpc
-from services.router.auth import Principal
+from gaas.principal import Principal
 from services.router.directory import ModelEntry
 from services.router.scheduling.types import Candidate, Load, WorkerId
 

@@ -29,7 +29,7 @@ from gaas.runtime.context import WORKER_HEADER
 from gaas.tokenizer import ChatMessage, PromptPrefix, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.activity import TenantActivity
-from services.router.auth import Principal
+from gaas.principal import Principal
 from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow

@@ -17,13 +17,13 @@ from gaas.runtime.context import current_request_id
 from gaas.runtime.interceptors import translate
 from gaas.tokenizer import ChatMessage
 from gaas.v1 import common_pb2, inference_pb2, openai_pb2_grpc
-from services.router import jsonbody, openai_api
+from gaas import jsonbody, openai_api
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge
 from services.router.servicer import (
     admit, admit_usage, metered, note_client_id, prepare_one, released_on_error, with_session,
 )
-from services.router.metering import Meter
+from gaas.meter import Meter
 from services.router.sessions import SessionStore
 
 JSON = "application/json"

@@ -30,7 +30,7 @@ from services.router.dispatch import Dispatcher, RouterMetrics
 from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
-from services.router.metering import Meter
+from gaas.meter import Meter
 from services.router.openai_servicer import OpenAIServicer
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer

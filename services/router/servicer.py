@@ -19,7 +19,7 @@ from gaas.runtime.context import (
 from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
-from services.router.metering import Meter, Metered
+from gaas.meter import Meter, Metered
 from services.router.sessions import (
     SessionStore, TurnPlan, available, check_turn, committing, delete_response, get_response, list_response, plan_turn,
 )

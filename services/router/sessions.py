@@ -23,9 +23,9 @@ from gaas import errors, genrequest, latency, metering, sessions
 from gaas.sessions import Context, SessionPolicy
 from gaas.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
-from services.router.auth import Principal
+from gaas.principal import Principal
 from services.router.dispatch import Prepared
-from services.router.metering import _Script
+from gaas.meter import _Script
 
 log = logging.getLogger(__name__)
 

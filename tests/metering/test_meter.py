@@ -12,8 +12,8 @@ from redis.asyncio import Redis
 from gaas import admission, errors, metering, pricing
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
-from services.router.auth import Principal
-from services.router.metering import Meter
+from gaas.principal import Principal
+from gaas.meter import Meter
 from services.router.servicer import metered
 
 PRICE = pricing.Price(input=1.0, cached_input=0.1, output=2.0)  # micro-dollars per token

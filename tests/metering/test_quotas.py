@@ -12,8 +12,8 @@ from gaas import admission, errors, pricing
 from gaas.qos import Limits
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
-from services.router.auth import Principal
-from services.router.metering import Meter
+from gaas.principal import Principal
+from gaas.meter import Meter
 from services.router.servicer import metered
 
 _ids = itertools.count()

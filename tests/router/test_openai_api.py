@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from gaas import errors
 from gaas.v1 import common_pb2
-from services.router import jsonbody, openai_api
-from services.router.openai_api import Formatter, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from gaas import jsonbody, openai_api
+from gaas.openai_api import Formatter, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 
 
 def completion(**kw):

@@ -15,7 +15,7 @@ from gaas import errors, sessions
 from gaas.runtime import redisconn
 from gaas.sessions import Context, SessionPolicy, Turn
 from gaas.v1 import common_pb2, inference_pb2
-from services.router.auth import Principal
+from gaas.principal import Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from gaas import genrequest
 from gaas.errors import InvalidArgument, quote
 from gaas.v1 import common_pb2, inference_pb2
-from services.router.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, type_name
+from gaas.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, type_name
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {

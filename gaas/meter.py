@@ -1,4 +1,5 @@
-"""The router's side of admission and metering: a tenant's quotas and budget checked (and the
+"""Admission and metering, shared by whoever serves a request (the router, or a worker the ingress
+sent it to straight): a tenant's quotas and budget checked (and the
 request's place, tokens and most possible cost reserved; gaas.admission) before a request starts,
 and one usage event appended to the Redis Stream when it ends, before its last chunk is released:
 finished, cancelled by the client, or failed after tokens were produced. A request retried on a
@@ -27,7 +28,7 @@ from redis.exceptions import NoScriptError, RedisError
 from gaas import admission, errors, metering, pricing
 from gaas.metering import UsageEvent
 from gaas.v1 import common_pb2
-from services.router.auth import Principal
+from gaas.principal import Principal
 
 log = logging.getLogger(__name__)
 
