@@ -373,7 +373,7 @@ def test_the_session_policy_is_read_from_the_deployment_file():
 def test_a_turn_chunk_says_what_it_did_to_its_session():
     c = common_pb2.GenerateChunk()
     c.session.CopyFrom(common_pb2.SessionTurn(session_id="s", version=3, dropped_turns=1))
-    from services.router.openai_servicer import session_json
+    from gaas.openai_stream import session_json
 
     assert session_json(c.session, "drop_oldest_turns") == {
         "id": "s", "version": 3, "turns": 0, "context_tokens": 0, "created": False,
