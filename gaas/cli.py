@@ -65,9 +65,10 @@ def _topology(args, state: dict | None = None, *, auto_workers: int = 1):
             "host": state["host"],
             "port_base": state["port_base"],
             "ingress_port": state["ingress_port"],
+            "ingress_path": state.get("ingress_path"),
             "workers": state["workers"],
         }
-    for key in ("port_base", "ingress_port", "workers"):
+    for key in ("port_base", "ingress_port", "ingress_path", "workers"):
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
     path = Path(args.topology)
@@ -1084,6 +1085,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="state, logs and generated configs (default: .gaas, or $GAAS_HOME)")
         sp.add_argument("--port-base", type=int, default=None, help="first port of the instances' port blocks (env GAAS_PORT_BASE; default from the topology)")
         sp.add_argument("--ingress-port", type=int, default=None, help="ingress port (env GAAS_INGRESS_PORT; default 8080)")
+        sp.add_argument("--ingress-path", choices=("router", "direct"), default=None,
+                        help="how generations reach their worker: through the router, or straight from the ingress "
+                        "to the worker the router picked there, tokens never passing through the router (env "
+                        "GAAS_INGRESS_PATH; default from the topology: router)")
         if workers:
             sp.add_argument("--workers", type=_workers_arg, default=None,
                             help="worker replicas, or auto: one per GPU on a GPU host, else one (env GAAS_WORKERS; "

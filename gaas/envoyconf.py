@@ -33,7 +33,10 @@ import yaml
 from gaas import pki
 from gaas.traces import TraceTarget, envoy_service
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
-from gaas.topology import ALLOWED_CALLERS, GRPC_SERVICE, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets, Topology
+from gaas.topology import (
+    ALLOWED_CALLERS, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets,
+    Topology,
+)
 
 HTTP2 = {
     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -222,26 +225,33 @@ def _client_tls(creds: pki.Credentials, peer_kind: str) -> dict:
     }
 
 
-def _method_paths(kind: str) -> dict[str, tuple[str, ...]]:
-    """gRPC path (or path prefix, ending in "/") -> the caller kinds allowed, for kind's inbound."""
+def _method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]:
+    """gRPC path (or path prefix, ending in "/") -> the caller kinds allowed, for kind's inbound.
+    direct: the ingress sends generations to the workers itself (ingress.path: direct)."""
     if kind == "router":
         public = (GRPC_SERVICE["router"], OPENAI_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
                   "grpc.reflection.v1.ServerReflection")
-        return {**{f"/{name}/": ALLOWED_CALLERS["router"]["*"] for name in public}, "/gaas.v1.Router/": ("operator",)}
+        paths = {**{f"/{name}/": ALLOWED_CALLERS["router"]["*"] for name in public}, "/gaas.v1.Router/": ("operator",)}
+        if direct:
+            paths[f"/{EXT_PROC_SERVICE}/Process"] = ("ingress",)
+        return paths
     from google.protobuf import descriptor_pool
 
     from gaas.v1 import billing_pb2, control_pb2, kvcache_pb2, worker_pb2  # noqa: F401 - fill the pool
 
     service = descriptor_pool.Default().FindServiceByName(GRPC_SERVICE[kind])
     allowed = ALLOWED_CALLERS.get(kind, {})
-    return {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
+    paths = {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
+    if kind == "worker" and direct:
+        paths.update({f"/{OPENAI_SERVICE}/{m}": ("ingress",) for m in OPENAI_GENERATION})
+    return paths
 
 
-def _rbac(kind: str) -> dict:
+def _rbac(kind: str, direct: bool = False) -> dict:
     """Envoy's RBAC filter for kind's inbound listener: one policy per caller kind, naming exactly
     the methods it may call; health checks from any identity of the mesh; nothing else."""
     by_caller: dict[str, list[str]] = {}
-    for path, callers in _method_paths(kind).items():
+    for path, callers in _method_paths(kind, direct).items():
         for caller in callers:
             by_caller.setdefault(caller, []).append(path)
 
@@ -447,7 +457,7 @@ def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dic
 
 
 def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarget | None = None,
-                envoy: str = "", instance: str = "") -> dict:
+                envoy: str = "", instance: str = "", direct: bool = False) -> dict:
     """A sidecar's inbound HTTP connection manager, to its one service (the local_service cluster):
     RBAC for kind's methods, the verified caller passed on, its own replies for a service it could
     not reach marked."""
@@ -455,7 +465,7 @@ def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarge
         stat_prefix,
         [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"},
           **_decorator(f"inbound to {instance or kind}")}],
-        [_rbac(kind)],
+        [_rbac(kind, direct)],
         access_log,
         # The service learns who called from what this sidecar verified, never from the caller.
         forward_client_cert_details="SANITIZE_SET",
@@ -486,7 +496,7 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
     local = LocalSockets.of(sockets, inst.name) if sockets else None
     envoy = f"sidecar-{inst.name}"
     inbound = inbound_hcm(f"{inst.name}_inbound", inst.service, log_dir / f"envoy-{inst.name}-access.log",
-                          trace, envoy, inst.name)
+                          trace, envoy, inst.name, direct=topo.ingress_path == "direct")
     listeners = [_listener("inbound", inst.host, inst.inbound_port, inbound, _server_tls(creds))]
     clusters = [pipe_cluster("local_service", local.service) if local
                 else _static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
@@ -546,6 +556,71 @@ def openai_errors_lua() -> str:
         f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n\n"
     )
     return header + OPENAI_ERRORS_LUA.read_text()
+def _internal_headers_dropped() -> dict:
+    """Only the router may say who the tenant is, which worker serves, or what GaaS's own request
+    id is; never a client: the ingress drops what a client sent of them before anything else
+    (so that what the router says at the ingress, on the direct path, reaches the worker)."""
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in (TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER)]},
+        },
+    }
+
+
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+# How long the router may take to decide (a request may wait in its queue for a worker's room
+# that long; its tier's deadline ends the wait first).
+DECISION_TIMEOUT = "300s"
+
+
+def _ext_proc() -> dict:
+    """The ingress asks a router where each generation goes (ingress.path: direct;
+    services/router/extproc.py): the request's headers and whole body go to the router, which
+    answers with the worker (x-gaas-worker) and the body to send it; the response's trailers go
+    to it too, so it learns how the worker did. The tokens themselves never pass through it."""
+    return {
+        "name": EXT_PROC_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "router"}},
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                # Headers and body go at once; the router answers both when the body is whole.
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",  # (Envoy requires it with full-duplex bodies)
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SEND",
+            },
+            "message_timeout": DECISION_TIMEOUT,
+            "failure_mode_allow": False,
+        },
+    }
+
+
+def _direct_routes() -> list[dict]:
+    """Each generation method twice: to the worker the router named (x-gaas-worker, set by the
+    router's decision, whose answer makes Envoy route the request again), and to the router (the
+    decision passed it on: a session turn, a batch of prompts). Never retried: the worker has
+    the request, and the router's decision held its room."""
+    out = []
+    for method in OPENAI_GENERATION:
+        out.append({
+            "match": {"path": f"/{OPENAI_SERVICE}/{method}", "grpc": {},
+                      "headers": [{"name": WORKER_HEADER, "present_match": True}]},
+            "route": {"cluster_header": WORKER_HEADER, "timeout": "0s"},
+            "request_headers_to_remove": [WORKER_HEADER],
+            **_decorator("ingress to a worker"),
+        })
+    for method in OPENAI_GENERATION:
+        out.append(_grpc_route(f"/{OPENAI_SERVICE}/{method}", "router", retry=RETRY_BEFORE_RESPONSE,
+                               operation="ingress"))
+    return out
+
+
 # Largest HTTP body the ingress buffers for transcoding; the router sets its own, smaller limit.
 MAX_HTTP_BODY = 8 << 20
 
@@ -583,23 +658,28 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
             "ignore_unknown_query_parameters": True,
         },
     }
+    direct = topo.ingress_path == "direct"
     routes = [
+        *(_direct_routes() if direct else []),
         _grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
         _grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
         *(_grpc_route(f"/{name}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress") for name in PUBLIC_GRPC_EXTRAS),
         # After transcoding the path is the gRPC one; anything else is not ours.
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]
+    if direct:
+        # The router is asked about the generation routes only.
+        for route in routes[len(OPENAI_GENERATION) * 2:]:
+            route["typed_per_filter_config"] = {EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE, "disabled": True}}
     hcm = _hcm(
         "ingress",
         routes,
         # On responses filters run in reverse: the transcoder's output reaches the Lua filter.
-        [openai_errors, transcoder],
+        # The router's decision (direct) comes after the transcoder: it reads and replaces the
+        # gRPC request, and reads the worker's gRPC trailers before they are transcoded.
+        [_internal_headers_dropped(), openai_errors, transcoder, *([_ext_proc()] if direct else [])],
         log_dir / "envoy-ingress-access.log",
-        # Only the router may say who the tenant is, which worker serves, or what GaaS's own
-        # request id is; never a client.
-        vhost={"request_headers_to_remove": [TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER],
-               "response_headers_to_remove": [UNREACHED_HEADER],
+        vhost={"response_headers_to_remove": [UNREACHED_HEADER],
                # The request's arrival here, where its latency decomposition starts (a client's
                # own value is overwritten).
                "request_headers_to_add": [{
@@ -614,10 +694,13 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
     )
     edge_tls = _downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
     listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm, edge_tls)]
+    ingress_creds = authority.credentials(*pki.INGRESS)
     clusters = [
         _static_cluster("router", [(r.host, r.inbound_port) for r in topo.of("router")], health_check=True,
-                        tls=_client_tls(authority.credentials(*pki.INGRESS), "router"))
+                        tls=_client_tls(ingress_creds, "router"))
     ]
+    if direct:
+        clusters.extend(_worker_clusters(topo, ingress_creds))
     admin = _pipe(LocalSockets.of(sockets, "ingress-0").admin) if sockets else _address(topo.host, topo.ingress_admin_port)
     return _bootstrap("ingress-0", admin, listeners, clusters, stats=(topo.host, topo.ingress_stats_port), trace=trace)
 

@@ -401,6 +401,7 @@ class Mesh:
             "host": self.topo.host,
             "port_base": self.topo.port_base,
             "ingress_port": self.topo.ingress_port,
+            "ingress_path": self.topo.ingress_path,
             "workers": len(self.topo.of("worker")),
             "topology": str(Path(self.topology_file).resolve()) if self.topology_file else None,
             "redis_url": self.redis_url,

@@ -25,7 +25,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from gaas import admission, errors, metering, pricing
+from gaas import admission, errors, latency, metering, pricing
 from gaas.metering import UsageEvent
 from gaas.v1 import common_pb2
 from gaas.principal import Principal
@@ -160,6 +160,12 @@ class Meter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def release_later(self, m: Metered) -> None:
+        """release() from a request being torn down: runs to its end regardless."""
+        task = asyncio.create_task(self.release(m))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def release(self, m: Metered) -> None:
         if not m.admitted:
             return
@@ -206,6 +212,38 @@ class Meter:
 
     async def close(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda item: item, on_last=None):
+    """Relay items (chunks, or what carries them), appending the request's usage event before its
+    last chunk is released; a request cut short (the client went away, a worker failed after
+    tokens) is metered for what was produced, and one that produced nothing releases its budget
+    reservation. Writing the usage event is the tenant's time: it is added to that chunk's latency
+    decomposition (gaas.latency), and on_last(chunk) is told each final chunk once complete."""
+    if meter is None or m is None:
+        async for item in items:
+            if on_last is not None and chunk_of(item).HasField("usage"):
+                on_last(chunk_of(item))
+            yield item
+        return
+    outcome = "failed"
+    try:
+        async for item in items:
+            chunk = chunk_of(item)
+            if m.add(chunk):
+                started = time.perf_counter()
+                await meter.commit(m, "finished")
+                latency.add_tenant(chunk.timings, time.perf_counter() - started)
+            if on_last is not None and chunk.HasField("usage"):
+                on_last(chunk)
+            yield item
+        outcome = "finished"
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"
+        raise
+    finally:
+        if not m.done:
+            meter.commit_later(m, outcome)
 
 
 def refusal(

@@ -28,6 +28,13 @@ GRPC_SERVICE = {
 
 # The router's second public API: OpenAI's HTTP API over HttpBody methods.
 OPENAI_SERVICE = "gaas.v1.OpenAI"
+# Its generation methods, which a worker serves too when the ingress sends them there straight
+# (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
+OPENAI_GENERATION = ("Completions", "ChatCompletions")
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# How a generation reaches its worker: through the router ("router"), or from the ingress
+# straight to the worker the router picked ("direct").
+INGRESS_PATHS = ("router", "direct")
 
 # Whom each kind calls, through its sidecar's outbound listener (DESIGN.md's "talks to").
 TALKS_TO = {
@@ -179,6 +186,9 @@ class Topology:
     port_base: int
     ingress_port: int
     instances: tuple[Instance, ...]
+    # How generations reach their worker (INGRESS_PATHS): through the router, or from the ingress
+    # straight to the worker the router picked at the ingress.
+    ingress_path: str = "router"
 
     @property
     def ingress_admin_port(self) -> int:
@@ -240,6 +250,7 @@ def build(
     host: str | None = None,
     port_base: int | None = None,
     ingress_port: int | None = None,
+    ingress_path: str | None = None,
     workers: int | str | None = None,
     auto_workers: int = 1,
 ) -> Topology:
@@ -262,6 +273,9 @@ def build(
     base = port_base if port_base is not None else _int(doc.get("port_base", 20000), "port_base", 1024)
     ingress = doc.get("ingress") or {}
     ingress_port = ingress_port if ingress_port is not None else _int(ingress.get("port", 8080), "ingress.port", 1)
+    ingress_path = ingress_path or str(ingress.get("path", "router"))
+    if ingress_path not in INGRESS_PATHS:
+        raise TopologyError(f"ingress.path must be one of {', '.join(INGRESS_PATHS)}, got {ingress_path!r}")
 
     instances: list[Instance] = []
     block = 1  # block 0 is the ingress's
@@ -298,15 +312,16 @@ def build(
             block += 1
     if base + block * PORTS_PER_INSTANCE > 65535:
         raise TopologyError(f"port_base {base} leaves too few ports for {block} port blocks")
-    topo = Topology(host=host, port_base=base, ingress_port=ingress_port, instances=tuple(instances))
+    topo = Topology(host=host, port_base=base, ingress_port=ingress_port, instances=tuple(instances),
+                    ingress_path=ingress_path)
     if ingress_port in topo.all_ports()[1:]:
         raise TopologyError(f"ingress port {ingress_port} collides with a port derived from port_base {base}")
     return topo
 
 
 def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topology:
-    """Read the topology file, applying GAAS_HOST / GAAS_PORT_BASE / GAAS_INGRESS_PORT / GAAS_WORKERS
-    from env, then explicit keyword overrides (those that are not None)."""
+    """Read the topology file, applying GAAS_HOST / GAAS_PORT_BASE / GAAS_INGRESS_PORT /
+    GAAS_INGRESS_PATH / GAAS_WORKERS from env, then explicit keyword overrides (those that are not None)."""
     env = os.environ if env is None else env
     try:
         doc = yaml.safe_load(Path(path).read_text())
@@ -318,6 +333,7 @@ def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topol
         "host": env.get("GAAS_HOST") or None,
         "port_base": _int(env["GAAS_PORT_BASE"], "GAAS_PORT_BASE", 1024) if env.get("GAAS_PORT_BASE") else None,
         "ingress_port": _int(env["GAAS_INGRESS_PORT"], "GAAS_INGRESS_PORT", 1) if env.get("GAAS_INGRESS_PORT") else None,
+        "ingress_path": env.get("GAAS_INGRESS_PATH") or None,
         "workers": (env["GAAS_WORKERS"] if env.get("GAAS_WORKERS") == "auto"
                     else _int(env["GAAS_WORKERS"], "GAAS_WORKERS (a number or auto)", 1)) if env.get("GAAS_WORKERS") else None,
     }

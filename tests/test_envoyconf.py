@@ -95,8 +95,12 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     _, configs, _ = rendered
     listener = configs["ingress-0"]["static_resources"]["listeners"][0]
     vhost = _routes(listener)
-    assert set(vhost["request_headers_to_remove"]) == {"x-gaas-tenant", "x-gaas-worker", "x-gaas-request-id"}
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    # A client's say on the trusted headers is dropped before any other filter sees the request.
+    first = hcm["http_filters"][0]
+    assert first["name"] == "envoy.filters.http.header_mutation"
+    removed = {m["remove"] for m in first["typed_config"]["mutations"]["request_mutations"]}
+    assert removed == {"x-gaas-tenant", "x-gaas-worker", "x-gaas-request-id"}
     assert hcm["codec_type"] == "AUTO"
     # The client's x-request-id survives and comes back in the response.
     assert hcm["preserve_external_request_id"] and hcm["always_set_request_id_in_response"]
@@ -248,3 +252,60 @@ def test_the_ingress_serves_tls_with_the_given_certificate(tmp_path):
     assert ctx["alpn_protocols"] == ["h2", "http/1.1"] and "require_client_certificate" not in tls
     plain = envoyconf.ingress_config(topo, protogen.DESCRIPTOR_SET, tmp_path, authority)
     assert "transport_socket" not in plain["static_resources"]["listeners"][0]["filter_chains"][0]
+
+
+@pytest.fixture(scope="module")
+def rendered_direct(tmp_path_factory):
+    out = tmp_path_factory.mktemp("envoy-direct")
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "direct"}, workers=2)
+    authority = pki.Authority(out)
+    envoyconf.issue_certificates(topo, authority)
+    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs", authority, sockets=out / "sockets")
+    return topo, {name: yaml.safe_load(path.read_text()) for name, path in files.items()}, files
+
+
+def test_direct_path_configs_are_valid_envoy(rendered_direct):
+    test_configs_are_valid_envoy(rendered_direct)
+
+
+def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_worker(rendered_direct):
+    topo, configs, _ = rendered_direct
+    assert topo.ingress_path == "direct"
+    listener = configs["ingress-0"]["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    # The router reads the transcoded gRPC request, and the worker's trailers before transcoding.
+    assert names.index("envoy.filters.http.grpc_json_transcoder") < names.index("envoy.filters.http.ext_proc")
+    ext_proc = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.ext_proc"]
+    assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == "router"
+    mode = ext_proc["processing_mode"]
+    # The tokens never pass through the router: no response body, only the trailers.
+    assert mode["response_body_mode"] == "NONE" and mode["response_trailer_mode"] == "SEND"
+    assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    routes = _routes(listener)["routes"]
+    to_workers = [r for r in routes if r.get("route", {}).get("cluster_header") == "x-gaas-worker"]
+    assert {r["match"]["path"] for r in to_workers} == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
+    assert all("retry_policy" not in r["route"] for r in to_workers)
+    # The router is asked about generations only.
+    asked = [r for r in routes if "typed_per_filter_config" not in r]
+    assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == {
+        "/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
+    # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity.
+    workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
+    assert workers <= set(_clusters(configs["ingress-0"]))
+
+
+def test_direct_path_lets_the_ingress_call_only_what_it_needs(rendered, rendered_direct):
+    def ingress_paths(configs, instance):
+        listener = configs[f"sidecar-{instance}"]["static_resources"]["listeners"][0]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        rbac = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.rbac"]
+        policy = rbac["rules"]["policies"].get("ingress-calls", {"permissions": []})
+        return {next(iter(p["url_path"]["path"].values())) for p in policy["permissions"]}
+
+    _, direct, _ = rendered_direct
+    _, routed, _ = rendered
+    assert ingress_paths(direct, "worker-0") == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
+    assert ingress_paths(routed, "worker-0") == set()
+    assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" in ingress_paths(direct, "router-0")
+    assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" not in ingress_paths(routed, "router-0")

@@ -10,11 +10,12 @@ class RedisUnavailable(RuntimeError):
     """Redis did not answer; the message names the URL and what to do."""
 
 
-def connect(url: str, *, timeout: float = 2.0) -> aioredis.Redis:
+def connect(url: str, *, timeout: float | None = 2.0, connect_timeout: float = 2.0) -> aioredis.Redis:
+    """timeout: for each call (None: none, for a subscription that waits as long as it must)."""
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout,
-        socket_connect_timeout=timeout,
+        socket_connect_timeout=connect_timeout if timeout is None else timeout,
         health_check_interval=30,
         decode_responses=True,
     )

@@ -34,7 +34,7 @@ from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
 from services.router.kvclient import KVDirectoryClient
-from services.router.scheduling import RequestContext, Scheduler, WorkerId
+from services.router.scheduling import Candidate, RequestContext, Scheduler, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,33 @@ class RouterMetrics:
     # The ingress's arrival to the first token, and the time per output token after it.
     ttft_seconds: Histogram | None = None
     tpot_seconds: Histogram | None = None
+
+
+@dataclass(slots=True)
+class DirectPlacement:
+    """A request placed for the ingress to send straight to its worker (Dispatcher.place_direct):
+    its room in the worker's window and its place in flight are held until ended() says how the
+    worker did."""
+
+    dispatcher: "Dispatcher"
+    prepared: Prepared
+    principal: Principal
+    worker: Candidate
+    request: worker_pb2.WorkerGenerateRequest
+    queued_s: float
+    token: int
+    # Leading blocks of the prompt the KV directory said the worker holds.
+    confirmed_blocks: int = 0
+    done: bool = False
+
+    def ended(self, code: grpc.StatusCode | None, detail: str = "", final: common_pb2.GenerateChunk | None = None) -> None:
+        """The request is over. code: the worker's status (None: unknown, the client went away or
+        the ingress never reached the worker); final: the worker's final chunk, without its text
+        (usage, finish reason, the latency decomposition), when it finished."""
+        if self.done:
+            return
+        self.done = True
+        self.dispatcher.end_direct(self, code, detail, final)
 
 
 class Dispatcher:
@@ -380,6 +407,105 @@ class Dispatcher:
             if m.requests is not None:
                 m.requests.labels(*labels, outcome).inc()
 
+    async def _place(
+        self, prepared: Prepared, principal: Principal, ctx: RequestContext, workers, time_remaining: float | None,
+        span, attempt: int = 0,
+    ):
+        """One placement: the scheduler's pick within the windows (waiting in the queue when they
+        are full), the decision on the request's span, the prefix's blocks provisioned where they
+        will be, the request counted in flight there. Returns (worker, seconds queued, in-flight token)."""
+        placing = time.perf_counter()
+        decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, time_remaining)
+        queued_s = time.perf_counter() - placing
+        worker = decision.worker
+        if span.is_recording():
+            span.set_attributes({
+                "gaas.worker": worker.worker_id, "gaas.policy": self._scheduler.name, "gaas.attempt": attempt,
+                "gaas.queue_ms": round(queued_s * 1000, 3),
+                "gaas.prefix_tokens": ctx.prefix.get(worker.worker_id, 0) * worker.block_size,
+                "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
+            })
+        if ctx.block_hashes and self._kv is not None and len(workers) > 1:
+            # Where the blocks will be, before the engine says so (with one worker nothing
+            # is decided by it; the engine's own events tell the directory).
+            owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
+            self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
+        if self._metrics.routed is not None:
+            self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
+        return worker, queued_s, self._inflight.start(worker.worker_id)
+
+    def _worker_request(self, prepared: Prepared, principal: Principal, request_id: str) -> worker_pb2.WorkerGenerateRequest:
+        """What the worker is sent: the prepared request, with the tier's engine priority and the
+        stream's coalescing for this router's load."""
+        worker_request = worker_pb2.WorkerGenerateRequest(
+            request=prepared.request, request_id=request_id, cache_salt=prepared.cache_salt
+        )
+        # Fuller messages as this router's streams grow (the first token still goes alone).
+        interval = self._coalescing.interval(self._inflight.total)
+        if interval > 1:
+            worker_request.stream_interval = interval
+        priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
+        if priority is not None:
+            worker_request.engine_priority = priority
+        return worker_request
+
+    async def place_direct(
+        self, prepared: Prepared, principal: Principal, request_id: str, time_remaining: float | None,
+    ) -> "DirectPlacement":
+        """Place a request that the ingress will send to the worker itself (ingress.path: direct):
+        the same decision as for a stream of the router's own, without a retry (the router is out
+        of the stream); the caller reports its end (DirectPlacement.ended)."""
+        workers = await self._directory.workers(prepared.model.name)
+        ctx, confirmed = await self._context(prepared, principal, workers)
+        self.activity.started(principal.tenant, principal.tier)
+        try:
+            worker, queued_s, token = await self._place(prepared, principal, ctx, workers, time_remaining,
+                                                        trace.get_current_span())
+        except BaseException:
+            self.activity.finished(principal.tenant, 0)
+            raise
+        return DirectPlacement(self, prepared, principal, worker, self._worker_request(prepared, principal, request_id),
+                               queued_s, token, confirmed.get(worker.worker_id, 0))
+
+    def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
+                   final: common_pb2.GenerateChunk | None) -> None:
+        """A direct generation is over: the flow learns how its worker did, and the request is
+        recorded as one of the router's own streams is (Dispatcher.stream), from the worker's final."""
+        worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.tier)
+        tokens = 0
+        if final is not None:
+            t, u = final.timings, final.usage
+            tokens = u.prompt_tokens + u.completion_tokens
+            # What the tenant waited for the first token, from the ingress's arrival; the window's
+            # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
+            seen_ms = t.total_ms - t.decode_ms
+            self._flow.first_token(worker, p.principal.tier, t.ttft_ms, seen_ms - t.ingress_ms - t.router_queue_ms)
+            outcome = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+            if m.ttft_seconds is not None:
+                m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
+            if m.tokens is not None:
+                m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)
+                m.tokens.labels(*labels, "completion").inc(u.completion_tokens)
+                m.tokens.labels(*labels, "cached").inc(u.cached_tokens)
+            if m.tpot_seconds is not None and u.completion_tokens > 1:
+                m.tpot_seconds.labels(*labels).observe(t.decode_ms / 1000 / (u.completion_tokens - 1))
+            self.observe_latency(t, p.principal.tier)
+            log.info("served for %s by %s straight to the ingress: %d prompt (%d cached, %d blocks predicted) + %d "
+                     "completion tokens, %s, TTFT %.1f ms at the worker", p.principal.tenant, worker, u.prompt_tokens,
+                     u.cached_tokens, p.confirmed_blocks, u.completion_tokens,
+                     common_pb2.FinishReason.Name(final.finish_reason), t.ttft_ms)
+            self._check_prediction(worker, p.confirmed_blocks, p.worker.block_size, u.cached_tokens)
+        elif code is not None and code != grpc.StatusCode.OK:
+            self._flow.failed(worker, code, detail)
+            outcome = code.name
+        else:
+            outcome = "cancelled"
+        if m.requests is not None:
+            m.requests.labels(*labels, outcome).inc()
+        self._inflight.finish(worker, p.token)
+        self._flow.finished(worker)
+        self.activity.finished(p.principal.tenant, tokens)
+
     async def _stream(
         self,
         prepared: Prepared,
@@ -393,9 +519,7 @@ class Dispatcher:
         model = prepared.model
         workers = await self._directory.workers(model.name)
         ctx, confirmed = await self._context(prepared, principal, workers)
-        worker_request = worker_pb2.WorkerGenerateRequest(
-            request=prepared.request, request_id=request_id, cache_salt=prepared.cache_salt
-        )
+        worker_request = self._worker_request(prepared, principal, request_id)
 
         tried: set[WorkerId] = set()
         sent_any = False
@@ -405,41 +529,16 @@ class Dispatcher:
             return None if time_remaining is None else max(0.0, time_remaining - (time.monotonic() - started))
 
         # The routing decision goes on the request's span (the router's server span, when traced).
-        # Fuller messages as this router's streams grow (the first token still goes alone).
-        interval = self._coalescing.interval(self._inflight.total)
-        if interval > 1:
-            worker_request.stream_interval = interval
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes({"gaas.request_id": request_id, "gaas.tenant": principal.tenant,
                                  "gaas.tier": principal.tier, "gaas.model": model.name,
-                                 "gaas.stream_interval": interval})
-        priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
-        if priority is not None:
-            worker_request.engine_priority = priority
+                                 "gaas.stream_interval": worker_request.stream_interval or 1})
         loop = asyncio.get_running_loop()
         for attempt in range(self._retries + 1):
             ctx.tried = frozenset(tried)
-            placing = time.perf_counter()
-            decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, remaining())
-            queued_s = time.perf_counter() - placing
-            worker = decision.worker
-            if span.is_recording():
-                span.set_attributes({
-                    "gaas.worker": worker.worker_id, "gaas.policy": self._scheduler.name, "gaas.attempt": attempt,
-                    "gaas.queue_ms": round(queued_s * 1000, 3),
-                    "gaas.prefix_tokens": ctx.prefix.get(worker.worker_id, 0) * worker.block_size,
-                    "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
-                })
+            worker, queued_s, token = await self._place(prepared, principal, ctx, workers, remaining(), span, attempt)
             tried.add(worker.worker_id)
-            if ctx.block_hashes and self._kv is not None and len(workers) > 1:
-                # Where the blocks will be, before the engine says so (with one worker nothing
-                # is decided by it; the engine's own events tell the directory).
-                owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
-                self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
-            if self._metrics.routed is not None:
-                self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
-            token = self._inflight.start(worker.worker_id)
             left = remaining()
             timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)
             sent_at = time.perf_counter()

@@ -62,16 +62,16 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         request_id = current_request_id()
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         note_client_id(parsed.client_request_id)
-        session_id = _session_id(parsed, metadata)
-        engine_requests = _engine_requests(parsed)
-        if session_id and len(engine_requests) > 1:
+        session_id = session_id_of(parsed, metadata)
+        requests = engine_requests(parsed)
+        if session_id and len(requests) > 1:
             raise errors.InvalidArgument("a session turn is one prompt, not a batch", param="prompt")
         # Every prompt is checked and tokenized before anything is generated.
         if session_id:
-            first, plan = await prepare_one(self._dispatcher, self._sessions, engine_requests[0], principal, request_id)
+            first, plan = await prepare_one(self._dispatcher, self._sessions, requests[0], principal, request_id)
             prepared = [first]
         else:
-            prepared, plan = [await self._dispatcher.prepare(r, principal) for r in engine_requests], None
+            prepared, plan = [await self._dispatcher.prepare(r, principal) for r in requests], None
         with released_on_error(self._sessions, plan):
             fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
             n = parsed.n
@@ -147,7 +147,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         return httpbody_pb2.HttpBody(content_type=CONTENT_TYPE_LATEST, data=generate_latest(self._metrics))
 
 
-def _session_id(parsed: openai_api.OpenAIRequest, metadata: dict) -> str:
+def session_id_of(parsed: openai_api.OpenAIRequest, metadata: dict) -> str:
     """The session a request is a turn of: the x-gaas-session header or the body's session_id
     (both: they must agree); set on the engine request."""
     header = metadata.get(SESSION_HEADER, "")
@@ -159,7 +159,7 @@ def _session_id(parsed: openai_api.OpenAIRequest, metadata: dict) -> str:
     return parsed.generate.session_id
 
 
-def _engine_requests(parsed: openai_api.OpenAIRequest) -> list[inference_pb2.GenerateRequest]:
+def engine_requests(parsed: openai_api.OpenAIRequest) -> list[inference_pb2.GenerateRequest]:
     """One engine request per prompt (chat: the conversation)."""
     if parsed.kind == "chat":
         return [parsed.generate]

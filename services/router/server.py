@@ -11,11 +11,16 @@ import asyncio
 import logging
 from pathlib import Path
 
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
 from gaas import deployspec, qos
+from gaas.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.sessions import SessionPolicy
 from gaas.tokenizer import TokenizerCache
+from gaas.topology import EXT_PROC_SERVICE
 from gaas.v1 import (
     billing_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,
@@ -27,15 +32,14 @@ from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import DirectoryCollector, MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.extproc import ExternalProcessor
 from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
-from gaas.meter import Meter
 from services.router.openai_servicer import OpenAIServicer
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
 from services.router.sessions import SESSION_OUTCOMES, SessionMetrics, SessionStore
-from gaas.sessions import SessionPolicy
 
 log = logging.getLogger("gaas.router")
 
@@ -156,16 +160,24 @@ async def serve(cfg: RouterConfig) -> None:
         openai_pb2_grpc.add_OpenAIServicer_to_server,
         OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter, sessions), "gaas.v1.OpenAI"
     )
+    # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
+    rt.add_service(
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server,
+        extproc := ExternalProcessor(dispatcher, auth, cfg.max_body_bytes, meter, cfg.instance), EXT_PROC_SERVICE,
+        listed=False,
+    )
     rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity, sessions), "gaas.v1.Router",
                    listed=False)  # reached through the router's sidecar only, never the ingress
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
+    reports = asyncio.create_task(extproc.run_reports(cfg.redis_url), name="direct-reports")
 
     async def stop_refreshing() -> None:
         refresher.cancel()
         spool.cancel()
-        await asyncio.gather(refresher, spool, return_exceptions=True)
+        reports.cancel()
+        await asyncio.gather(refresher, spool, reports, return_exceptions=True)
         await kv.close()
         await sessions.close()
         await meter.close()

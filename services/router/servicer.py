@@ -3,7 +3,6 @@ Also admit(), the admission step both public APIs share."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 
@@ -19,7 +18,7 @@ from gaas.runtime.context import (
 from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
-from gaas.meter import Meter, Metered
+from gaas.meter import Meter, Metered, metered
 from services.router.sessions import (
     SessionStore, TurnPlan, available, check_turn, committing, delete_response, get_response, list_response, plan_turn,
 )
@@ -36,38 +35,6 @@ def note_client_id(client_id: str) -> None:
     """The id a client gave in its request body, for the logs (the x-request-id header wins)."""
     if client_id and not client_request_id_var.get():
         client_request_id_var.set(sanitize_client_id(client_id))
-
-
-async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda item: item, on_last=None):
-    """Relay items (chunks, or what carries them), appending the request's usage event before its
-    last chunk is released; a request cut short (the client went away, a worker failed after
-    tokens) is metered for what was produced, and one that produced nothing releases its budget
-    reservation. Writing the usage event is the tenant's time: it is added to that chunk's latency
-    decomposition (gaas.latency), and on_last(chunk) is told each final chunk once complete."""
-    if meter is None or m is None:
-        async for item in items:
-            if on_last is not None and chunk_of(item).HasField("usage"):
-                on_last(chunk_of(item))
-            yield item
-        return
-    outcome = "failed"
-    try:
-        async for item in items:
-            chunk = chunk_of(item)
-            if m.add(chunk):
-                started = time.perf_counter()
-                await meter.commit(m, "finished")
-                latency.add_tenant(chunk.timings, time.perf_counter() - started)
-            if on_last is not None and chunk.HasField("usage"):
-                on_last(chunk)
-            yield item
-        outcome = "finished"
-    except (asyncio.CancelledError, GeneratorExit):
-        outcome = "cancelled"
-        raise
-    finally:
-        if not m.done:
-            meter.commit_later(m, outcome)
 
 
 async def admit_usage(

@@ -61,6 +61,10 @@ class WorkerConfig:
     # Seconds a lease lasts is decided by control; renew this often.
     lease_renew_seconds: float
     grace_seconds: float
+    # Redis, where the usage of requests the ingress sends here straight goes (ingress.path:
+    # direct), and where those events wait while Redis does not answer; "": not metered here.
+    redis_url: str = ""
+    spool_dir: str = ".gaas/spool"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "WorkerConfig":
@@ -86,6 +90,8 @@ class WorkerConfig:
             kv_cache_blocks=env_int(env, "GAAS_KV_CACHE_BLOCKS", 0),
             kv_events=env_bool(env, "GAAS_KV_EVENTS", True),
             lease_renew_seconds=env_float(env, "GAAS_LEASE_RENEW_SECONDS", 0.5),
+            redis_url=env.get("GAAS_REDIS_URL", ""),
+            spool_dir=env_str(env, "GAAS_SPOOL_DIR", ".gaas/spool"),
         )
         if cfg.block_size % 16:
             raise ConfigError(f"GAAS_BLOCK_SIZE must be a multiple of 16 (32 on the CPU), got {cfg.block_size}")

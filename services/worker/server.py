@@ -14,10 +14,15 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
+from gaas.meter import Meter
+from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.v1 import control_pb2, control_pb2_grpc, worker_pb2_grpc
+from gaas.topology import OPENAI_SERVICE
+from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
 from services.worker.config import WorkerConfig
+from services.worker.direct import DirectServicer
 from services.worker.engine import KV_TOPIC, VllmEngine, VllmSettings
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
@@ -44,6 +49,9 @@ HELP_ENV = """environment:
   GAAS_KV_CACHE_BLOCKS KV-cache size in blocks (vLLM's num_gpu_blocks_override; 0: sized by memory)
   GAAS_KV_EVENTS       publish the engine's KV events to the KV directories (true)
   GAAS_LEASE_RENEW_SECONDS  lease renewals, each with a load report (0.5)
+  GAAS_REDIS_URL       Redis, where the usage of generations the ingress sends here straight goes
+                       (ingress.path: direct); empty: not metered here
+  GAAS_SPOOL_DIR       where those usage events wait while Redis does not answer (.gaas/spool)
   VLLM_CPU_OMP_THREADS_BIND  the core(s) a CPU worker is pinned to (`gaas up` sets one per worker)
 """
 
@@ -114,6 +122,22 @@ async def serve(cfg: WorkerConfig) -> None:
     )
     servicer = WorkerServicer(cfg.instance, max_waiting=cfg.max_waiting)
     rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "gaas.v1.Worker")
+    # Generations the ingress sends here straight, as a router decided them (ingress.path: direct).
+    meter = redis = None
+    if cfg.redis_url:
+        redis = redisconn.connect(cfg.redis_url, timeout=1.0)
+        meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
+        spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
+
+        async def stop_meter() -> None:
+            await _cancel(spool)
+            await meter.close()
+            await meter.drain_spool()
+            await redis.aclose()
+
+        rt.after_stop(stop_meter)
+    rt.add_service(openai_pb2_grpc.add_OpenAIServicer_to_server, DirectServicer(servicer, meter, redis), OPENAI_SERVICE,
+                   listed=False)
     # The port is open (and NOT_SERVING) while the engine loads, so health checks get an answer.
     await rt.start()
     log.info("loading %s from %s", cfg.model, cfg.model_path)

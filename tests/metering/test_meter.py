@@ -14,7 +14,7 @@ from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
 from gaas.principal import Principal
 from gaas.meter import Meter
-from services.router.servicer import metered
+from gaas.meter import metered
 
 PRICE = pricing.Price(input=1.0, cached_input=0.1, output=2.0)  # micro-dollars per token
 _ids = itertools.count()

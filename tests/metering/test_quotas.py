@@ -14,7 +14,7 @@ from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
 from gaas.principal import Principal
 from gaas.meter import Meter
-from services.router.servicer import metered
+from gaas.meter import metered
 
 _ids = itertools.count()
 T0 = 1_800_000_000_000  # a Unix-ms moment on a whole minute

@@ -1,0 +1,317 @@
+"""The router's decision at the ingress, with the router out of the token stream (topology:
+ingress.path: direct), the way the Gateway API Inference Extension's endpoint picker works:
+Envoy's external processing protocol (envoy.service.ext_proc.v3).
+
+For each OpenAI generation, the ingress sends the request's headers and its (transcoded) body
+here. The router authenticates, admits and places it as it does for its own routes, then answers
+with the worker to send it to (x-gaas-worker, which picks the ingress's cluster of that worker's
+sidecar) and the body replaced by a gaas.v1.DirectGenerate: the tokens then stream from the worker
+to the ingress without passing through the router, and the worker formats and meters the answer.
+The worker reports the request's end to this router (gaas/direct.py), which then records it as
+one of its own streams (metrics, windows, circuit breakers) and frees its room.
+
+A request the direct path does not serve (a session turn, a batch of prompts) passes on unchanged
+to the router's own route. A refusal answers the client at once: an immediate response with the
+gRPC status, which the ingress's transcoder and error filter turn into OpenAI's error JSON, as
+for the router's own routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.type.v3 import http_status_pb2
+from google.api import httpbody_pb2
+from google.protobuf import json_format
+from google.rpc import status_pb2
+from redis.exceptions import RedisError
+
+from gaas import direct as direct_contract
+from gaas import errors, jsonbody, latency, openai_api
+from gaas.meter import Meter, Metered
+from gaas.openai_stream import EXPLAIN_HEADER
+from gaas.runtime import redisconn, status
+from gaas.runtime.context import (
+    AUTHORIZATION_HEADER,
+    CLIENT_REQUEST_ID_HEADER,
+    REQUEST_ID_HEADER,
+    TENANT_HEADER,
+    WORKER_HEADER,
+    authorization_var,
+    client_request_id_var,
+    new_request_id,
+    request_id_var,
+    sanitize_client_id,
+    tenant_var,
+)
+from gaas.runtime.interceptors import translate
+from gaas.topology import OPENAI_SERVICE
+from gaas.v1 import worker_pb2
+from services.router.auth import Authenticator
+from services.router.dispatch import Dispatcher, DirectPlacement
+from services.router.openai_servicer import engine_requests, session_id_of
+from services.router.servicer import admit, admit_usage, note_client_id
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+# The routes the ingress asks the router about, and how their bodies parse.
+PARSERS = {
+    f"/{OPENAI_SERVICE}/Completions": (openai_api.parse_completion, False),
+    f"/{OPENAI_SERVICE}/ChatCompletions": (openai_api.parse_chat, True),
+}
+
+
+def grpc_frame(message: bytes) -> bytes:
+    """One uncompressed gRPC message frame."""
+    return struct.pack(">BI", 0, len(message)) + message
+
+
+def grpc_unframe(body: bytes) -> bytes:
+    """The message of a request body holding one uncompressed gRPC frame."""
+    if len(body) < 5:
+        raise errors.InvalidArgument("the request body is empty")
+    compressed, size = struct.unpack(">BI", body[:5])
+    if compressed or len(body) != 5 + size:
+        raise errors.InvalidArgument("the request body is not one uncompressed gRPC message")
+    return body[5:]
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _headers_of(header_map) -> dict[str, str]:
+    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in header_map.headers}
+
+
+def immediate(err: errors.GaasError) -> ep.ProcessingResponse:
+    """The client's answer to a refused request, as the ingress's transcoder renders a failed call
+    of the router's own routes (the HTTP status of err's code, the google.rpc.Status as JSON), so
+    that its error filter gives it OpenAI's shape and Retry-After as it does theirs. (The ingress
+    answers an HTTP client here, not a gRPC one: the transcoder does not see this answer.)"""
+    rendered = json_format.MessageToJson(status_pb2.Status.FromString(status.status_details(err)),
+                                         preserving_proto_field_name=True, indent=None)
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.info.http_status),
+        body=rendered.encode(),
+        headers=ep.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+        details=err.code,
+    ))
+
+
+def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
+    """Let the request go on unchanged to the router's own route (whatever worker a client named)."""
+    return [
+        ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(remove_headers=[WORKER_HEADER]), clear_route_cache=True))),
+        ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(
+            streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=True))))),
+    ]
+
+
+class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
+    def __init__(self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int,
+                 meter: Meter | None = None, instance: str = "") -> None:
+        self._dispatcher = dispatcher
+        self._auth = authenticator
+        self._max_body = max_body_bytes
+        self._meter = meter
+        # This router's name: the workers report its requests' ends on its channel.
+        self._instance = instance
+        # Requests sent straight to a worker and not yet reported ended: request id -> (placement,
+        # its usage record when Redis holds a reservation for it).
+        self._pending: dict[str, tuple[DirectPlacement, Metered | None]] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def reported(self, summary: str) -> None:
+        """A worker's report of a request's end (gaas.direct.report_channel)."""
+        final = direct_contract.read_final(summary)
+        if final is None:
+            log.warning("a worker's report of a request's end is unreadable; ignored")
+            return
+        entry = self._pending.pop(final.request_id, None)
+        if entry is not None:
+            entry[0].ended(grpc.StatusCode.OK, "", final)
+
+    def _unreported(self, request_id: str) -> None:
+        """No report within the grace period of the stream's end: the request ended unknown (the
+        client went away, the worker died or never got it); its room and reservation go back now
+        rather than when the reservation lapses (a worker still recording it settles nothing
+        twice: gaas.admission)."""
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return
+        p, metered = entry
+        p.ended(None)
+        if metered is not None and self._meter is not None:
+            self._meter.release_later(metered)
+
+    async def run_reports(self, redis_url: str) -> None:
+        """Hear the workers' reports of this router's requests' ends, until cancelled (reconnecting
+        to Redis when it goes away; meanwhile requests end unknown after the grace period)."""
+        channel = direct_contract.report_channel(self._instance)
+        failing = False
+        while True:
+            client = redisconn.connect(redis_url, timeout=None)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(channel)
+                    if failing:
+                        log.info("hearing the workers' reports again on %s", channel)
+                        failing = False
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            self.reported(message["data"])
+            except (RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("cannot hear the workers' reports on %s (%s); retrying", channel, exc)
+                failing = True
+                await asyncio.sleep(1.0)
+            finally:
+                await client.aclose()
+
+    async def Process(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        headers: dict[str, str] = {}
+        body = bytearray()
+        arrived, arrived_wall = time.perf_counter(), time.time()
+        async for req in requests:
+            kind = req.WhichOneof("request")
+            if kind == "request_headers":
+                headers = _headers_of(req.request_headers.headers)
+                if req.request_headers.end_of_stream:  # no body: nothing to decide
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                    return
+            elif kind == "request_body":
+                body += req.request_body.body
+                if req.request_body.end_of_stream:
+                    break
+        else:
+            return  # the client went away before its body was complete
+        try:
+            placement = await self._decide(headers, bytes(body), arrived, arrived_wall)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
+            err = translate(exc)
+            if err is None:
+                raise
+            if err.code == "INTERNAL":
+                log.error("deciding a direct generation failed", exc_info=exc)
+            yield immediate(err)
+            return
+        if placement is None:
+            for r in _passed_on(bytes(body)):
+                yield r
+            return
+        direct, p, metered = placement
+        framed = grpc_frame(httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE,
+                                                  data=direct.SerializeToString()).SerializeToString())
+        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(set_headers=[
+                _header(WORKER_HEADER, p.worker.address),
+                _header(REQUEST_ID_HEADER, direct.generate.request_id),
+                _header(TENANT_HEADER, p.principal.tenant),
+            ]),
+            clear_route_cache=True,
+        )))
+        yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=framed, end_of_stream=True)))))
+        request_id = direct.generate.request_id
+        self._pending[request_id] = (p, metered if metered is not None and metered.admitted else None)
+        try:
+            async for req in requests:
+                kind = req.WhichOneof("request")
+                if kind == "response_trailers":
+                    self._failed(request_id, _headers_of(req.response_trailers.trailers))
+                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                elif kind == "request_trailers":
+                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                elif kind == "response_headers":
+                    if req.response_headers.end_of_stream:  # trailers-only: a refusal
+                        self._failed(request_id, _headers_of(req.response_headers.headers))
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        finally:
+            if request_id in self._pending:
+                asyncio.get_running_loop().call_later(direct_contract.REPORT_GRACE_SECONDS, self._unreported,
+                                                      request_id)
+
+    def _failed(self, request_id: str, trailers: dict[str, str]) -> None:
+        """The worker's status, when the stream's trailers reach the router: a failure ends the
+        request now (a success waits for the worker's report, which carries what it served)."""
+        try:
+            code = STATUS_CODES.get(int(trailers.get("grpc-status", "")))
+        except ValueError:
+            return
+        if code is None or code == grpc.StatusCode.OK:
+            return
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            p, metered = entry
+            p.ended(code, trailers.get("grpc-message", ""))
+            if metered is not None and self._meter is not None:
+                self._meter.release_later(metered)
+
+    async def _decide(self, headers: dict[str, str], body: bytes, arrived: float, arrived_wall: float):
+        """(DirectGenerate, DirectPlacement, Metered or None) for the worker; None: the router's own
+        route serves it."""
+        parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
+        if parse is None:
+            return None
+        client_id = sanitize_client_id(headers.get(CLIENT_REQUEST_ID_HEADER, ""))
+        client_request_id_var.set(client_id)
+        request_id = new_request_id()
+        request_id_var.set(request_id)
+        tenant_var.set("")
+        authorization_var.set(headers.get(AUTHORIZATION_HEADER, ""))
+        principal = await admit(self._auth)
+        tenant_s = time.perf_counter() - arrived
+        http = httpbody_pb2.HttpBody.FromString(grpc_unframe(body))
+        parsed = parse(jsonbody.parse(http.data, self._max_body))
+        if session_id_of(parsed, headers):
+            return None  # sessions are the router's own (their turns commit after the stream)
+        requests = engine_requests(parsed)
+        if len(requests) > 1:
+            return None  # a batch of prompts: several workers' streams merged, by the router
+        note_client_id(parsed.client_request_id)
+        prepared = await self._dispatcher.prepare(requests[0], principal)
+        admitting = time.perf_counter()
+        metered = await admit_usage(self._meter, principal, [prepared], request_id,
+                                    parsed.n * prepared.request.max_tokens, arrived)
+        tenant_s += time.perf_counter() - admitting
+        try:
+            p = await self._dispatcher.place_direct(prepared, principal, request_id, None)
+        except BaseException:
+            if metered is not None:
+                await self._meter.release(metered)
+            raise
+        model = prepared.model
+        direct = worker_pb2.DirectGenerate(
+            generate=p.request, openai_body=http.data, chat=chat,
+            ingress_ms=latency.ingress_seconds(headers, arrived_wall) * 1000,
+            tenant_ms=tenant_s * 1000, router_queue_ms=p.queued_s * 1000,
+            explain=headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"), router=self._instance,
+        )
+        m = direct.metering
+        m.tenant, m.tier, m.key_id = principal.tenant, principal.tier, principal.key_id
+        m.model, m.model_version = model.name, model.version
+        if metered is not None:
+            m.price_input, m.price_cached_input, m.price_output = (
+                metered.price.input, metered.price.cached_input, metered.price.output)
+            m.admitted = metered.admitted
+        m.client_request_id = client_id or parsed.client_request_id
+        m.prompt_tokens = prepared.prompt_tokens
+        direct.router_ms = max(0.0, (time.perf_counter() - arrived) * 1000 - direct.tenant_ms - direct.router_queue_ms)
+        direct.decided_unix = time.time()
+        return direct, p, metered

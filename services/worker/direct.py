@@ -1,0 +1,82 @@
+"""gaas.v1.OpenAI's generation methods on a worker, for requests the router decided at the
+ingress (topology: ingress.path: direct; gaas/direct.py): the body is a DirectGenerate the router
+put there, never a client's. The worker generates, formats the OpenAI answer, appends the usage
+event before the last chunk (gaas.meter, as the router does on its own routes) and says in its
+trailers how it went."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from google.api import httpbody_pb2
+from google.protobuf.message import DecodeError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gaas import direct, errors, jsonbody, openai_api, openai_stream
+from gaas.meter import Meter, metered
+from gaas.runtime.context import request_id_var, tenant_var
+from gaas.v1 import openai_pb2_grpc, worker_pb2
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+# A DirectGenerate holds the client's body and its token ids: the router's limit and some.
+MAX_BODY_BYTES = 64 << 20
+
+
+class DirectServicer(openai_pb2_grpc.OpenAIServicer):
+    def __init__(self, worker: WorkerServicer, meter: Meter | None, redis: Redis | None = None) -> None:
+        self._worker = worker
+        self._meter = meter
+        # Where the routers hear of their requests' ends (gaas.direct.report_channel).
+        self._redis = redis
+        self._reports: set[asyncio.Task] = set()
+
+    async def Completions(self, request: httpbody_pb2.HttpBody, context):
+        async for body in self._serve(request, context, openai_api.parse_completion):
+            yield body
+
+    async def ChatCompletions(self, request: httpbody_pb2.HttpBody, context):
+        async for body in self._serve(request, context, openai_api.parse_chat):
+            yield body
+
+    async def _serve(self, http: httpbody_pb2.HttpBody, context, parse):
+        arrived, arrived_unix = time.perf_counter(), time.time()
+        if http.content_type != direct.CONTENT_TYPE:
+            raise errors.FailedPrecondition("a worker serves OpenAI requests only as a router decided them at the ingress")
+        try:
+            d = worker_pb2.DirectGenerate.FromString(http.data)
+        except DecodeError:
+            raise errors.InvalidArgument("the request is not a DirectGenerate") from None
+        request_id_var.set(d.generate.request_id)
+        tenant_var.set(d.metering.tenant)
+        parsed = parse(jsonbody.parse(d.openai_body, MAX_BODY_BYTES))
+        fmt = openai_api.Formatter(parsed, d.generate.request_id, d.metering.model)
+        usage = openai_stream.Usage(prompt=d.metering.prompt_tokens, explain=d.explain)
+        record = direct.metered(d, direct.arrived_at(d, arrived, arrived_unix)) if self._meter is not None else None
+
+        async def chunks():
+            async for c in self._worker.Generate(d.generate, context):
+                if c.HasField("usage"):
+                    direct.complete(c.timings, d, arrived_unix)
+                yield 0, c
+
+        def summary(c) -> None:
+            # metered() calls this once the usage event is written (its time is in the decomposition).
+            if self._redis is not None and d.router:
+                task = asyncio.create_task(self._report(d.router, direct.final_summary(c)))
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+
+        pairs = metered(self._meter, record, chunks(), chunk_of=lambda p: p[1], on_last=summary)
+        async for body in openai_stream.respond(parsed, fmt, usage, pairs):
+            yield body
+
+    async def _report(self, router: str, summary: str) -> None:
+        try:
+            await self._redis.publish(direct.report_channel(router), summary)
+        except RedisError as exc:  # the router ends the request unknown after a grace period
+            log.warning("cannot report a request's end to %s (%s)", router, exc)
