@@ -14,10 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def bench_mesh(
     name: str, port_start: int, progress: Callable[[str], None], *, workers: int = 1,
     replicas: Mapping[str, int] | None = None, worker_options: Mapping[str, object] | None = None,
-    deploy_file: Path | None = None, extra_env: Mapping[str, str] | None = None,
+    deploy_file: Path | None = None, extra_env: Mapping[str, str] | None = None, ingress_path: str | None = None,
 ):
     """A gaas.mesh.Mesh, not yet started, in a new run directory (gaas-<name>-...): deploy/topology.yaml
-    with `workers` workers, other services' replicas as given, the workers' options as given.
+    with `workers` workers, other services' replicas as given, the workers' options as given, the
+    ingress's path to the workers as given (router or direct; default: the topology's).
     The run directory becomes GAAS_HOME, so in-process admin calls (gaas.admin, gaas.probe) reach
     the sidecars as this mesh's operator."""
     import yaml
@@ -35,7 +36,8 @@ def bench_mesh(
             doc["services"][kind]["replicas"] = n
         topo_file = run_dir / "topology.yaml"
         topo_file.write_text(yaml.safe_dump(doc))
-    topo = topology.load(topo_file, env={}, port_base=base, ingress_port=base + 190, workers=workers)
+    topo = topology.load(topo_file, env={}, port_base=base, ingress_port=base + 190, workers=workers,
+                         ingress_path=ingress_path)
     if worker_options:
         topo = topology.with_worker_options(topo, **worker_options)
     return Mesh(topo, run_dir=run_dir, deploy_file=deploy_file or ROOT / "deploy" / "gaas.yaml",

@@ -2,7 +2,9 @@
 tester, `vllm bench serve` (the tool people point at vLLM-compatible endpoints).
 
 Starts, side by side on free ports:
-  - the GaaS mesh (`gaas up`'s machinery: Redis, services, Envoys) with one worker pinned to a core;
+  - the GaaS mesh (`gaas up`'s machinery: Redis, services, Envoys) with one worker pinned to a core,
+    once for each ingress path (--paths): "gaas ingress" streams through the router, "gaas
+    ingress, direct" from the worker the router picked at the ingress straight to the ingress;
   - vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server) on the same model, its
     model runner pinned to the same core, with the same cache size, block size and eager mode, and
     its engine processes placed as gaas places a worker's (scheduler beside the runner, API server
@@ -242,8 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-stock", action="store_true", help="also measure vLLM's server as it comes (no pinning)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tokens per streamed message, for the workers and vLLM's server alike (1)")
+    ap.add_argument("--paths", default="router,direct",
+                    help="the meshes measured, by the ingress's path to the workers: router (through the router), "
+                    "direct (straight to the worker the router picked at the ingress); comma-separated (both)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or set(paths) - set(MESH_TARGETS):
+        ap.error(f"--paths: one or more of {', '.join(MESH_TARGETS)}")
 
     from bench import footprint
     from bench.vllm_bench import run as vllm_bench
@@ -252,19 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     from gaas.client import GaasClient
     from gaas.runtime.placement import pin_descendants, worker_cpus
 
-    mesh = bench_mesh("bench", 42000, say, worker_options={"stream_interval": args.stream_interval})
+    # One mesh per path, side by side (each its own run directory, ports and Redis); their workers
+    # share the core, as they take turns being measured.
+    meshes = {MESH_TARGETS[path]: bench_mesh(f"bench-{path}", 42000 + 200 * i, say, ingress_path=path,
+                                             worker_options={"stream_interval": args.stream_interval})
+              for i, path in enumerate(paths)}
+    mesh = next(iter(meshes.values()))  # the native gRPC API's (the same on both paths)
     topo, run_dir = mesh.topo, mesh.run_dir
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
     core, others = worker_cpus(0, 1)  # where gaas places worker-0's engine, and the rest
     vllm_procs: list[subprocess.Popen] = []
-    results: dict = {"serving": {}, "grpc": {}}
+    results: dict = {"serving": {}, "grpc": {}, "cpu": {}, "memory": {}}
+    targets = {}
     try:
-        say(f"starting the GaaS mesh (logs in {run_dir / 'logs'})")
-        mesh.start()
-        mesh.wait_ready(300)
-        with Admin(topo.of("control")[0].inbound) as admin:
-            key, _ = admin.ensure_demo_key(run_dir)
-        targets = {"gaas ingress": (f"http://{topo.ingress}", key)}
+        for name, m in meshes.items():
+            say(f"starting the GaaS mesh for {name!r} (logs in {m.run_dir / 'logs'})")
+            m.start()
+            m.wait_ready(300)
+            os.environ["GAAS_HOME"] = str(m.run_dir)  # the operator of this mesh, for its admin calls
+            with Admin(m.topo.of("control")[0].inbound) as admin:
+                key, _ = admin.ensure_demo_key(m.run_dir)
+            targets[name] = (f"http://{m.topo.ingress}", key)
+        key = targets[next(iter(meshes))][1]
+        os.environ["GAAS_HOME"] = str(run_dir)
         if not args.skip_vllm:
             for variant in ("engine", "pinned", "stock") if args.with_stock else ("engine", "pinned"):
                 port = free_port()
@@ -308,17 +326,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.concurrency > 0:
                 for target in targets:
                     say(f"vllm bench serve --backend {backend}: {args.concurrency} streams at once on {target}")
-                    measured = target == "gaas ingress" and backend == "openai"
+                    measured = meshes.get(target) if backend == "openai" else None
                     if measured:
-                        cpu_before = {c.name: footprint.cpu_seconds(c.proc.pid) for c in mesh.children}
+                        cpu_before = {c.name: footprint.cpu_seconds(c.proc.pid) for c in measured.children}
                     r = bench(target, backend, args.concurrency * 8, args.concurrency)
                     results["serving"][f"{target} | {backend} | {args.concurrency}"] = merge_detailed([r])
                     if measured:
                         # CPU each mesh process spent on the run, per token it carried.
                         tokens = sum(n for n, err in zip(r["output_lens"], r["errors"]) if not err)
-                        results["cpu"] = {"output_tokens": tokens, "seconds": {
+                        results["cpu"][target] = {"output_tokens": tokens, "seconds": {
                             c.name: round(footprint.cpu_seconds(c.proc.pid) - cpu_before[c.name], 3)
-                            for c in mesh.children}}
+                            for c in measured.children}}
 
         say("gaas native gRPC API, gaas client")
         gaas_grpc = GaasClient(topo.ingress, api_key=key)
@@ -335,18 +353,20 @@ def main(argv: list[str] | None = None) -> int:
                                                                   args.output_len)
         gaas_grpc.close()
         # What each mesh process holds after the load (its whole process tree: a worker's engine).
-        results["memory"] = {c.name: footprint.memory(c.proc.pid) for c in mesh.children}
+        for name, m in meshes.items():
+            results["memory"][name] = {c.name: footprint.memory(c.proc.pid) for c in m.children}
     finally:
         for proc in vllm_procs:
             stop_group(proc)
-        say("stopping the mesh")
-        mesh.stop()
+        for name, m in meshes.items():
+            say(f"stopping the mesh for {name!r}")
+            m.stop()
 
     results["setup"] = {
         "model": model.name, "model_dir": model.source, "input_len": args.input_len, "output_len": args.output_len,
         "worker_core": core, "cpus": os.cpu_count(), "machine": platform.machine(),
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tool": "vllm bench serve",
-        "stream_interval": args.stream_interval,
+        "stream_interval": args.stream_interval, "paths": paths,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -377,23 +397,24 @@ def main(argv: list[str] | None = None) -> int:
     goals = overhead_goals(results, args.concurrency)
     results["goals"] = goals
     out.write_text(json.dumps(results, indent=2) + "\n")
-    if results.get("memory"):
-        print("\nmemory after the load, each process tree (MB): "
-              + "  ".join(f"{name} {m['pss_mb']:g} PSS / {m['rss_mb']:g} RSS" for name, m in results["memory"].items()))
-    if results.get("cpu"):
-        c = results["cpu"]
+    for target, memory in results["memory"].items():
+        print(f"\nmemory after the load, {target}, each process tree (MB): "
+              + "  ".join(f"{name} {m['pss_mb']:g} PSS / {m['rss_mb']:g} RSS" for name, m in memory.items()))
+    for target, c in results["cpu"].items():
         busy = sorted(c["seconds"].items(), key=lambda kv: -kv[1])
-        print(f"CPU seconds during the {args.concurrency}-stream /v1/completions run ({c['output_tokens']} tokens): "
-              + "  ".join(f"{n} {v:g}" for n, v in busy if v > 0))
+        print(f"CPU seconds, {target}, during the {args.concurrency}-stream /v1/completions run "
+              f"({c['output_tokens']} tokens): " + "  ".join(f"{n} {v:g}" for n, v in busy if v > 0))
     if goals:
         print("\nthe mesh's own cost against issue 11's goals:")
         for g in goals:
-            print(f"  {g['what']:<66} {g['shown']:>12}  goal {g['goal']:<10} {'met' if g['met'] else 'NOT MET'}")
+            print(f"  {g['what']:<80} {g['shown']:>12}  goal {g['goal']:<10} {'met' if g['met'] else 'NOT MET'}")
     failed = sum(s["failed"] for s in results["serving"].values())
     print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
     return 1 if failed else 0
 
 
+# The mesh as each ingress path runs it (the topology's ingress.path).
+MESH_TARGETS = {"router": "gaas ingress", "direct": "gaas ingress, direct"}
 # vLLM's server as each variant runs it: with GaaS's placement and GaaS's engine (the reference
 # for the mesh's own cost), with GaaS's placement and vLLM's own executor, as it comes.
 VLLM_TARGETS = {
@@ -407,45 +428,47 @@ ROUTER_TOKENS_PER_CORE_GOAL = 50_000
 
 
 def overhead_goals(results: dict, concurrency: int) -> list[dict]:
-    """Each figure the mesh's own cost is judged by (issue 11), measured against vLLM's server
-    with the same placement on /v1/completions -- with the same engine as the worker's (the
-    mesh's own cost), and with vLLM's own executor (what a user would otherwise run): the TTFT the
-    mesh adds at p50, the TTFT tail's ratio, the throughput ratio with concurrent streams; the
-    router's tokens per CPU-second; the memory of the worker (its engine included) and of each
-    other service (PSS)."""
+    """Each figure the mesh's own cost is judged by (issue 11), for each mesh measured (each
+    ingress path), measured against vLLM's server with the same placement on /v1/completions --
+    with the same engine as the worker's (the mesh's own cost), and with vLLM's own executor
+    (what a user would otherwise run): the TTFT the mesh adds at p50, the TTFT tail's ratio, the
+    throughput ratio with concurrent streams; the tokens served per CPU-second of the router; the
+    memory of the worker (its engine included) and of each other service (PSS)."""
     s = results["serving"]
-    gaas1, gaasn = s.get("gaas ingress | openai | 1"), s.get(f"gaas ingress | openai | {concurrency}")
     goals = []
 
     def goal(what, measured, shown, goal, met):
         goals.append({"what": what, "measured": measured, "shown": shown, "goal": goal, "met": bool(met)})
 
-    for variant, server in (("engine", "the same engine"), ("pinned", "vLLM's executor")):
-        vllm1 = s.get(f"{VLLM_TARGETS[variant]} | openai | 1")
-        vllmn = s.get(f"{VLLM_TARGETS[variant]} | openai | {concurrency}")
-        if gaas1 and vllm1:
-            added = round(gaas1["ttft_p50_ms"] - vllm1["ttft_p50_ms"], 2)
-            goal(f"TTFT the mesh adds, p50, vs vLLM server ({server})", added, f"{added:+.2f} ms", "<= 3 ms",
-                 added <= 3)
-            ratio = round(gaas1["ttft_p99_ms"] / vllm1["ttft_p99_ms"], 2)
-            goal(f"TTFT p99, mesh / vLLM server ({server})", ratio, f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5)
-        if gaasn and vllmn and vllmn["output_tokens_per_s"]:
-            ratio = round(gaasn["output_tokens_per_s"] / vllmn["output_tokens_per_s"], 3)
-            goal(f"tokens/s, {concurrency} streams, mesh / vLLM server ({server})", ratio, f"{ratio:.2f}x",
-                 ">= 0.95x", ratio >= 0.95)
-    cpu = results.get("cpu")
-    if cpu and cpu["seconds"].get("router-0"):
-        rate = round(cpu["output_tokens"] / cpu["seconds"]["router-0"])
-        goal("tokens the router forwards per CPU-second", rate, f"{rate:,}", ">= 50,000", rate >= ROUTER_TOKENS_PER_CORE_GOAL)
-    for name, m in results.get("memory", {}).items():
-        if name.startswith("worker-"):
-            goal(f"{name} memory, engine included (PSS)", m["pss_mb"], f"{m['pss_mb']:,.0f} MB", "<= 2300 MB",
-                 m["pss_mb"] <= WORKER_MEMORY_GOAL_MB)
-        elif name.split("-")[0] in ("router", "control", "kvcache", "billing"):
-            goal(f"{name} memory (PSS)", m["pss_mb"], f"{m['pss_mb']:,.0f} MB", "<= 150 MB",
-                 m["pss_mb"] <= SERVICE_MEMORY_GOAL_MB)
+    for target in MESH_TARGETS.values():
+        gaas1, gaasn = s.get(f"{target} | openai | 1"), s.get(f"{target} | openai | {concurrency}")
+        for variant, server in (("engine", "the same engine"), ("pinned", "vLLM's executor")):
+            vllm1 = s.get(f"{VLLM_TARGETS[variant]} | openai | 1")
+            vllmn = s.get(f"{VLLM_TARGETS[variant]} | openai | {concurrency}")
+            if gaas1 and vllm1:
+                added = round(gaas1["ttft_p50_ms"] - vllm1["ttft_p50_ms"], 2)
+                goal(f"{target}: TTFT the mesh adds, p50, vs vLLM server ({server})", added, f"{added:+.2f} ms",
+                     "<= 3 ms", added <= 3)
+                ratio = round(gaas1["ttft_p99_ms"] / vllm1["ttft_p99_ms"], 2)
+                goal(f"{target}: TTFT p99, mesh / vLLM server ({server})", ratio, f"{ratio:.2f}x", "<= 1.5x",
+                     ratio <= 1.5)
+            if gaasn and vllmn and vllmn["output_tokens_per_s"]:
+                ratio = round(gaasn["output_tokens_per_s"] / vllmn["output_tokens_per_s"], 3)
+                goal(f"{target}: tokens/s, {concurrency} streams, mesh / vLLM server ({server})", ratio,
+                     f"{ratio:.2f}x", ">= 0.95x", ratio >= 0.95)
+        cpu = results.get("cpu", {}).get(target)
+        if cpu and cpu["seconds"].get("router-0"):
+            rate = round(cpu["output_tokens"] / cpu["seconds"]["router-0"])
+            goal(f"{target}: tokens served per CPU-second of the router", rate, f"{rate:,}", ">= 50,000",
+                 rate >= ROUTER_TOKENS_PER_CORE_GOAL)
+        for name, m in results.get("memory", {}).get(target, {}).items():
+            if name.startswith("worker-"):
+                goal(f"{target}: {name} memory, engine included (PSS)", m["pss_mb"], f"{m['pss_mb']:,.0f} MB",
+                     "<= 2300 MB", m["pss_mb"] <= WORKER_MEMORY_GOAL_MB)
+            elif name.split("-")[0] in ("router", "control", "kvcache", "billing"):
+                goal(f"{target}: {name} memory (PSS)", m["pss_mb"], f"{m['pss_mb']:,.0f} MB", "<= 150 MB",
+                     m["pss_mb"] <= SERVICE_MEMORY_GOAL_MB)
     return goals
-
 
 if __name__ == "__main__":
     sys.exit(main())

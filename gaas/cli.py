@@ -576,11 +576,13 @@ def cmd_status(args) -> int:
     topo = _topology(args, state)
     health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout)
     if args.json:
-        print(json.dumps({**health.to_dict(), "billing": _billing_status(topo),
+        print(json.dumps({**health.to_dict(), "ingress_path": topo.ingress_path, "billing": _billing_status(topo),
                           "flow": [_router_flow(r.inbound) for r in topo.of("router")],
                           "running_from": str(args.run_dir) if state else None}, indent=2))
         return 0 if health.healthy else 1
-    print(f"ingress  {health.ingress:<22} {'READY' if health.ingress_ready else 'DOWN'}")
+    path = ("generations stream from the worker the router picks at the ingress" if topo.ingress_path == "direct"
+            else "generations stream through the router")
+    print(f"ingress  {health.ingress:<22} {'READY' if health.ingress_ready else 'DOWN':<12} {path}")
     for i in health.instances:
         sidecar = "sidecar ready" if i.sidecar_ready else "sidecar DOWN"
         line = f"{i.name:<10} {i.address:<22} {i.health:<12} {sidecar}"
