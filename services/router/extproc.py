@@ -1,6 +1,7 @@
 """The router's decision at the ingress, with the router out of the token stream (topology:
 ingress.path: direct), the way the Gateway API Inference Extension's endpoint picker works:
-Envoy's external processing protocol (envoy.service.ext_proc.v3).
+Envoy's external processing protocol (envoy.service.ext_proc.v3; the part of it used here is
+protos/gaas/v1/ext_proc.proto).
 
 For each OpenAI generation, the ingress sends the request's headers and its (transcoded) body
 here. The router authenticates, admits and places it as it does for its own routes, then answers
@@ -24,10 +25,6 @@ import struct
 import time
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from envoy.type.v3 import http_status_pb2
 from google.api import httpbody_pb2
 from google.protobuf import json_format
 from google.rpc import status_pb2
@@ -53,7 +50,8 @@ from gaas.runtime.context import (
 )
 from gaas.runtime.interceptors import translate
 from gaas.topology import OPENAI_SERVICE
-from gaas.v1 import worker_pb2
+from gaas.v1 import ext_proc_pb2 as ep
+from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, DirectPlacement
 from services.router.openai_servicer import engine_requests, session_id_of
@@ -85,9 +83,9 @@ def grpc_unframe(body: bytes) -> bytes:
     return body[5:]
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+def _header(key: str, value: str) -> ep.HeaderValueOption:
+    return ep.HeaderValueOption(header=ep.HeaderValue(key=key, raw_value=value.encode()),
+                                append_action=ep.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def _headers_of(header_map) -> dict[str, str]:
@@ -102,7 +100,7 @@ def immediate(err: errors.GaasError) -> ep.ProcessingResponse:
     rendered = json_format.MessageToJson(status_pb2.Status.FromString(status.status_details(err)),
                                          preserving_proto_field_name=True, indent=None)
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.info.http_status),
+        status=ep.HttpStatus(code=err.info.http_status),
         body=rendered.encode(),
         headers=ep.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
         details=err.code,
@@ -119,7 +117,7 @@ def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
     ]
 
 
-class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
+class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
     def __init__(self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int,
                  meter: Meter | None = None, instance: str = "") -> None:
         self._dispatcher = dispatcher

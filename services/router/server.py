@@ -11,8 +11,6 @@ import asyncio
 import logging
 from pathlib import Path
 
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-
 from gaas import deployspec, qos
 from gaas.meter import Meter
 from gaas.runtime import redisconn
@@ -22,7 +20,7 @@ from gaas.sessions import SessionPolicy
 from gaas.tokenizer import TokenizerCache
 from gaas.topology import EXT_PROC_SERVICE
 from gaas.v1 import (
-    billing_pb2_grpc, control_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
+    billing_pb2_grpc, control_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,
 )
 from services.router.auth import Authenticator
@@ -162,7 +160,7 @@ async def serve(cfg: RouterConfig) -> None:
     )
     # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
     rt.add_service(
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server,
+        ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server,
         extproc := ExternalProcessor(dispatcher, auth, cfg.max_body_bytes, meter, cfg.instance), EXT_PROC_SERVICE,
         listed=False,
     )
