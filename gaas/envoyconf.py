@@ -59,6 +59,8 @@ ACCESS_LOG_FORMAT = {
     "bytes_in": "%BYTES_RECEIVED%",
     "bytes_out": "%BYTES_SENT%",
     "upstream": "%UPSTREAM_HOST%",
+    # 2 and more: retried (on another replica, or the router's second choice of worker).
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
     "request_id": "%REQ(X-GAAS-REQUEST-ID)%",
     "envoy_request_id": "%REQ(X-REQUEST-ID)%",
     # Who the router said the request is for (empty at the ingress: clients cannot say it).
@@ -601,24 +603,65 @@ def _ext_proc() -> dict:
     }
 
 
+# On the direct path, a generation that never reached its worker (no connection, a refused or
+# reset stream before any answer, the worker's sidecar answering for a dead worker, the worker
+# refusing it as busy or unavailable) goes to the router's second choice, named after the first
+# in x-gaas-worker; never one that may have streamed a token (nothing has answered yet).
+RETRY_ON_FALLBACK = {
+    "retry_on": "connect-failure,refused-stream,reset,retriable-headers,unavailable,resource-exhausted",
+    "retriable_headers": [{"name": UNREACHED_HEADER, "present_match": True}],
+    "num_retries": 1,
+}
+# The request a retry resends is held until then (a larger one is not retried).
+DIRECT_RETRY_BUFFER = 16 << 20
+
+
 def _direct_routes() -> list[dict]:
-    """Each generation method twice: to the worker the router named (x-gaas-worker, set by the
-    router's decision, whose answer makes Envoy route the request again), and to the router (the
-    decision passed it on: a session turn, a batch of prompts). Never retried: the worker has
-    the request, and the router's decision held its room."""
+    """Each generation method twice: to the workers the router named (x-gaas-worker, set by the
+    router's decision, whose answer makes Envoy route the request again: its pick, then its
+    second choice should the first not take it), and to the router (the decision passed it on:
+    a session turn, a batch of prompts)."""
     out = []
     for method in OPENAI_GENERATION:
         out.append({
             "match": {"path": f"/{OPENAI_SERVICE}/{method}", "grpc": {},
                       "headers": [{"name": WORKER_HEADER, "present_match": True}]},
-            "route": {"cluster_header": WORKER_HEADER, "timeout": "0s"},
-            "request_headers_to_remove": [WORKER_HEADER],
+            "route": {"cluster": DIRECT_WORKERS, "timeout": "0s", "retry_policy": RETRY_ON_FALLBACK},
+            "per_request_buffer_limit_bytes": DIRECT_RETRY_BUFFER,
             **_decorator("ingress to a worker"),
         })
     for method in OPENAI_GENERATION:
         out.append(_grpc_route(f"/{OPENAI_SERVICE}/{method}", "router", retry=RETRY_BEFORE_RESPONSE,
                                operation="ingress"))
     return out
+
+
+DIRECT_WORKERS = "workers"
+
+
+def _direct_workers_cluster(topo: Topology, creds: pki.Credentials) -> dict:
+    """Every worker's sidecar in one cluster, as the ingress reaches them (mTLS, as the ingress):
+    Envoy's override-host policy sends a request to the addresses x-gaas-worker lists, in order
+    (the first, then the next on a retry), the way the Gateway API Inference Extension's endpoint
+    picker names its endpoints; only the mesh's own workers are there to be named."""
+    cluster = _static_cluster(DIRECT_WORKERS, [(w.host, w.inbound_port) for w in topo.of("worker")],
+                              health_check=False, tls=_client_tls(creds, "worker"))
+    del cluster["lb_policy"]
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"header": WORKER_HEADER}],
+            # Without a named worker of this mesh (never, from the router): any.
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+                },
+            }}]},
+        },
+    }}]}
+    return cluster
 
 
 # Largest HTTP body the ingress buffers for transcoding; the router sets its own, smaller limit.
@@ -700,7 +743,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
                         tls=_client_tls(ingress_creds, "router"))
     ]
     if direct:
-        clusters.extend(_worker_clusters(topo, ingress_creds))
+        clusters.append(_direct_workers_cluster(topo, ingress_creds))
     admin = _pipe(LocalSockets.of(sockets, "ingress-0").admin) if sockets else _address(topo.host, topo.ingress_admin_port)
     return _bootstrap("ingress-0", admin, listeners, clusters, stats=(topo.host, topo.ingress_stats_port), trace=trace)
 

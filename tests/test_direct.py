@@ -97,14 +97,14 @@ def test_a_worker_meters_a_direct_generation_as_the_router_admitted_it():
 
 @pytest.fixture(scope="module")
 def direct_mesh(tmp_path_factory):
-    """A mesh with one worker on the direct path, started by `gaas up` as a user would."""
+    """A mesh with two workers on the direct path, started by `gaas up` as a user would."""
     from gaas.mesh import free_port_base
 
     run_dir = tmp_path_factory.mktemp("direct-mesh")
     base = free_port_base(span=200, start=33000)
     output = run_dir / "gaas-up.out"
     cmd = [sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(run_dir), "--port-base", str(base),
-           "--ingress-port", str(base + 190), "--workers", "1", "--redis-url", f"redis://127.0.0.1:{base + 191}/0",
+           "--ingress-port", str(base + 190), "--workers", "2", "--redis-url", f"redis://127.0.0.1:{base + 191}/0",
            "--ingress-path", "direct", "--timeout", "420", "--json"]
     with open(output, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True,
@@ -156,11 +156,11 @@ def test_the_openai_client_is_served_by_the_worker_with_the_router_out_of_the_st
     assert text
     chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
-    # The ingress sent the generations to the worker's sidecar, not to the router's.
-    worker = next(w["address"] for w in direct_mesh.ready["workers"])
+    # The ingress sent the generations to the workers' sidecars, not to the router's.
+    workers = {w["address"] for w in direct_mesh.ready["workers"]}
     log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"path":"/v1/chat/completions"')
     upstreams = {json.loads(x)["upstream"] for x in log.splitlines() if '"/v1/' in x and "completions" in x}
-    assert upstreams == {worker}
+    assert upstreams and upstreams <= workers
     # And the router recorded each one as its own, from the worker's report.
     metrics = http(direct_mesh, "/metrics", method="GET", key="")[1]
     assert 'gaas_router_requests_total{model="gaas-tiny",outcome="length",tier="gold"} 3.0' in metrics
@@ -230,3 +230,16 @@ def test_a_session_turn_is_served_through_the_router(direct_mesh):
     turn1, turn2 = first.model_extra["gaas_session"], second.model_extra["gaas_session"]
     assert (turn1["turns"], turn2["turns"]) == (1, 2)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the first turn came before it
+
+
+def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(direct_mesh):
+    """The router still lists a worker killed a moment ago (its lease has not lapsed): what it
+    sends there, the ingress sends to its second choice, before any token; no request fails."""
+    os.kill(direct_mesh.children["worker-1"], signal.SIGKILL)
+    c = _client(direct_mesh)
+    for i in range(12):
+        r = c.completions.create(model=MODEL, prompt=f"still served {i}", max_tokens=2)
+        assert r.choices[0].text is not None
+    log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"attempts":2')
+    retried = [json.loads(x) for x in log.splitlines() if '"attempts":2' in x]
+    assert retried and all(x["status"] == 200 for x in retried), "no request was sent to the second choice"

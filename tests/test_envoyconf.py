@@ -283,16 +283,26 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     assert mode["response_body_mode"] == "NONE" and mode["response_trailer_mode"] == "SEND"
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     routes = _routes(listener)["routes"]
-    to_workers = [r for r in routes if r.get("route", {}).get("cluster_header") == "x-gaas-worker"]
+    to_workers = [r for r in routes if r.get("route", {}).get("cluster") == "workers"]
     assert {r["match"]["path"] for r in to_workers} == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
-    assert all("retry_policy" not in r["route"] for r in to_workers)
+    assert all(r["match"]["headers"] == [{"name": "x-gaas-worker", "present_match": True}] for r in to_workers)
+    # A request no worker answered goes to the router's second choice, once; never after an answer began.
+    retry = to_workers[0]["route"]["retry_policy"]
+    assert retry["num_retries"] == 1 and "reset" in retry["retry_on"] and "unavailable" in retry["retry_on"]
     # The router is asked about generations only.
     asked = [r for r in routes if "typed_per_filter_config" not in r]
     assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == {
         "/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
-    # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity.
-    workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
-    assert workers <= set(_clusters(configs["ingress-0"]))
+    # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity, in the
+    # order the router names them.
+    cluster = _clusters(configs["ingress-0"])["workers"]
+    endpoints = {f"{e['endpoint']['address']['socket_address']['address']}:"
+                 f"{e['endpoint']['address']['socket_address']['port_value']}"
+                 for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]}
+    assert endpoints == {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
+    policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert policy["typed_config"]["override_host_sources"] == [{"header": "x-gaas-worker"}]
 
 
 def test_direct_path_lets_the_ingress_call_only_what_it_needs(rendered, rendered_direct):

@@ -138,7 +138,14 @@ class DirectPlacement:
     token: int
     # Leading blocks of the prompt the KV directory said the worker holds.
     confirmed_blocks: int = 0
+    # Where the ingress sends it should the worker not take it (None: no other worker).
+    fallback: Candidate | None = None
     done: bool = False
+
+    @property
+    def addresses(self) -> str:
+        """What the ingress is told (x-gaas-worker): the worker, then the second choice."""
+        return ",".join(w.address for w in (self.worker, self.fallback) if w is not None)
 
     def ended(self, code: grpc.StatusCode | None, detail: str = "", final: common_pb2.GenerateChunk | None = None) -> None:
         """The request is over. code: the worker's status (None: unknown, the client went away or
@@ -413,7 +420,8 @@ class Dispatcher:
     ):
         """One placement: the scheduler's pick within the windows (waiting in the queue when they
         are full), the decision on the request's span, the prefix's blocks provisioned where they
-        will be, the request counted in flight there. Returns (worker, seconds queued, in-flight token)."""
+        will be, the request counted in flight there. Returns (worker, seconds queued, in-flight token,
+        every candidate's score)."""
         placing = time.perf_counter()
         decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, time_remaining)
         queued_s = time.perf_counter() - placing
@@ -432,7 +440,7 @@ class Dispatcher:
             self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
         if self._metrics.routed is not None:
             self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
-        return worker, queued_s, self._inflight.start(worker.worker_id)
+        return worker, queued_s, self._inflight.start(worker.worker_id), decision.scores
 
     def _worker_request(self, prepared: Prepared, principal: Principal, request_id: str) -> worker_pb2.WorkerGenerateRequest:
         """What the worker is sent: the prepared request, with the tier's engine priority and the
@@ -459,13 +467,18 @@ class Dispatcher:
         ctx, confirmed = await self._context(prepared, principal, workers)
         self.activity.started(principal.tenant, principal.tier)
         try:
-            worker, queued_s, token = await self._place(prepared, principal, ctx, workers, time_remaining,
-                                                        trace.get_current_span())
+            worker, queued_s, token, scores = await self._place(prepared, principal, ctx, workers, time_remaining,
+                                                                trace.get_current_span())
         except BaseException:
             self.activity.finished(principal.tenant, 0)
             raise
+        # The second choice, should the first not take the request (the ingress then sends it there):
+        # the best-scored other worker whose breaker lets requests through.
+        blocked = self._flow.breakers.blocked()
+        others = [w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked]
+        fallback = max(others, key=lambda w: scores.get(w.worker_id, float("-inf")), default=None)
         return DirectPlacement(self, prepared, principal, worker, self._worker_request(prepared, principal, request_id),
-                               queued_s, token, confirmed.get(worker.worker_id, 0))
+                               queued_s, token, confirmed.get(worker.worker_id, 0), fallback)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None) -> None:
@@ -473,6 +486,11 @@ class Dispatcher:
         recorded as one of the router's own streams is (Dispatcher.stream), from the worker's final."""
         worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.tier)
         tokens = 0
+        if final is not None and final.worker_id and final.worker_id != worker:
+            # The ingress found the worker would not take it (unreachable, busy) and sent it to the
+            # second choice, which served it.
+            self._flow.failed(worker, grpc.StatusCode.UNAVAILABLE, "did not take a request the ingress sent it")
+            worker = WorkerId(final.worker_id)
         if final is not None:
             t, u = final.timings, final.usage
             tokens = u.prompt_tokens + u.completion_tokens
@@ -494,7 +512,8 @@ class Dispatcher:
                      "completion tokens, %s, TTFT %.1f ms at the worker", p.principal.tenant, worker, u.prompt_tokens,
                      u.cached_tokens, p.confirmed_blocks, u.completion_tokens,
                      common_pb2.FinishReason.Name(final.finish_reason), t.ttft_ms)
-            self._check_prediction(worker, p.confirmed_blocks, p.worker.block_size, u.cached_tokens)
+            if worker == p.worker.worker_id:
+                self._check_prediction(worker, p.confirmed_blocks, p.worker.block_size, u.cached_tokens)
         elif code is not None and code != grpc.StatusCode.OK:
             self._flow.failed(worker, code, detail)
             outcome = code.name
@@ -502,8 +521,9 @@ class Dispatcher:
             outcome = "cancelled"
         if m.requests is not None:
             m.requests.labels(*labels, outcome).inc()
-        self._inflight.finish(worker, p.token)
-        self._flow.finished(worker)
+        # The room taken was the first choice's.
+        self._inflight.finish(p.worker.worker_id, p.token)
+        self._flow.finished(p.worker.worker_id)
         self.activity.finished(p.principal.tenant, tokens)
 
     async def _stream(
@@ -537,7 +557,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         for attempt in range(self._retries + 1):
             ctx.tried = frozenset(tried)
-            worker, queued_s, token = await self._place(prepared, principal, ctx, workers, remaining(), span, attempt)
+            worker, queued_s, token, _ = await self._place(prepared, principal, ctx, workers, remaining(), span, attempt)
             tried.add(worker.worker_id)
             left = remaining()
             timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)

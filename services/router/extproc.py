@@ -218,7 +218,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                                                   data=direct.SerializeToString()).SerializeToString())
         yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=[
-                _header(WORKER_HEADER, p.worker.address),
+                _header(WORKER_HEADER, p.addresses),
                 _header(REQUEST_ID_HEADER, direct.generate.request_id),
                 _header(TENANT_HEADER, p.principal.tenant),
             ]),

@@ -31,9 +31,9 @@ def metrics() -> RouterMetrics:
     )
 
 
-def dispatcher() -> Dispatcher:
+def dispatcher(workers=("w0",)) -> Dispatcher:
     models = [ModelEntry("tiny", "1.0", 64, True)]
-    cands = [Candidate(WorkerId("w0"), "w0:1", "tiny", "1.0", 64)]
+    cands = [Candidate(WorkerId(w), f"{w}:1", "tiny", "1.0", 64) for w in workers]
 
     async def fetch():
         return models, cands
@@ -42,8 +42,8 @@ def dispatcher() -> Dispatcher:
                       retries=2, max_stream_seconds=30, metrics=metrics())
 
 
-def in_flight(d: Dispatcher) -> int:
-    return d.flow.windows.state()[WorkerId("w0")].in_flight
+def in_flight(d: Dispatcher, worker: str = "w0") -> int:
+    return d.flow.windows.state()[WorkerId(worker)].in_flight
 
 
 def final(request_id: str) -> common_pb2.GenerateChunk:
@@ -62,6 +62,7 @@ async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
     d = dispatcher()
     p = await placed(d)
     assert p.worker.address == "w0:1" and p.request.request_id == "req-1" and p.request.cache_salt == "salt-acme"
+    assert p.fallback is None and p.addresses == "w0:1"  # no other worker to fall back on
     assert in_flight(d) == 1 and d.in_flight == 1
     ep = ExternalProcessor(d, Authenticator(None, 1.0), 1 << 20, instance="router-0")
     ep._pending["req-1"] = (p, None)
@@ -112,3 +113,28 @@ async def test_a_workers_failure_in_its_trailers_counts_against_it_and_frees_eve
     assert ep.pending == 0 and in_flight(d) == 0 and meter.released == ["reservation"]
     assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 1
+
+
+async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_counts_against_the_first():
+    d = dispatcher(("w0", "w1"))
+    p = await placed(d)
+    assert p.fallback is not None and p.fallback.worker_id != p.worker.worker_id
+    assert p.addresses == f"{p.worker.address},{p.fallback.address}"
+    first, second = p.worker.worker_id, p.fallback.worker_id
+    assert in_flight(d, first) == 1
+    served = final("req-1")
+    served.worker_id = second
+    p.ended(grpc.StatusCode.OK, "", served)
+    # The room was the first choice's; the first did not take the request: a failure for its breaker.
+    assert in_flight(d, first) == 0
+    assert d.flow.breakers.state()[first].consecutive == 1
+    assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
+
+
+async def test_a_worker_whose_breaker_is_open_is_no_second_choice():
+    d = dispatcher(("w0", "w1"))
+    for _ in range(5):
+        d.flow.breakers.failure(WorkerId("w1"), "down")
+    assert WorkerId("w1") in d.flow.breakers.blocked()
+    p = await placed(d)
+    assert p.worker.worker_id == "w0" and p.fallback is None
