@@ -93,6 +93,10 @@ function envoy_on_response(handle)
     if seconds < 1 then seconds = 1 end
     handle:headers():replace("retry-after", tostring(seconds))
   end
-  handle:headers():replace("content-type", "application/json")
-  handle:headers():replace("content-length", tostring(#out))
+  -- A reply without a body (Envoy's own, e.g. when a filter failed) cannot be given one here:
+  -- its headers stay as they are, or the client would wait for a body that never comes.
+  if body ~= nil then
+    handle:headers():replace("content-type", "application/json")
+    handle:headers():replace("content-length", tostring(#out))
+  end
 end

@@ -453,7 +453,14 @@ def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dic
         "admin": {"address": admin},
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "layered_runtime": {
-            "layers": [{"name": "static", "static_layer": {"overload": {"global_downstream_max_connections": 50000}}}]
+            "layers": [{"name": "static", "static_layer": {
+                "overload": {"global_downstream_max_connections": 50000},
+                # An ext_proc call (the direct path's decision) that is over is half-closed and left
+                # for the router to end, not reset: resetting it right after its last message made
+                # the router's sidecar close the whole HTTP/2 connection from the ingress now and
+                # then as a protocol error, with every decision call on it.
+                "envoy.reloadable_features.ext_proc_graceful_grpc_close": True,
+            }}]
         },
     }
 
@@ -627,7 +634,7 @@ def _direct_routes() -> list[dict]:
             "match": {"path": f"/{OPENAI_SERVICE}/{method}", "grpc": {},
                       "headers": [{"name": WORKER_HEADER, "present_match": True}]},
             "route": {"cluster": DIRECT_WORKERS, "timeout": "0s", "retry_policy": RETRY_ON_FALLBACK},
-            "per_request_buffer_limit_bytes": DIRECT_RETRY_BUFFER,
+            "request_body_buffer_limit": DIRECT_RETRY_BUFFER,
             **_decorator("ingress to a worker"),
         })
     for method in OPENAI_GENERATION:

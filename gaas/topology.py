@@ -32,8 +32,8 @@ OPENAI_SERVICE = "gaas.v1.OpenAI"
 # (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
 OPENAI_GENERATION = ("Completions", "ChatCompletions")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-# How a generation reaches its worker: through the router ("router"), or from the ingress
-# straight to the worker the router picked ("direct").
+# How a generation reaches its worker: through the router ("router", the default), or from the
+# ingress straight to the worker the router picked there ("direct").
 INGRESS_PATHS = ("router", "direct")
 
 # Whom each kind calls, through its sidecar's outbound listener (DESIGN.md's "talks to").

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -72,3 +75,66 @@ def wait_for_lines(path, *needles, timeout=10.0) -> str:
             return text
         assert time.monotonic() < deadline, f"no line with {needles} in {path}:\n{text[-2000:]}"
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str):
+    """A mesh of a test module's own beside the session's, started by `gaas up` as a user would
+    (its own ports, Redis and run directory; GAAS_HOME left to the session's mesh). port_start:
+    below the kernel's ephemeral ports (32768 and up here), or a client's connection may take a
+    port the mesh is about to listen on."""
+    import pytest
+
+    from gaas.mesh import free_port_base
+    from tests.conftest import RunningMesh
+
+    base = free_port_base(span=200, start=port_start)
+    output = run_dir / "gaas-up.out"
+    cmd = [sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(run_dir), "--port-base", str(base),
+           "--ingress-port", str(base + 190), "--workers", str(workers), "--redis-url",
+           f"redis://127.0.0.1:{base + 191}/0", "--ingress-path", ingress_path, "--timeout", "420", "--json"]
+    with open(output, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True,
+                                env={k: v for k, v in os.environ.items() if k != "GAAS_HOME"})
+        try:
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait(timeout=60)
+                pytest.fail(f"gaas up --ingress-path {ingress_path} failed (exit {proc.returncode}):\n"
+                            f"{output.read_text()[-4000:]}")
+            ready = json.loads(line)
+            children = json.loads((run_dir / "mesh.json").read_text())["children"]
+            key = open(ready["demo_key_file"]).read().strip()
+            yield RunningMesh(proc, run_dir, f"127.0.0.1:{base + 190}", base, ready, children, output, key)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=90)
+
+
+def openai_client(mesh, key=None):
+    """The official openai client, pointed at the mesh's ingress, as a user would."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=0, timeout=60)
+
+
+def cli_tenant(mesh, name: str, *args: str) -> str:
+    """A gold tenant made with the gaas CLI (`gaas tenant set` args after it), and its new key."""
+    assert gaas(mesh, "tenant", "create", name, "--tier", "gold").returncode == 0
+    if args:
+        assert gaas(mesh, "tenant", "set", name, *args).returncode == 0
+    r = gaas(mesh, "key", "create", name)
+    assert r.returncode == 0, r.stderr
+    return next(w for w in r.stdout.split() if w.startswith("gaas_"))
+
+
+def cli_usage(mesh, tenant: str, want_requests: int, timeout: float = 30.0) -> dict:
+    """The tenant's ledger totals (`gaas usage --json`) once it holds want_requests requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = gaas(mesh, "usage", tenant, "--json")
+        total = json.loads(r.stdout)["total"] if r.returncode == 0 else {}
+        if total.get("requests", 0) >= want_requests or time.monotonic() > deadline:
+            return total
+        time.sleep(0.3)

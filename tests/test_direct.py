@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import openai
@@ -21,8 +19,7 @@ from hypothesis import strategies as st
 from gaas import direct, errors, pricing
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
-from tests.conftest import ROOT, RunningMesh
-from tests.meshutil import gaas, http, wait_for_lines
+from tests.meshutil import cli_tenant, cli_usage, http, openai_client, own_mesh, wait_for_lines
 
 MODEL = "gaas-tiny"
 
@@ -98,56 +95,12 @@ def test_a_worker_meters_a_direct_generation_as_the_router_admitted_it():
 @pytest.fixture(scope="module")
 def direct_mesh(tmp_path_factory):
     """A mesh with two workers on the direct path, started by `gaas up` as a user would."""
-    from gaas.mesh import free_port_base
-
-    run_dir = tmp_path_factory.mktemp("direct-mesh")
-    base = free_port_base(span=200, start=33000)
-    output = run_dir / "gaas-up.out"
-    cmd = [sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(run_dir), "--port-base", str(base),
-           "--ingress-port", str(base + 190), "--workers", "2", "--redis-url", f"redis://127.0.0.1:{base + 191}/0",
-           "--ingress-path", "direct", "--timeout", "420", "--json"]
-    with open(output, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if k != "GAAS_HOME"})
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(timeout=60)
-            pytest.fail(f"gaas up --ingress-path direct failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
-        ready = json.loads(line)
-        children = json.loads((run_dir / "mesh.json").read_text())["children"]
-        key = open(ready["demo_key_file"]).read().strip()
-        m = RunningMesh(proc, run_dir, f"127.0.0.1:{base + 190}", base, ready, children, output, key)
+    with own_mesh(tmp_path_factory.mktemp("direct-mesh"), port_start=29000, workers=2, ingress_path="direct") as m:
         yield m
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=90)
-
-
-def _client(mesh, key=None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=0, timeout=60)
-
-
-def _new_tenant(mesh, name: str, *args: str) -> str:
-    assert gaas(mesh, "tenant", "create", name, "--tier", "gold").returncode == 0
-    if args:
-        assert gaas(mesh, "tenant", "set", name, *args).returncode == 0
-    r = gaas(mesh, "key", "create", name)
-    assert r.returncode == 0, r.stderr
-    return next(w for w in r.stdout.split() if w.startswith("gaas_"))
-
-
-def _usage(mesh, tenant: str, want_requests: int, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = gaas(mesh, "usage", tenant, "--json")
-        total = json.loads(r.stdout)["total"] if r.returncode == 0 else {}
-        if total.get("requests", 0) >= want_requests or time.monotonic() > deadline:
-            return total
-        time.sleep(0.3)
 
 
 def test_the_openai_client_is_served_by_the_worker_with_the_router_out_of_the_stream(direct_mesh):
-    c = _client(direct_mesh)
+    c = openai_client(direct_mesh)
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
     text = "".join(ch.choices[0].text for ch in c.completions.create(
@@ -167,30 +120,30 @@ def test_the_openai_client_is_served_by_the_worker_with_the_router_out_of_the_st
 
 
 def test_the_ledger_holds_exactly_what_the_client_was_told(direct_mesh):
-    key = _new_tenant(direct_mesh, "direct-ledger")
-    c = _client(direct_mesh, key)
+    key = cli_tenant(direct_mesh, "direct-ledger")
+    c = openai_client(direct_mesh, key)
     told = [c.completions.create(model=MODEL, prompt=f"count {i}", max_tokens=5 + i).usage for i in range(3)]
     chunks = list(c.completions.create(model=MODEL, prompt="streamed", max_tokens=6, stream=True,
                                        stream_options={"include_usage": True}))
     told.append(chunks[-1].usage)
-    total = _usage(direct_mesh, "direct-ledger", 4)
+    total = cli_usage(direct_mesh, "direct-ledger", 4)
     assert total["requests"] == 4
     assert total["prompt_tokens"] == sum(u.prompt_tokens for u in told)
     assert total["completion_tokens"] == sum(u.completion_tokens for u in told)
 
 
 def test_refusals_at_the_ingress_come_in_openais_shape(direct_mesh):
-    c = _client(direct_mesh)
+    c = openai_client(direct_mesh)
     with pytest.raises(openai.NotFoundError) as info:
         c.completions.create(model="gpt-9", prompt="hi")
     assert info.value.code == "model_not_found" and "gpt-9" in info.value.message
     with pytest.raises(openai.AuthenticationError):
-        _client(direct_mesh, "gaas_not_a_key").completions.create(model=MODEL, prompt="hi")
+        openai_client(direct_mesh, "gaas_not_a_key").completions.create(model=MODEL, prompt="hi")
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=MODEL, prompt="hi", temperature=9)
     assert info.value.param == "temperature"
-    key = _new_tenant(direct_mesh, "direct-rpm", "--rpm", "2")
-    limited = _client(direct_mesh, key)
+    key = cli_tenant(direct_mesh, "direct-rpm", "--rpm", "2")
+    limited = openai_client(direct_mesh, key)
     for _ in range(2):
         limited.completions.create(model=MODEL, prompt="hi", max_tokens=1)
     with pytest.raises(openai.RateLimitError) as info:
@@ -200,15 +153,15 @@ def test_refusals_at_the_ingress_come_in_openais_shape(direct_mesh):
 
 
 def test_a_client_that_hangs_up_is_billed_for_what_it_got_and_frees_its_place(direct_mesh):
-    key = _new_tenant(direct_mesh, "direct-hangup", "--concurrency", "1")
-    c = _client(direct_mesh, key)
+    key = cli_tenant(direct_mesh, "direct-hangup", "--concurrency", "1")
+    c = openai_client(direct_mesh, key)
     stream = c.completions.create(model=MODEL, prompt="a long one", max_tokens=400, stream=True,
                                   extra_body={"ignore_eos": True})
     for n, _ in enumerate(stream):
         if n == 4:
             break
     stream.close()
-    total = _usage(direct_mesh, "direct-hangup", 1)
+    total = cli_usage(direct_mesh, "direct-hangup", 1)
     assert total["requests"] == 1 and 5 <= total["completion_tokens"] < 400
     # Its one place is free again (the concurrency limit is 1).
     deadline = time.monotonic() + 15
@@ -222,7 +175,7 @@ def test_a_client_that_hangs_up_is_billed_for_what_it_got_and_frees_its_place(di
 
 
 def test_a_session_turn_is_served_through_the_router(direct_mesh):
-    c = _client(direct_mesh)
+    c = openai_client(direct_mesh)
     first = c.completions.create(model=MODEL, prompt="My name is Ada.", max_tokens=3,
                                  extra_headers={"x-gaas-session": "direct-s1"})
     second = c.completions.create(model=MODEL, prompt="What is my name?", max_tokens=3,
@@ -236,7 +189,7 @@ def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(d
     """The router still lists a worker killed a moment ago (its lease has not lapsed): what it
     sends there, the ingress sends to its second choice, before any token; no request fails."""
     os.kill(direct_mesh.children["worker-1"], signal.SIGKILL)
-    c = _client(direct_mesh)
+    c = openai_client(direct_mesh)
     for i in range(12):
         r = c.completions.create(model=MODEL, prompt=f"still served {i}", max_tokens=2)
         assert r.choices[0].text is not None

@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
+    """The configs of the path through the router (the direct path's: rendered_direct)."""
     out = tmp_path_factory.mktemp("envoy")
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, workers=2)
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "router"}, workers=2)
     authority = pki.Authority(out)
     envoyconf.issue_certificates(topo, authority)
     files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs", authority, sockets=out / "sockets")
