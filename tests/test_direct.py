@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gaas import direct, errors, pricing
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
-from tests.meshutil import cli_tenant, cli_usage, http, openai_client, own_mesh, wait_for_lines
+from tests.meshutil import cli_tenant, cli_usage, generate, http, openai_client, own_mesh, wait_for_lines
 
 MODEL = "gaas-tiny"
 
@@ -186,13 +186,21 @@ def test_a_session_turn_is_served_through_the_router(direct_mesh):
 
 
 def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(direct_mesh):
-    """The router still lists a worker killed a moment ago (its lease has not lapsed): what it
-    sends there, the ingress sends to its second choice, before any token; no request fails."""
+    """The router still sends a prompt where its prefix is cached, to a worker killed a moment
+    ago (its lease has not lapsed, the KV directory still lists its blocks): the ingress sends
+    each such request to the router's second choice, before any token; none fails."""
+    deadline, i = time.monotonic() + 60, 0
+    while True:  # a prompt whose prefix worker-1 holds (the native API says who served it)
+        prompt = f"Second choice test {i}: " + "tell me about the rivers and the mountains. " * 12
+        if generate(direct_mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1":
+            break
+        assert time.monotonic() < deadline, "no prompt landed on worker-1 in a minute"
+        i += 1
     os.kill(direct_mesh.children["worker-1"], signal.SIGKILL)
     c = openai_client(direct_mesh)
-    for i in range(12):
-        r = c.completions.create(model=MODEL, prompt=f"still served {i}", max_tokens=2)
+    for n in range(6):
+        r = c.completions.create(model=MODEL, prompt=prompt + f" ({n})", max_tokens=2)
         assert r.choices[0].text is not None
     log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"attempts":2')
     retried = [json.loads(x) for x in log.splitlines() if '"attempts":2' in x]
-    assert retried and all(x["status"] == 200 for x in retried), "no request was sent to the second choice"
+    assert all(x["status"] == 200 for x in retried)
