@@ -1,7 +1,7 @@
 """The direct path's contract (topology: ingress.path: direct), one definition for both ends: the
 router decides a generation at the ingress (services/router/extproc.py) and the ingress sends a
 gaas.v1.DirectGenerate straight to the chosen worker (services/worker/direct.py), which formats
-and meters the answer and tells the router, in its response's trailers, how it went."""
+and meters the answer and reports its end to that router (report_channel)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import base64
 
 from google.protobuf.message import DecodeError
 
-from gaas import pricing
+from gaas import latency, pricing
 from gaas.meter import Metered
 from gaas.principal import Principal
 from gaas.v1 import common_pb2, worker_pb2
@@ -64,19 +64,12 @@ def complete(t: common_pb2.Timings, d: worker_pb2.DirectGenerate, worker_arrived
     as it measured them, the worker's own (t: queue_ms, ttft_ms and engine_ms as the engine
     measured them), and the network: the ingress's hop to the router and from the router's answer
     to the worker. (The way back to the ingress is not measured here.)"""
-    engine_queue = max(0.0, t.queue_ms)
-    ttft = max(t.ttft_ms, engine_queue)
-    engine = max(t.engine_ms, ttft)
+    latency.worker_parts(t, d.router_queue_ms)
     t.tenant_ms = d.tenant_ms
     t.router_ms = d.router_ms
-    t.router_queue_ms = d.router_queue_ms
-    t.queue_ms = t.router_queue_ms + engine_queue
-    t.prefill_ms = ttft - engine_queue
-    t.decode_ms = engine - ttft
     t.ingress_ms = d.ingress_ms
     t.net_ms = d.ingress_ms + in_flight_s(d, worker_arrived_unix) * 1000
-    t.total_ms = t.tenant_ms + t.router_ms + t.queue_ms + t.prefill_ms + t.decode_ms + t.net_ms
-
+    t.total_ms = sum(latency.part_ms(t, p) for p in latency.PARTS)
 
 
 def final_summary(chunk: common_pb2.GenerateChunk) -> str:

@@ -56,19 +56,27 @@ def complete(
       router_queue_s  waiting in the router's queue
       call_s          the worker call as the router saw it, sent to last chunk
       ingress_s       ingress arrival to router arrival."""
-    engine_queue = max(0.0, t.queue_ms)
-    ttft = max(t.ttft_ms, engine_queue)
-    engine = max(t.engine_ms, ttft)
+    engine = worker_parts(t, router_queue_s * 1000)
     call_ms = max(call_s * 1000, engine)
     t.tenant_ms = tenant_s * 1000
-    t.router_queue_ms = router_queue_s * 1000
-    t.queue_ms = t.router_queue_ms + engine_queue
-    t.prefill_ms = ttft - engine_queue
-    t.decode_ms = engine - ttft
     t.ingress_ms = ingress_s * 1000
     t.net_ms = t.ingress_ms + (call_ms - engine)
     t.router_ms = max(0.0, total_s * 1000 - t.tenant_ms - t.router_queue_ms - call_ms)
     t.total_ms = sum(part_ms(t, p) for p in PARTS)
+
+
+def worker_parts(t: common_pb2.Timings, router_queue_ms: float) -> float:
+    """Fill the parts the worker measured (from its queue_ms, ttft_ms and engine_ms: the engine's
+    queue, its first token and its last) with the router's queue added to the queue; returns the
+    engine's whole time (ms) as the parts count it."""
+    engine_queue = max(0.0, t.queue_ms)
+    ttft = max(t.ttft_ms, engine_queue)
+    engine = max(t.engine_ms, ttft)
+    t.router_queue_ms = router_queue_ms
+    t.queue_ms = router_queue_ms + engine_queue
+    t.prefill_ms = ttft - engine_queue
+    t.decode_ms = engine - ttft
+    return engine
 
 
 def add_tenant(t: common_pb2.Timings, seconds: float) -> None:

@@ -394,14 +394,8 @@ class Dispatcher:
                         m.ttft_seconds.labels(*labels).observe(ingress_s + first_at - arrived)
                 if chunk.HasField("usage"):
                     outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    u = chunk.usage
-                    tokens = u.prompt_tokens + u.completion_tokens
-                    if m.tokens is not None:
-                        m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)
-                        m.tokens.labels(*labels, "completion").inc(u.completion_tokens)
-                        m.tokens.labels(*labels, "cached").inc(u.cached_tokens)
-                    if m.tpot_seconds is not None and first_at is not None and u.completion_tokens > 1:
-                        m.tpot_seconds.labels(*labels).observe((time.perf_counter() - first_at) / (u.completion_tokens - 1))
+                    tokens = self._count(labels, chunk.usage,
+                                         None if first_at is None else time.perf_counter() - first_at)
                 yield chunk
         except errors.GaasError as exc:
             outcome = exc.code
@@ -480,6 +474,18 @@ class Dispatcher:
         return DirectPlacement(self, prepared, principal, worker, self._worker_request(prepared, principal, request_id),
                                queued_s, token, confirmed.get(worker.worker_id, 0), fallback)
 
+    def _count(self, labels: tuple[str, str], u: common_pb2.Usage, decode_s: float | None) -> int:
+        """Count a finished request's tokens by kind, and its time per output token from decode_s
+        (first token to last; None: unknown). Returns its tokens, prompt and completion."""
+        m = self._metrics
+        if m.tokens is not None:
+            m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)
+            m.tokens.labels(*labels, "completion").inc(u.completion_tokens)
+            m.tokens.labels(*labels, "cached").inc(u.cached_tokens)
+        if m.tpot_seconds is not None and decode_s is not None and u.completion_tokens > 1:
+            m.tpot_seconds.labels(*labels).observe(decode_s / (u.completion_tokens - 1))
+        return u.prompt_tokens + u.completion_tokens
+
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None) -> None:
         """A direct generation is over: the flow learns how its worker did, and the request is
@@ -493,7 +499,6 @@ class Dispatcher:
             worker = WorkerId(final.worker_id)
         if final is not None:
             t, u = final.timings, final.usage
-            tokens = u.prompt_tokens + u.completion_tokens
             # What the tenant waited for the first token, from the ingress's arrival; the window's
             # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
             seen_ms = t.total_ms - t.decode_ms
@@ -501,12 +506,7 @@ class Dispatcher:
             outcome = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
             if m.ttft_seconds is not None:
                 m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
-            if m.tokens is not None:
-                m.tokens.labels(*labels, "prompt").inc(u.prompt_tokens)
-                m.tokens.labels(*labels, "completion").inc(u.completion_tokens)
-                m.tokens.labels(*labels, "cached").inc(u.cached_tokens)
-            if m.tpot_seconds is not None and u.completion_tokens > 1:
-                m.tpot_seconds.labels(*labels).observe(t.decode_ms / 1000 / (u.completion_tokens - 1))
+            tokens = self._count(labels, u, t.decode_ms / 1000)
             self.observe_latency(t, p.principal.tier)
             log.info("served for %s by %s straight to the ingress: %d prompt (%d cached, %d blocks predicted) + %d "
                      "completion tokens, %s, TTFT %.1f ms at the worker", p.principal.tenant, worker, u.prompt_tokens,

@@ -1,8 +1,8 @@
 """gaas.v1.OpenAI's generation methods on a worker, for requests the router decided at the
 ingress (topology: ingress.path: direct; gaas/direct.py): the body is a DirectGenerate the router
 put there, never a client's. The worker generates, formats the OpenAI answer, appends the usage
-event before the last chunk (gaas.meter, as the router does on its own routes) and says in its
-trailers how it went."""
+event before the last chunk (gaas.meter, as the router does on its own routes) and reports the
+request's end to the router that decided it (gaas.direct.report_channel)."""
 
 from __future__ import annotations
 
