@@ -138,3 +138,18 @@ def cli_usage(mesh, tenant: str, want_requests: int, timeout: float = 30.0) -> d
         if total.get("requests", 0) >= want_requests or time.monotonic() > deadline:
             return total
         time.sleep(0.3)
+
+
+def served_again(c, timeout: float = 15.0, model: str = "gaas-tiny") -> None:
+    """Wait until the openai client's tenant is served again (refused meanwhile with 429: its
+    quota or concurrency; the routers cache a key's tenant for a couple of seconds)."""
+    import openai
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            c.completions.create(model=model, prompt="again", max_tokens=2)
+            return
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the tenant is still refused after its quota was lifted"
+            time.sleep(0.5)

@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 from gaas import direct, errors, pricing
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
-from tests.meshutil import cli_tenant, cli_usage, generate, http, openai_client, own_mesh, wait_for_lines
+from tests.meshutil import (
+    cli_tenant, cli_usage, generate, http, openai_client, own_mesh, served_again,
+    wait_for_lines,
+)
 
 MODEL = "gaas-tiny"
 
@@ -163,15 +166,7 @@ def test_a_client_that_hangs_up_is_billed_for_what_it_got_and_frees_its_place(di
     stream.close()
     total = cli_usage(direct_mesh, "direct-hangup", 1)
     assert total["requests"] == 1 and 5 <= total["completion_tokens"] < 400
-    # Its one place is free again (the concurrency limit is 1).
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            c.completions.create(model=MODEL, prompt="again", max_tokens=1)
-            break
-        except openai.RateLimitError:
-            assert time.monotonic() < deadline, "the tenant's place was not given back"
-            time.sleep(0.3)
+    served_again(c)  # its one place is free again (the concurrency limit is 1)
 
 
 def test_a_session_turn_is_served_through_the_router(direct_mesh):

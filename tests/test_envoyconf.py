@@ -9,15 +9,18 @@ from gaas import envoyconf, pki, protogen, topology
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory):
-    """The configs of the path through the router (the direct path's: rendered_direct)."""
-    out = tmp_path_factory.mktemp("envoy")
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "router"}, workers=2)
+def _render(out, ingress_path: str):
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": ingress_path}, workers=2)
     authority = pki.Authority(out)
     envoyconf.issue_certificates(topo, authority)
     files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs", authority, sockets=out / "sockets")
     return topo, {name: yaml.safe_load(path.read_text()) for name, path in files.items()}, files
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """The configs of the path through the router (the direct path's: rendered_direct)."""
+    return _render(tmp_path_factory.mktemp("envoy"), "router")
 
 
 def test_one_sidecar_per_instance_plus_ingress(rendered):
@@ -257,12 +260,7 @@ def test_the_ingress_serves_tls_with_the_given_certificate(tmp_path):
 
 @pytest.fixture(scope="module")
 def rendered_direct(tmp_path_factory):
-    out = tmp_path_factory.mktemp("envoy-direct")
-    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "direct"}, workers=2)
-    authority = pki.Authority(out)
-    envoyconf.issue_certificates(topo, authority)
-    files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs", authority, sockets=out / "sockets")
-    return topo, {name: yaml.safe_load(path.read_text()) for name, path in files.items()}, files
+    return _render(tmp_path_factory.mktemp("envoy-direct"), "direct")
 
 
 def test_direct_path_configs_are_valid_envoy(rendered_direct):

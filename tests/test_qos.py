@@ -7,7 +7,6 @@ without a mesh in tests/router/test_flow.py and tests/metering/test_quotas.py.""
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import openai
@@ -16,22 +15,10 @@ import pytest
 from gaas import errors
 from gaas.runtime import status
 from gaas.v1 import inference_pb2, inference_pb2_grpc
-from tests.meshutil import gaas
+from tests.meshutil import gaas, served_again
 from tests.test_metering import MODEL, client, new_tenant
 
 pytestmark = pytest.mark.mesh
-
-
-def served_again(c: openai.OpenAI, timeout: float = 15.0) -> None:
-    """Wait until the tenant is served (the routers cache a key's tenant for a couple of seconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            c.completions.create(model=MODEL, prompt="again", max_tokens=2)
-            return
-        except openai.RateLimitError:
-            assert time.monotonic() < deadline, "the tenant is still refused after its quota was lifted"
-            time.sleep(0.5)
 
 
 def test_a_tenant_past_its_requests_per_minute_gets_429_with_retry_after_until_the_quota_is_lifted(mesh):
