@@ -606,6 +606,9 @@ def _ext_proc() -> dict:
             },
             "message_timeout": DECISION_TIMEOUT,
             "failure_mode_allow": False,
+            # No router answered the decision call (none up, or it broke off): 503, which clients
+            # retry, not Envoy's default 500.
+            "status_on_error": {"code": "ServiceUnavailable"},
         },
     }
 

@@ -281,6 +281,7 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     # The tokens never pass through the router: no response body, only the trailers.
     assert mode["response_body_mode"] == "NONE" and mode["response_trailer_mode"] == "SEND"
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
     routes = _routes(listener)["routes"]
     to_workers = [r for r in routes if r.get("route", {}).get("cluster") == "workers"]
     assert {r["match"]["path"] for r in to_workers} == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
