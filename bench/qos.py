@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench.kvbench import pct
+from gaas.topology import INGRESS_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
@@ -174,12 +175,13 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
     return out
 
 
-def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path | None = None):
+def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path | None = None,
+               ingress_path: str | None = None):
     from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
 
     mesh = bench_mesh("qos", 46000, say, workers=workers, replicas={"router": routers}, deploy_file=deploy_file,
-                      extra_env={"GAAS_QOS": "on" if qos_on else "off"})
+                      extra_env={"GAAS_QOS": "on" if qos_on else "off"}, ingress_path=ingress_path)
     topo, run_dir = mesh.topo, mesh.run_dir
     mesh.start()
     mesh.wait_ready(400)
@@ -219,7 +221,8 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
     """Gold alone, then (with no rate given) the fleet's capacity, then `args.load` times it offered
     for args.seconds."""
     mode = "on" if qos_on else "off"
-    mesh, run_dir, base, keys, topo = start_mesh(qos_on, args.workers, deploy_file=deploy_file)
+    mesh, run_dir, base, keys, topo = start_mesh(qos_on, args.workers, deploy_file=deploy_file,
+                                                     ingress_path=args.ingress_path)
     try:
         say(f"QoS {mode}: warming up, then gold alone")
         asyncio.run(unloaded(base, keys["gold"][0], 10, args.max_tokens))
@@ -270,7 +273,7 @@ async def hammer(base: str, key: str, seconds: float, streams: int) -> tuple[int
 
 
 def rate_limit_accuracy(args) -> dict:
-    mesh, run_dir, base, keys, topo = start_mesh(True, args.workers, routers=2)
+    mesh, run_dir, base, keys, topo = start_mesh(True, args.workers, routers=2, ingress_path=args.ingress_path)
     try:
         from gaas.admin import Admin
 
@@ -301,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rpm", type=int, default=600, help="the quota of the rate-limit check (600)")
     p.add_argument("--skip-ratelimit", action="store_true")
+    p.add_argument("--ingress-path", choices=INGRESS_PATHS, default=None,
+                   help="the ingress's path to the workers (default: deploy/topology.yaml's)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "qos.json"))
     args = p.parse_args(argv)
-    results = {"model": MODEL, "workers": args.workers, "max_tokens": args.max_tokens, "load": args.load,
+    results = {"model": MODEL, "ingress_path": args.ingress_path or "topology's", "workers": args.workers, "max_tokens": args.max_tokens, "load": args.load,
                "seconds": args.seconds}
     # Without flow control first: the fleet's capacity, and what gold gets alone on this machine.
     results["qos_off"] = off = overload(False, args)
