@@ -25,6 +25,7 @@ the peer's certificate is of the kind it dials.
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,8 @@ ACCESS_LOG_FORMAT = {
     "status": "%RESPONSE_CODE%",
     "grpc_status": "%GRPC_STATUS%",
     "flags": "%RESPONSE_FLAGS%",
+    # Why Envoy answered as it did (via_upstream, ext_proc_error..., upstream_reset_...).
+    "details": "%RESPONSE_CODE_DETAILS%",
     "duration_ms": "%DURATION%",
     "upstream_ms": "%RESPONSE_DURATION%",
     "bytes_in": "%BYTES_RECEIVED%",
@@ -613,6 +616,29 @@ def _ext_proc() -> dict:
     }
 
 
+def _undecided_replies() -> dict:
+    """local_reply_config of the ingress on the direct path: the 503 it answers when no router
+    answered a decision call (status_on_error above) gets a body, in the shape the transcoder gives
+    a router's own UNAVAILABLE with a retry delay, so the error filter can give it OpenAI's shape
+    and a Retry-After (a reply without a body cannot be given one there)."""
+    body = {"code": 14, "message": "no router could decide where this request goes; retry in a moment",
+            "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "router_unavailable"},
+                        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retry_delay": "1s"}]}
+    return {"mappers": [{
+        "filter": {"extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                # ext_proc's own failures (a refusal the router sent is a local reply too, with its body)
+                "expression": "response.code_details.startsWith('ext_proc_error')",
+            },
+        }},
+        "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
+        "headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+    }]}
+
+
 # On the direct path, a generation that never reached its worker (no connection, a refused or
 # reset stream before any answer, the worker's sidecar answering for a dead worker, the worker
 # refusing it as busy or unavailable) goes to the router's second choice, named after the first
@@ -743,6 +769,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # as vLLM's server echoes it; GaaS keys everything internal on its own id.
         preserve_external_request_id=True,
         always_set_request_id_in_response=True,
+        **({"local_reply_config": _undecided_replies()} if direct else {}),
         **_tracing(trace, "ingress-0", edge=True),
     )
     edge_tls = _downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None

@@ -140,9 +140,10 @@ def cli_usage(mesh, tenant: str, want_requests: int, timeout: float = 30.0) -> d
         time.sleep(0.3)
 
 
-def served_again(c, timeout: float = 15.0, model: str = "gaas-tiny") -> None:
+def served_again(c, timeout: float = 15.0, model: str = "gaas-tiny", refused=None) -> None:
     """Wait until the openai client's tenant is served again (refused meanwhile with 429: its
-    quota or concurrency; the routers cache a key's tenant for a couple of seconds)."""
+    quota or concurrency; the routers cache a key's tenant for a couple of seconds; or with what
+    refused names)."""
     import openai
 
     deadline = time.monotonic() + timeout
@@ -150,6 +151,6 @@ def served_again(c, timeout: float = 15.0, model: str = "gaas-tiny") -> None:
         try:
             c.completions.create(model=model, prompt="again", max_tokens=2)
             return
-        except openai.RateLimitError:
+        except refused or openai.RateLimitError:
             assert time.monotonic() < deadline, "the tenant is still refused after its quota was lifted"
             time.sleep(0.5)

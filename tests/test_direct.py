@@ -199,3 +199,22 @@ def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(d
     log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"attempts":2')
     retried = [json.loads(x) for x in log.splitlines() if '"attempts":2' in x]
     assert all(x["status"] == 200 for x in retried)
+
+
+def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_served_again(direct_mesh):
+    """router-0 killed: until `gaas up` has it back, the ingress answers the decision it cannot ask
+    for with a 503 a client can read and retry (not an empty reply); then requests are served."""
+    c = openai_client(direct_mesh)
+    os.kill(direct_mesh.children["router-0"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            c.completions.create(model=MODEL, prompt="is anyone deciding?", max_tokens=1)
+        except openai.InternalServerError as refused:
+            err = refused
+            break
+        assert time.monotonic() < deadline, "no request was refused while the router was down"
+    assert err.status_code == 503 and err.code == "router_unavailable"
+    assert "retry" in err.message and err.response.headers["retry-after"] == "1"
+    assert err.response.headers["content-type"] == "application/json"
+    served_again(c, timeout=90, refused=openai.InternalServerError)

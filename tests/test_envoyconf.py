@@ -1,6 +1,8 @@
+import json
 import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -282,6 +284,13 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     assert mode["response_body_mode"] == "NONE" and mode["response_trailer_mode"] == "SEND"
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
+    # That 503 (no router answered) gets a body the error filter turns into OpenAI's shape with a
+    # Retry-After: UNAVAILABLE with a reason and a retry delay, as a router's own refusal reads.
+    [mapper] = hcm["local_reply_config"]["mappers"]
+    assert "ext_proc_error" in mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+    body = json.loads(mapper["body"]["inline_string"])
+    assert body["code"] == grpc.StatusCode.UNAVAILABLE.value[0] and body["message"]
+    assert {d["@type"].rsplit(".", 1)[-1] for d in body["details"]} == {"ErrorInfo", "RetryInfo"}
     routes = _routes(listener)["routes"]
     to_workers = [r for r in routes if r.get("route", {}).get("cluster") == "workers"]
     assert {r["match"]["path"] for r in to_workers} == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
