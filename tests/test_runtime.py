@@ -172,6 +172,20 @@ async def test_port_in_use_is_a_clear_error():
         await rt.shutdown()
 
 
+async def test_a_metrics_port_in_use_is_a_clear_error_naming_it():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    rt = ServiceRuntime(ServerOptions(service="test", instance="test-0", port=0, metrics_port=port, drain_seconds=0))
+    rt.add_service(kvcache_pb2_grpc.add_KVCacheServicer_to_server, EchoContext(), "gaas.v1.KVCache")
+    try:
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}: Address already in use"):
+            await rt.start()
+    finally:
+        taken.close()
+
+
 async def test_a_unix_socket_left_by_a_killed_instance_is_taken_over_but_a_live_one_is_not(tmp_path):
     sock = tmp_path / "service.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -152,7 +152,13 @@ class ServiceRuntime:
             raise OSError(f"cannot listen on {where}: it is in use (is another instance running?)") from exc
         await self.server.start()
         if self.opts.metrics_port is not None:
-            self._metrics_server = MetricsServer([self.metrics.registry], self.opts.host, self.opts.metrics_port)
+            try:
+                self._metrics_server = MetricsServer([self.metrics.registry], self.opts.host, self.opts.metrics_port)
+            except OSError as exc:
+                await self.server.stop(None)
+                raise OSError(f"cannot serve metrics on {self.opts.host}:{self.opts.metrics_port}: {exc.strerror} "
+                              "(is another instance running, or is the port in the ephemeral range? "
+                              "see --port-base)") from exc
             self._metrics_server.start()
         log.info("%s listening on %s (NOT_SERVING until ready)", self.opts.instance,
                  self.opts.listen or f"{self.opts.host}:{self.port}")
