@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import footprint
 from bench.kvbench import pct
 from gaas.topology import INGRESS_PATHS
 
@@ -235,10 +236,10 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
             capacity = asyncio.run(capacity_at_target(base, keys, target, args.capacity_seconds, args.max_tokens))
             rate = capacity["per_s"] * args.load
         say(f"QoS {mode}: offering {rate:.1f} requests/s for {args.seconds:.0f} s")
-        cpu = os.times()
+        cpu, host = os.times(), footprint.host_times()
         started = time.perf_counter()
         tiers = asyncio.run(open_loop(base, keys, rate, args.seconds, args.max_tokens))
-        used = os.times()
+        used, host = os.times(), footprint.host_load(host, footprint.host_times())
         client_cpu = (used.user + used.system - cpu.user - cpu.system) / (time.perf_counter() - started)
         from gaas.admin import router_flow
 
@@ -247,7 +248,7 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
                 "unloaded_gold_latency_ms": parts_p50_p95(alone_results),
                 "capacity_per_s": round(capacity["per_s"], 2) if capacity else None,
                 "capacity_sweep": capacity["sweep"] if capacity else None, "offered_per_s": round(rate, 2),
-                "load_generator_cores": round(client_cpu, 2), "tiers": tiers,
+                "load_generator_cores": round(client_cpu, 2), "host": host, "tiers": tiers,
                 "router_flow": router_flow(topo.of("router")[0].inbound)}
     finally:
         stop_mesh(mesh, run_dir)
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gold's TTFT target with QoS on: {results['gold_ttft_target_ms']} ms; the load generator used "
           f"{results['qos_on']['load_generator_cores']} of the machine's cores with QoS on, "
           f"{results['qos_off']['load_generator_cores']} off")
+    for mode in ("qos_on", "qos_off"):
+        print(f"  the host during the overload, QoS {mode[4:]}: {footprint.describe_host_load(results[mode]['host'])}")
     flow = results["qos_on"]["router_flow"] or {}
     for band in flow.get("bands", ()):
         print(f"  router queue, {band['band']}: {band['queued']} waited (p95 {band['wait_p95_ms']} ms), "

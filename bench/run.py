@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
     core, others = worker_cpus(0, 1)  # where gaas places worker-0's engine, and the rest
     vllm_procs: list[subprocess.Popen] = []
-    results: dict = {"serving": {}, "grpc": {}, "cpu": {}, "memory": {}}
+    results: dict = {"serving": {}, "grpc": {}, "cpu": {}, "memory": {}, "host": {}}
     targets = {}
     try:
         for name, m in meshes.items():
@@ -329,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
                     measured = meshes.get(target) if backend == "openai" else None
                     if measured:
                         cpu_before = {c.name: footprint.cpu_seconds(c.proc.pid) for c in measured.children}
+                    host = footprint.host_times()
                     r = bench(target, backend, args.concurrency * 8, args.concurrency)
                     results["serving"][f"{target} | {backend} | {args.concurrency}"] = merge_detailed([r])
+                    results["host"][f"{target} | {backend} | {args.concurrency}"] = footprint.host_load(
+                        host, footprint.host_times())
                     if measured:
                         # CPU each mesh process spent on the run, per token it carried.
                         tokens = sum(n for n, err in zip(r["output_lens"], r["errors"]) if not err)
@@ -400,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     for target, memory in results["memory"].items():
         print(f"\nmemory after the load, {target}, each process tree (MB): "
               + "  ".join(f"{name} {m['pss_mb']:g} PSS / {m['rss_mb']:g} RSS" for name, m in memory.items()))
+    steal = [h["mean_steal_pct"] for h in results["host"].values()]
+    if steal:
+        print(f"\nthe hypervisor's steal during the {args.concurrency}-stream runs: {min(steal):g}-{max(steal):g}% of "
+              "the cores' time (figures taken under much of it are slower than the same cores alone give)")
     for target, c in results["cpu"].items():
         busy = sorted(c["seconds"].items(), key=lambda kv: -kv[1])
         print(f"CPU seconds, {target}, during the {args.concurrency}-stream /v1/completions run "
