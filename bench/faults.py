@@ -171,7 +171,7 @@ def run(replicas: int, streams: int, settle: float, targets: tuple[str, ...] = T
     from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
 
-    mesh = bench_mesh("faults", 47000, say, workers=2,
+    mesh = bench_mesh("faults", 25000, say, workers=2,
                       replicas={kind: replicas for kind in ("control", "kvcache", "billing", "router")})
     topo, run_dir = mesh.topo, mesh.run_dir
     results = []

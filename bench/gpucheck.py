@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     check = Check()
     run_dir = Path(tempfile.mkdtemp(prefix="gaas-gpu-check-"))
     os.environ["GAAS_HOME"] = str(run_dir)  # in-process admin calls go as this mesh's operator
-    base = free_port_base(span=300, start=43000)
+    base = free_port_base(span=300, start=26000)
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=base, ingress_port=base + 290,
                          auto_workers=len(gpus))
     if not args.skip_vllm:

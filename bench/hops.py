@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
 
-    mesh = bench_mesh("hops", 44000, say)
+    mesh = bench_mesh("hops", 23000, say)
     topo, run_dir = mesh.topo, mesh.run_dir
     model = str(topo.of("worker")[0].options["model"])
     try:

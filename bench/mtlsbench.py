@@ -138,7 +138,7 @@ def run(calls: int) -> dict:
         server.start()
         try:
             for mode in ("plaintext", "mtls", "plaintext ", "mtls "):  # twice each, interleaved
-                port = free_port_base(span=2, start=42000)
+                port = free_port_base(span=2, start=27000)
                 procs = _start_envoys(tmp, _configs(tmp, port, mode.strip() == "mtls"))
                 try:
                     say(f"{mode.strip()}: {calls} unary calls and {calls // 4} streams through one hop")

@@ -181,7 +181,7 @@ def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path |
     from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
 
-    mesh = bench_mesh("qos", 46000, say, workers=workers, replicas={"router": routers}, deploy_file=deploy_file,
+    mesh = bench_mesh("qos", 24000, say, workers=workers, replicas={"router": routers}, deploy_file=deploy_file,
                       extra_env={"GAAS_QOS": "on" if qos_on else "off"}, ingress_path=ingress_path)
     topo, run_dir = mesh.topo, mesh.run_dir
     mesh.start()

@@ -120,7 +120,7 @@ def gaas_run(policy: str, workers: int, blocks: int, rounds, concurrency: int) -
     from bench.benchmesh import bench_mesh
     from gaas.admin import Admin
 
-    mesh = bench_mesh("routing", 44000, say, workers=workers,
+    mesh = bench_mesh("routing", 23000, say, workers=workers,
                       worker_options={"model": MODEL, "kv_cache_blocks": blocks},
                       extra_env={"GAAS_ROUTER_POLICY": policy})
     topo, run_dir = mesh.topo, mesh.run_dir

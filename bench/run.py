@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # One mesh per path, side by side (each its own run directory, ports and Redis); their workers
     # share the core, as they take turns being measured.
-    meshes = {MESH_TARGETS[path]: bench_mesh(f"bench-{path}", 42000 + 200 * i, say, ingress_path=path,
+    meshes = {MESH_TARGETS[path]: bench_mesh(f"bench-{path}", 22000 + 200 * i, say, ingress_path=path,
                                              worker_options={"stream_interval": args.stream_interval})
               for i, path in enumerate(paths)}
     mesh = next(iter(meshes.values()))  # the native gRPC API's (the same on both paths)

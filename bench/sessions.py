@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from gaas.admin import Admin
     from gaas.tokenizer import Tokenizer
 
-    mesh = bench_mesh("sessions", 44000, say, worker_options={"model": MODEL})
+    mesh = bench_mesh("sessions", 23000, say, worker_options={"model": MODEL})
     topo, run_dir = mesh.topo, mesh.run_dir
     rows = []
     try:

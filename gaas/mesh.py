@@ -153,7 +153,8 @@ def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000)
     for base in range(start, 60000, span):
         if not any(port_in_use(host, p) for p in range(base, base + span, 1)):
             return base
-    raise MeshError("no free block of ports found between 30000 and 60000")
+    raise MeshError(f"no free block of {span} ports found between {start} and 60000; stop what holds them "
+                    "(ss -ltnp shows which process)")
 
 
 # The password of the Redis `gaas up` starts, in the run directory.
