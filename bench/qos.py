@@ -236,10 +236,10 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
             capacity = asyncio.run(capacity_at_target(base, keys, target, args.capacity_seconds, args.max_tokens))
             rate = capacity["per_s"] * args.load
         say(f"QoS {mode}: offering {rate:.1f} requests/s for {args.seconds:.0f} s")
-        cpu, host = os.times(), footprint.host_times()
+        cpu, host_before = os.times(), footprint.host_times()
         started = time.perf_counter()
         tiers = asyncio.run(open_loop(base, keys, rate, args.seconds, args.max_tokens))
-        used, host = os.times(), footprint.host_load(host, footprint.host_times())
+        used, host = os.times(), footprint.host_load(host_before, footprint.host_times())
         client_cpu = (used.user + used.system - cpu.user - cpu.system) / (time.perf_counter() - started)
         from gaas.admin import router_flow
 
