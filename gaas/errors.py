@@ -179,10 +179,18 @@ class Internal(GaasError):
 
 
 class Unavailable(GaasError):
-    """Nothing can serve the request right now; retrying shortly may succeed."""
+    """Nothing can serve the request right now; retrying shortly may succeed. Its retry delay is
+    UNAVAILABLE_RETRY_S unless the raiser knows a better one, so every 503 carries Retry-After."""
 
     code = "UNAVAILABLE"
     retryable = True
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **extra) -> None:
+        super().__init__(message, retry_after=UNAVAILABLE_RETRY_S if retry_after is None else retry_after, **extra)
+
+
+# What an UNAVAILABLE tells a client to wait when nothing knows better (the ingress's own 503s say the same).
+UNAVAILABLE_RETRY_S = 1.0
 
 
 class Unauthenticated(GaasError):

@@ -122,6 +122,18 @@ async def test_domain_errors_become_their_status_with_details():
     assert big.code() == grpc.StatusCode.INVALID_ARGUMENT and len(big.details()) <= errors.MAX_MESSAGE_CHARS
 
 
+async def test_an_unavailable_without_a_delay_still_tells_the_client_when_to_retry():
+    rt = await start()
+    try:
+        err = await call_lookup(rt, errors.Unavailable("no worker could take the request right now; retry shortly"))
+    finally:
+        await rt.shutdown()
+    back = status.from_rpc(err)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert isinstance(back, errors.Unavailable) and back.retry_after == errors.UNAVAILABLE_RETRY_S == 1.0
+    assert errors.Unavailable("busy", retry_after=4.0).retry_after == 4.0
+
+
 async def test_unexpected_failures_are_internal_without_their_text():
     rt = await start()
     try:
