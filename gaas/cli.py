@@ -152,12 +152,15 @@ def _examples(ingress: str, key: str, model: str, scheme: str = "http") -> str:
 
 def cmd_up(args) -> int:
     from gaas.deployspec import SpecError
-    from gaas.mesh import Mesh, MeshError
+    from gaas.mesh import Mesh, MeshError, lock_run_dir
     from gaas.topology import TopologyError, with_worker_options
 
     run_dir = Path(args.run_dir)
-    if state := _state(run_dir):
-        return _fail(f"a mesh is already running from {run_dir} (pid {state['pid']}); `gaas status` shows it")
+    try:
+        # Held until this process ends: a second `gaas up` here is refused, naming this one.
+        lock_run_dir(run_dir)
+    except MeshError as exc:
+        return _fail(str(exc))
     try:
         from gaas.runtime.devices import visible_gpus
 
@@ -254,10 +257,10 @@ def cmd_up(args) -> int:
         return 1
     elapsed = time.monotonic() - started
     ingress = topo.ingress
-    model = mesh.spec.default_model.name
+    model = mesh.served_models[0]
     if args.json:
         print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), "demo_key_file":
-                          str(run_dir / DEMO_KEY_FILE), "traces_file": str(mesh.traces_file) if trace_sink else None,
+                          str(run_dir / DEMO_KEY_FILE), "models": mesh.served_models, "traces_file": str(mesh.traces_file) if trace_sink else None,
                           **health.to_dict()}), flush=True)
     else:
         workers = ", ".join(f"{w['worker_id']} ({w['device']})" for w in health.workers)
@@ -326,7 +329,8 @@ def cmd_generate(args) -> int:
         try:
             stream = client.generate(
                 prompt,
-                model=args.model,
+                # The mesh's own model unless one is named (the router would take the deployment's default).
+                model=args.model or ((_state(Path(args.run_dir)) or {}).get("models") or [""])[0],
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
                 top_p=args.top_p,
@@ -1146,7 +1150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a generation through the ingress",
                          description="Stream a generation: the text as it arrives, then TTFT, tokens and tokens/s.")
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
-    gen.add_argument("--model", default="", help="model name (default: the deployment's default model)")
+    gen.add_argument("--model", default="", help="model name (default: what the running mesh serves)")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (64)")
     gen.add_argument("--temperature", type=float, default=None, help="sampling temperature (engine default 1.0; 0 = greedy)")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")

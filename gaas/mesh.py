@@ -8,6 +8,7 @@ parent-death signal), so nothing is left behind even if `gaas up` itself is kill
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -30,6 +31,11 @@ from gaas.traces import TRACES_FILE, TraceTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_FILE = "mesh.json"
+# Held (flock) by the `gaas up` that runs from a run directory, for its whole life; the kernel
+# releases it however that process ends, kill -9 included.
+LOCK_FILE = "up.lock"
+# How long a start waits for what a `gaas up` that died (kill -9) left stopping, before killing it.
+LEFTOVER_GRACE_SECONDS = 20.0
 
 # Start order of the services (control first: the others register with or read it).
 SERVICE_MODULES = {
@@ -157,6 +163,107 @@ def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000)
                     "(ss -ltnp shows which process)")
 
 
+def lock_run_dir(run_dir: Path) -> int:
+    """Take run_dir for this process (the returned descriptor holds it until the process ends);
+    MeshError naming the `gaas up` that holds it already. Two starts racing in one run directory
+    cannot both pass, as they could by reading the state file (written only once a start is done)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise MeshError(f"a mesh is already running from {run_dir} (gaas up, pid {holder}): `gaas status` shows it, "
+                        f"`kill {holder}` stops it; or start another with --run-dir DIR and other ports "
+                        "(--port-base, --ingress-port)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process pid started (clock ticks since boot, /proc/PID/stat), or None when there is
+    none: with its pid, what tells a process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _group_members(pgid: int, not_before: int | None) -> list[int]:
+    """The processes of process group pgid (each child of `gaas up` leads its own) that started no
+    earlier than not_before (None: any)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z" and (not_before is None or int(fields[19]) >= not_before):
+            out.append(int(entry))
+    return out
+
+
+def leftovers(state: dict) -> dict[str, list[int]]:
+    """What a `gaas up` that is gone left running, from its state file: child name -> the live
+    processes of its group (a service, its vLLM engine processes, an Envoy, the Redis it started)."""
+    started = state.get("started") or {}
+    out = {}
+    for name, pid in (state.get("children") or {}).items():
+        members = _group_members(int(pid), started.get(name))
+        if members:
+            out[name] = members
+    return out
+
+
+def stop_leftovers(run_dir: Path, progress: Callable[[str], None], grace: float = LEFTOVER_GRACE_SECONDS) -> None:
+    """Before a start: a `gaas up` that died without stopping the mesh (kill -9) left a state file;
+    its children got SIGTERM when it died and may still be draining, holding ports and sockets.
+    Wait for them (SIGTERM again), then kill what is left after grace seconds."""
+    path = run_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    left = leftovers(state)
+    if left:
+        names = ", ".join(sorted(left))
+        progress(f"the previous gaas up (pid {state.get('pid', '?')}) ended without stopping the mesh; waiting up to "
+                 f"{grace:.0f} s for what it left running to stop ({names})")
+        for name in left:
+            _signal_group(int(state["children"][name]), signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = leftovers(state)
+        if left:
+            progress(f"killing what did not stop in time: {', '.join(sorted(left))}")
+            for name, members in left.items():
+                _signal_group(int(state["children"][name]), signal.SIGKILL)
+                for pid in members:
+                    _signal_pid(pid, signal.SIGKILL)
+    path.unlink(missing_ok=True)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 # The password of the Redis `gaas up` starts, in the run directory.
 REDIS_PASSWORD_FILE = "redis-password"
 
@@ -220,6 +327,7 @@ class Mesh:
         # Everything the mesh writes (databases, keys, the Redis password, logs) is its owner's alone.
         os.umask(0o077)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        stop_leftovers(self.run_dir, self.progress)
         ports = self.topo.tcp_ports() + ([self.topo.trace_port] if self.trace_sink else [])
         busy = [p for p in ports if port_in_use(self.topo.host, p)]
         if busy:
@@ -250,6 +358,13 @@ class Mesh:
         for name, path in configs.items():
             self._spawn_envoy(name, path)
         self._write_state()
+
+    @property
+    def served_models(self) -> list[str]:
+        """The models the workers serve, the deployment's default first when it is among them."""
+        names = sorted({str(w.options["model"]) for w in self.topo.of("worker")})
+        default = self.spec.default_model.name
+        return sorted(names, key=lambda n: n != default)
 
     @property
     def traces_file(self) -> Path:
@@ -310,7 +425,7 @@ class Mesh:
 
     def _respawn(self, child: Child) -> None:
         """Start an exited child again in its place (same command, environment and log)."""
-        _kill_group(child.proc.pid)  # what the dead leader left behind (an engine's processes)
+        _signal_group(child.proc.pid, signal.SIGKILL)  # what the dead leader left behind (an engine's processes)
         with open(child.log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
             child.proc = subprocess.Popen(
@@ -409,7 +524,11 @@ class Mesh:
             "ingress_tls_cert": str(self.ingress_tls[0]) if self.ingress_tls else None,
             "trace_endpoint": self.trace.endpoint if self.trace else None,
             "traces_file": str(self.traces_file) if self.trace_sink else None,
+            # The models the workers serve (what `gaas generate` asks for by default).
+            "models": self.served_models,
             "children": {c.name: c.proc.pid for c in self.children},
+            # When each started (with its pid, what tells it from a later process of that pid).
+            "started": {c.name: start_ticks(c.proc.pid) for c in self.children},
             "restarts": {c.name: c.restarts for c in self.children if c.restarts},
         }
         # Readers (`gaas status`, `gaas restart`) must never see half a file: write, then rename.
@@ -426,10 +545,14 @@ class Mesh:
         deadline = started + timeout
         last_note = 0.0
         want_workers = len(self.topo.of("worker"))
+        # This mesh's workers: a registration left by another topology's (a worker that was removed,
+        # or moved to another port) is not one of them, whatever its lease says.
+        ours = {(w.name, w.inbound) for w in self.topo.of("worker")}
         while True:
             self._check_children()
             health = probe.probe(self.topo, self.run_dir, timeout=1.0)
-            registered = [w for w in health.workers if w["state"] == "SERVING"]
+            registered = [w for w in health.workers
+                          if w["state"] == "SERVING" and (w["worker_id"], w["address"]) in ours]
             if health.healthy and len(registered) >= want_workers:
                 return health
             waiting = [i.name for i in health.instances if i.health != "SERVING" or not i.sidecar_ready]
@@ -517,7 +640,7 @@ class Mesh:
                     self.progress(f"{c.name} did not stop in time; killing it")
         for c in self.children:
             # The leader may be gone while its own children (vLLM's engine processes) linger.
-            _kill_group(c.proc.pid)
+            _signal_group(c.proc.pid, signal.SIGKILL)
             try:
                 c.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -558,19 +681,3 @@ class Mesh:
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
 
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

@@ -77,39 +77,46 @@ def wait_for_lines(path, *needles, timeout=10.0) -> str:
         time.sleep(0.2)
 
 
+def start_mesh(run_dir, base: int, *args: str, timeout: float = 420):
+    """`gaas up` from run_dir at port base `base` (its ingress at base + 190, its own Redis at
+    base + 191), as a user runs it; the RunningMesh once it says it is ready, else pytest.fail
+    with the end of its output. args: more of gaas up's options."""
+    import pytest
+
+    from tests.conftest import RunningMesh
+
+    output = run_dir / "gaas-up.out"
+    cmd = [sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(run_dir), "--port-base", str(base),
+           "--ingress-port", str(base + 190), "--redis-url", f"redis://127.0.0.1:{base + 191}/0",
+           "--timeout", str(timeout), "--json", *args]
+    with open(output, "a") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True,
+                                env={k: v for k, v in os.environ.items() if k != "GAAS_HOME"})
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=60)
+        pytest.fail(f"gaas up {' '.join(args)} failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
+    ready = json.loads(line)
+    children = json.loads((run_dir / "mesh.json").read_text())["children"]
+    key = open(ready["demo_key_file"]).read().strip()
+    return RunningMesh(proc, run_dir, f"127.0.0.1:{base + 190}", base, ready, children, output, key)
+
+
 @contextlib.contextmanager
 def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str):
     """A mesh of a test module's own beside the session's, started by `gaas up` as a user would
     (its own ports, Redis and run directory; GAAS_HOME left to the session's mesh). port_start:
     below the kernel's ephemeral ports (32768 and up here), or a client's connection may take a
     port the mesh is about to listen on."""
-    import pytest
-
     from gaas.mesh import free_port_base
-    from tests.conftest import RunningMesh
 
-    base = free_port_base(span=200, start=port_start)
-    output = run_dir / "gaas-up.out"
-    cmd = [sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(run_dir), "--port-base", str(base),
-           "--ingress-port", str(base + 190), "--workers", str(workers), "--redis-url",
-           f"redis://127.0.0.1:{base + 191}/0", "--ingress-path", ingress_path, "--timeout", "420", "--json"]
-    with open(output, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if k != "GAAS_HOME"})
-        try:
-            line = proc.stdout.readline()
-            if not line:
-                proc.wait(timeout=60)
-                pytest.fail(f"gaas up --ingress-path {ingress_path} failed (exit {proc.returncode}):\n"
-                            f"{output.read_text()[-4000:]}")
-            ready = json.loads(line)
-            children = json.loads((run_dir / "mesh.json").read_text())["children"]
-            key = open(ready["demo_key_file"]).read().strip()
-            yield RunningMesh(proc, run_dir, f"127.0.0.1:{base + 190}", base, ready, children, output, key)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=90)
+    m = start_mesh(run_dir, free_port_base(span=200, start=port_start), "--workers", str(workers),
+                   "--ingress-path", ingress_path)
+    try:
+        yield m
+    finally:
+        if m.proc.poll() is None:
+            m.stop()
 
 
 def openai_client(mesh, key=None):

@@ -216,7 +216,7 @@ def test_each_method_is_open_only_to_the_callers_it_needs(rendered):
     control = _policies(configs["sidecar-control-0"])
     assert _allowed(control, "/gaas.v1.Control/RegisterWorker") == {S + "worker/"}
     assert _allowed(control, "/gaas.v1.Control/CreateApiKey") == {S + "operator/"}
-    assert _allowed(control, "/gaas.v1.Control/Authenticate") == {S + "router/"}
+    assert _allowed(control, "/gaas.v1.Control/Authenticate") == {S + "router/", S + "operator/"}
     assert _allowed(control, "/gaas.v1.Control/ListWorkers") == {S + "router/", S + "kvcache/", S + "operator/"}
     assert _allowed(control, "/gaas.v1.Control/NoSuchMethod") == set()
     assert _allowed(control, "/grpc.health.v1.Health/Check") == {S}

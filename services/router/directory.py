@@ -115,14 +115,17 @@ class MeshDirectory:
         return None
 
     async def resolve_model(self, name: str) -> ModelEntry:
-        """The named model, or the default one when name is empty."""
-        models = (await self.snapshot()).models
+        """The named model; when name is empty, the deployment's default if a worker serves it, else
+        the first model one serves (a mesh started with another model answers with that one)."""
+        snap = await self.snapshot()
+        models = snap.models
         if name and all(m.name != name for m in models) and (fresh := await self._fresh_if(True)) is not None:
-            models = fresh.models
+            snap, models = fresh, fresh.models
         if not models:
             raise errors.NotFound("no models are deployed; apply a deployment file to the control plane", param="model")
         if not name:
-            return next((m for m in models if m.is_default), models[0])
+            served = {w.model for w in snap.workers}
+            return min(models, key=lambda m: (m.name not in served, not m.is_default))
         for m in models:
             if m.name == name:
                 return m
