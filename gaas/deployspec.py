@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 
 
 class SpecError(ValueError):
@@ -75,7 +75,7 @@ def _model(entry: object, i: int, root: Path) -> ModelSpec:
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     name = str(entry.get("name", ""))
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise SpecError(f"{where}: name {name!r} must be lower-case letters, digits, '.', '_' or '-'")
     source = str(entry.get("source", ""))
     if not source:

@@ -142,6 +142,15 @@ class ContextTooLong(InvalidArgument):
         self.prompt_tokens = prompt_tokens
 
 
+def no_room_error(max_model_len: int, prompt_tokens: int, what: str) -> ContextTooLong:
+    """A prompt (what: "prompt") or conversation ("messages") that leaves no room for a reply."""
+    noun = "the conversation" if what == "messages" else "the prompt"
+    return ContextTooLong(
+        f"{noun} is {prompt_tokens} tokens, which leaves no room for a reply in the model's context of "
+        f"{max_model_len} tokens: shorten {noun}", param=what, prompt_tokens=prompt_tokens,
+    )
+
+
 def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, what: str) -> ContextTooLong:
     return ContextTooLong(
         f"this model's maximum context length is {max_model_len} tokens, but the request needs "

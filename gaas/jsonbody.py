@@ -24,6 +24,12 @@ UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def is_digits(text: str) -> bool:
+    """Whether text is a non-empty run of ASCII digits 0-9 (str.isdigit also takes "²" and other
+    Unicode digits, which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def _number_limit(text: str) -> None:
     if len(text) > MAX_NUMBER_CHARS:
         raise InvalidArgument(f"a number in the body has {len(text)} characters; at most {MAX_NUMBER_CHARS} are accepted")

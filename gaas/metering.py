@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, fields
 from datetime import datetime, timezone
 
 from gaas import errors
+from gaas.jsonbody import is_digits
 
 STREAM = "gaas:usage"
 GROUP = "billing"
@@ -126,6 +127,10 @@ def now_ms() -> int:
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+# Unix seconds have 10 digits until the year 2286; more than 12 is no time (and would not fit an int64 of ms).
+_MAX_DIGITS = 12
+
+
 def parse_time(text: str, param: str, now: int | None = None) -> int:
     """A usage query's time bound as Unix ms (0 for empty): an ISO 8601 date or time (UTC unless
     it names an offset), Unix seconds, or a duration back from now (30m, 24h, 7d, 2w)."""
@@ -133,9 +138,10 @@ def parse_time(text: str, param: str, now: int | None = None) -> int:
     if not text:
         return 0
     now = now_ms() if now is None else now
-    if text[-1:] in _UNITS and text[:-1].isdigit():
+    # (ASCII digits only, and few enough to be a time: "²" is a digit to str.isdigit, not to int)
+    if text[-1:] in _UNITS and is_digits(text[:-1]) and len(text) <= _MAX_DIGITS:
         return max(0, now - int(text[:-1]) * _UNITS[text[-1]] * 1000)
-    if text.isdigit():
+    if is_digits(text) and len(text) <= _MAX_DIGITS:
         return int(text) * 1000
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))

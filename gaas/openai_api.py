@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from gaas import genrequest
 from gaas.errors import InvalidArgument, quote
 from gaas.v1 import common_pb2, inference_pb2
-from gaas.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, type_name
+from gaas.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, is_digits, type_name
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {
@@ -174,7 +174,7 @@ def _logit_bias(f: Fields, sp: common_pb2.SamplingParams) -> None:
     if len(bias.body) > genrequest.MAX_LOGIT_BIAS:
         raise f.fail("logit_bias", f"holds {len(bias.body)} entries; at most {genrequest.MAX_LOGIT_BIAS} are accepted")
     for key, value in bias.body.items():
-        if not key.isdigit() or len(key) > 10 or int(key) > UINT32_MAX:
+        if not is_digits(key) or len(key) > 10 or int(key) > UINT32_MAX:
             raise f.fail("logit_bias", f"keys must be token ids (\"50256\"), got {quote(key)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise f.fail("logit_bias", f"values must be numbers from -100 to 100, not {type_name(value)}")

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from gaas import errors
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 KINDS = ("chat", "text")
 # Roles of the leading messages a chat session keeps whatever it drops.
 SYSTEM_ROLES = ("system", "developer")
@@ -80,7 +80,7 @@ def parse_policy(doc: object) -> SessionPolicy:
 
 
 def check_id(session_id: str) -> str:
-    if not SESSION_ID_RE.match(session_id):
+    if not SESSION_ID_RE.fullmatch(session_id):
         raise errors.InvalidArgument(
             "session_id must be 1-128 letters, digits and . _ : - (e.g. a UUID)", param="session_id"
         )

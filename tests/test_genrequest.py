@@ -87,3 +87,9 @@ def test_priorities_map_to_vllm_order():
     p = genrequest.VLLM_PRIORITY
     assert p[common_pb2.PRIORITY_HIGH] < p[common_pb2.PRIORITY_NORMAL] < p[common_pb2.PRIORITY_LOW]
     assert p[common_pb2.PRIORITY_UNSPECIFIED] == p[common_pb2.PRIORITY_NORMAL]
+
+
+@pytest.mark.parametrize("what, noun", [("prompt", "the prompt is 2621 tokens"), ("messages", "the conversation is 2621 tokens")])
+def test_a_prompt_that_leaves_no_room_says_so_in_a_sentence(what, noun):
+    err = genrequest.no_room_error(2048, 2621, what)
+    assert err.message.startswith(noun) and "2048" in err.message and err.param == what

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gaas import errors, metering, pricing
+from gaas.jsonbody import is_digits
 from gaas.v1 import billing_pb2 as pb
 from gaas.v1 import billing_pb2_grpc
 from services.billing.budgets import Budgets
@@ -70,7 +71,7 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
     async def GetInvoicePreview(self, request: pb.GetInvoicePreviewRequest, context) -> pb.InvoicePreview:
         tenant = self._tenant(request.tenant)
         month = request.month or metering.month_of(metering.now_ms())
-        if len(month) != 6 or not month.isdigit() or not 1 <= int(month[4:]) <= 12:
+        if len(month) != 6 or not is_digits(month) or not 1 <= int(month[4:]) <= 12:
             raise errors.InvalidArgument("month is YYYYMM, e.g. 202611", param="month")
         start, end = metering.month_bounds(month)
         lines, total, requests = [], 0, 0

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from google.protobuf import json_format
 
 from gaas import errors, pki, qos
+from gaas.jsonbody import is_digits
 from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
@@ -80,7 +81,7 @@ def _load_dict(load) -> dict:
 
 def _valid_address(address: str) -> bool:
     host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    return bool(host) and is_digits(port) and 0 < int(port) < 65536
 
 
 def prefix_to_pb(p: PublicPrefix) -> pb.PublicPrefix:

@@ -16,7 +16,7 @@ from gaas.tenancy import TENANT_NAME_RE, TIERS
 
 NAME_RE = TENANT_NAME_RE
 KEY_PREFIX = "gaas_"
-STRIPE_CUSTOMER_RE = re.compile(r"^cus_[A-Za-z0-9]{1,64}$")
+STRIPE_CUSTOMER_RE = re.compile(r"cus_[A-Za-z0-9]{1,64}")
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tenants (
@@ -103,7 +103,7 @@ class TenantStore:
             await self._db.execute(statement)
 
     async def create_tenant(self, name: str, tier: str) -> Tenant:
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise TenantError(f"tenant name {name!r} must be 1-63 lower-case letters, digits, '-' or '_'")
         if tier not in TIERS:
             raise TenantError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
@@ -162,7 +162,7 @@ class TenantStore:
                 raise TenantError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
             await self._db.execute("UPDATE tenants SET tier = ? WHERE name = ?", (tier, name))
         if stripe_customer is not None:
-            if stripe_customer and not STRIPE_CUSTOMER_RE.match(stripe_customer):
+            if stripe_customer and not STRIPE_CUSTOMER_RE.fullmatch(stripe_customer):
                 raise TenantError(f"a Stripe customer id looks like 'cus_...', got {stripe_customer!r}")
             await self._db.transaction([
                 ("DELETE FROM tenant_billing WHERE tenant = ?", (name,)),

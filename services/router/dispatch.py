@@ -255,10 +255,7 @@ class Dispatcher:
             forwarded.max_tokens = genrequest.DEFAULT_MAX_TOKENS if not request.messages else limit - len(ids)
         if limit and len(ids) + forwarded.max_tokens > limit:
             if forwarded.max_tokens < 1 or len(ids) >= limit:
-                raise genrequest.ContextTooLong(
-                    f"the {what} are {len(ids)} tokens: no room left in the model's context of {limit} tokens",
-                    param=what, prompt_tokens=len(ids),
-                )
+                raise genrequest.no_room_error(limit, len(ids), what)
             raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
         genrequest.check(forwarded, limit or None, tok.vocab_size)
         prepared = Prepared(model, forwarded, len(ids), cache_salt(model, request, principal.cache_salt))

@@ -54,6 +54,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def _tenant(name: str) -> str:
-    if not TENANT_NAME_RE.match(name):
+    if not TENANT_NAME_RE.fullmatch(name):
         raise errors.InvalidArgument("tenant must be a tenant's name (see `gaas tenant list`)", param="tenant")
     return name

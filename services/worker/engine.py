@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gaas import errors
+from gaas import errors, genrequest
 from gaas.runtime import devices, placement
 from gaas.tokenizer import ChatMessage, Tokenizer
 
@@ -367,10 +367,7 @@ class VllmEngine(Engine):
         if not max_tokens:
             max_tokens = self.info.max_model_len - len(token_ids)
             if max_tokens < 1:
-                raise InvalidRequest(
-                    f"the conversation is {len(token_ids)} tokens: no room left in the model's context of "
-                    f"{self.info.max_model_len} tokens"
-                )
+                raise genrequest.no_room_error(self.info.max_model_len, len(token_ids), "messages")
         params = self._sampling(r, max_tokens)
         prompt: dict = {"prompt_token_ids": token_ids}
         if r.cache_salt:

@@ -28,7 +28,8 @@ async def test_tenants(store):
         await store.create_tenant("acme", "gold")
 
 
-@pytest.mark.parametrize("name, tier, message", [("Acme Corp", "gold", "lower-case"), ("acme", "platinum", "tier must be")])
+@pytest.mark.parametrize("name, tier, message", [("Acme Corp", "gold", "lower-case"), ("acme", "platinum", "tier must be"),
+                                                 ("acme\n", "gold", "lower-case")])
 async def test_bad_tenants(store, name, tier, message):
     with pytest.raises(TenantError, match=message):
         await store.create_tenant(name, tier)

@@ -115,7 +115,8 @@ def test_usage_times_read_as_dates_unix_seconds_or_durations_back(text, expected
     assert metering.parse_time(text, "since", now=1_800_000_000_000) == expected
 
 
-@pytest.mark.parametrize("text", ["yesterday", "7 days", "2026-13-01", "-5d"])
+@pytest.mark.parametrize("text", ["yesterday", "7 days", "2026-13-01", "-5d", "²", "²d", "१२", "７d",
+                                  "9" * 30, "9" * 30 + "d"])
 def test_a_time_that_means_nothing_is_an_invalid_argument_naming_the_parameter(text):
     with pytest.raises(errors.InvalidArgument) as info:
         metering.parse_time(text, "since")

@@ -144,3 +144,16 @@ async def test_the_view_is_exported_at_each_scrape_without_fetching():
                  "gaas_router_mesh_view_age_seconds 2.5"):
         assert line in body, line
     assert calls == [1]
+
+
+async def test_no_model_named_means_the_default_if_served_else_the_model_the_workers_serve():
+    """A mesh started with another model (`gaas up --model gaas-small`) answers a request that
+    names none with that model, not with a default nobody serves."""
+    small_workers = [Candidate(WorkerId("worker-0"), "127.0.0.1:1", "small", "1", 4096)]
+
+    async def fetch():
+        return MODELS, small_workers
+
+    d = MeshDirectory(fetch, refresh_seconds=0.01, max_stale_seconds=10.0)
+    assert (await d.resolve_model("")).name == "small"
+    assert (await d.resolve_model("tiny")).name == "tiny", "a named model is still that model"

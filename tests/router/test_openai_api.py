@@ -119,6 +119,9 @@ def test_chat_messages_parts_and_options():
         (parse_completion, completion(suffix="x"), "'suffix' is not supported", "suffix"),
         (parse_completion, completion(logprobs=21), "'logprobs' must be between 0 and 20", "logprobs"),
         (parse_completion, completion(logit_bias={"x": 1}), "keys must be token ids", "logit_bias"),
+        # Digits to str.isdigit, not to int(): refused as the other non-ids are, never a server error.
+        (parse_completion, completion(logit_bias={"²": 1}), "keys must be token ids", "logit_bias"),
+        (parse_completion, completion(logit_bias={"١٢": 1}), "keys must be token ids", "logit_bias"),
         (parse_completion, completion(logit_bias={"1": "a"}), "values must be numbers", "logit_bias"),
         (parse_completion, completion(stop_token_ids=[-1]), "'stop_token_ids[0]' must be between", "stop_token_ids"),
         (parse_completion, completion(cache_salt="x"), "'cache_salt' is not supported", "cache_salt"),

@@ -379,3 +379,14 @@ def test_a_turn_chunk_says_what_it_did_to_its_session():
         "id": "s", "version": 3, "turns": 0, "context_tokens": 0, "created": False,
         "truncated": {"dropped_turns": 1, "dropped_tokens": 0, "policy": "drop_oldest_turns"},
     }
+
+
+@pytest.mark.parametrize("session_id", ["trip\n", "trip\r", "", "x" * 129, "a b", "trip\u00b2"])
+def test_a_session_id_outside_its_pattern_is_refused_whole(session_id):
+    """A pattern ending in "$" would let "trip\\n" through: ids are matched whole."""
+    from gaas import errors
+    from gaas.sessions import check_id
+
+    with pytest.raises(errors.InvalidArgument) as info:
+        check_id(session_id)
+    assert info.value.param == "session_id"
