@@ -31,11 +31,11 @@ from pathlib import Path
 
 import yaml
 
-from gaas import pki
+from gaas import edge, pki
 from gaas.traces import TraceTarget, envoy_service
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
 from gaas.topology import (
-    ALLOWED_CALLERS, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets,
+    ALLOWED_CALLERS, AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE, TALKS_TO, Instance, LocalSockets,
     Topology,
 )
 
@@ -166,8 +166,9 @@ def _hcm(stat_prefix: str, routes: list[dict], http_filters: list[dict], access_
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": stat_prefix,
             "codec_type": "AUTO",
-            # Streams may sit between tokens; only a long silence ends them.
-            "stream_idle_timeout": "300s",
+            # Streams may sit between tokens, or before a non-streamed answer; only a silence
+            # longer than a generation may run ends them (the router ends its own first).
+            "stream_idle_timeout": f"{edge.stream_idle_timeout_s()}s",
             "access_log": _access_log(access_log),
             "http_filters": [*http_filters, _router_filter()],
             "route_config": {"name": stat_prefix, "virtual_hosts": [vhost]},
@@ -236,7 +237,9 @@ def _method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]
     if kind == "router":
         public = (GRPC_SERVICE["router"], OPENAI_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
                   "grpc.reflection.v1.ServerReflection")
-        paths = {**{f"/{name}/": ALLOWED_CALLERS["router"]["*"] for name in public}, "/gaas.v1.Router/": ("operator",)}
+        paths = {**{f"/{name}/": ALLOWED_CALLERS["router"]["*"] for name in public}, "/gaas.v1.Router/": ("operator",),
+                 # The ingress checks each request's key here, on its headers (services/router/edgeauth.py).
+                 f"/{AUTHZ_SERVICE}/Check": ("ingress",)}
         if direct:
             paths[f"/{EXT_PROC_SERVICE}/Process"] = ("ingress",)
         return paths
@@ -340,7 +343,14 @@ def _grpc_route(prefix: str, cluster: str, *, retry: dict | None = None, operati
             **(_decorator(operation) if operation else {})}
 
 
-def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool, tls: dict | None = None) -> dict:
+def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool, tls: dict | None = None,
+                    streams: int | None = None, eject_on_answers: bool = True) -> dict:
+    """A cluster of fixed endpoints (HTTP/2). streams: the most requests in flight to it at once,
+    and waiting for a connection (Envoy's circuit breakers; its default is 1,024 each).
+    eject_on_answers: a replica answering errors (5xx) in a row is ejected for a while; never for
+    a cluster of one (it was the only place to go: ejecting it turned one error into an outage of
+    "no healthy upstream"), nor for the routers at the ingress, whose 503s are load shed on
+    purpose (ejecting a router that sheds moves its load onto the others)."""
     is_ip = all(h.replace(".", "").isdigit() or ":" in h for h, _ in endpoints)
     cluster = {
         "name": name,
@@ -374,14 +384,17 @@ def _static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check
         cluster["circuit_breakers"] = {"thresholds": [{
             "priority": "DEFAULT",
             "retry_budget": {"budget_percent": {"value": 50.0}, "min_retry_concurrency": 32},
+            **({"max_requests": streams, "max_pending_requests": streams} if streams else {}),
         }]}
         # Passive checks too (behind the routers' own circuit breakers): a replica answering 5xx
         # (gRPC UNAVAILABLE / INTERNAL map there) or unreachable several times in a row is ejected
         # for a while, at most half of a cluster at once.
+        answers = eject_on_answers and len(endpoints) > 1
         cluster["outlier_detection"] = {
             "consecutive_5xx": 5,
+            "enforcing_consecutive_5xx": 100 if answers else 0,
             "consecutive_gateway_failure": 3,
-            "enforcing_consecutive_gateway_failure": 100,
+            "enforcing_consecutive_gateway_failure": 100 if answers else 0,
             "interval": "2s",
             "base_ejection_time": "10s",
             "max_ejection_percent": 50,
@@ -442,8 +455,35 @@ def _stats_listener(host: str, port: int, admin: dict) -> tuple[dict, dict]:
     return _listener("stats", host, port, hcm), cluster
 
 
+def _edge_overload() -> dict:
+    """The ingress's overload manager: its connections bounded (past edge.MAX_CONNECTIONS new
+    ones wait in the kernel's backlog), and its own memory watched: past 95% of
+    edge.ENVOY_HEAP_BYTES it frees what it can, past 98% it refuses new requests (503) rather than
+    grow until the kernel kills it with every stream it holds."""
+    heap = "envoy.resource_monitors.fixed_heap"
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {"name": heap, "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                "max_heap_size_bytes": edge.ENVOY_HEAP_BYTES}},
+            {"name": "envoy.resource_monitors.global_downstream_max_connections", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
+                         "DownstreamConnectionsConfig",
+                "max_active_downstream_connections": edge.MAX_CONNECTIONS}},
+        ],
+        "actions": [
+            {"name": "envoy.overload_actions.shrink_heap", "triggers": [{"name": heap, "threshold": {"value": 0.95}}]},
+            {"name": "envoy.overload_actions.stop_accepting_requests",
+             "triggers": [{"name": heap, "threshold": {"value": 0.98}}]},
+        ],
+    }
+
+
 def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict], *,
-               stats: tuple[str, int] | None = None, trace: TraceTarget | None = None) -> dict:
+               stats: tuple[str, int] | None = None, trace: TraceTarget | None = None, edge_proxy: bool = False) -> dict:
+    """An Envoy's whole config. edge_proxy: the ingress, whose connections and memory the overload
+    manager bounds (_edge_overload); a sidecar bounds its connections by runtime."""
     listeners, clusters = list(listeners), list(clusters)
     if stats is not None:
         listener, cluster = _stats_listener(*stats, admin)
@@ -455,9 +495,10 @@ def _bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dic
         "node": {"id": name, "cluster": name.rsplit("-", 1)[0]},
         "admin": {"address": admin},
         "static_resources": {"listeners": listeners, "clusters": clusters},
+        **({"overload_manager": _edge_overload()} if edge_proxy else {}),
         "layered_runtime": {
             "layers": [{"name": "static", "static_layer": {
-                "overload": {"global_downstream_max_connections": 50000},
+                **({} if edge_proxy else {"overload": {"global_downstream_max_connections": 50000}}),
                 # An ext_proc call (the direct path's decision) that is over is half-closed and left
                 # for the router to end, not reset: resetting it right after its last message made
                 # the router's sidecar close the whole HTTP/2 connection from the ingress now and
@@ -543,11 +584,7 @@ OPENAI_ERRORS_LUA = Path(__file__).resolve().parent.parent / "envoy" / "openai_e
 # Services a generic gRPC client may reach at the ingress besides the router's two APIs: health
 # and server reflection (grpcurl's list/describe), both answered by the router, which serves
 # nothing internal.
-PUBLIC_GRPC_EXTRAS = (
-    "grpc.health.v1.Health",
-    "grpc.reflection.v1alpha.ServerReflection",
-    "grpc.reflection.v1.ServerReflection",
-)
+PUBLIC_GRPC_EXTRAS = edge.OPEN_GRPC_SERVICES
 
 
 def openai_errors_lua() -> str:
@@ -565,7 +602,8 @@ def openai_errors_lua() -> str:
         "-- Generated from gaas/errors.py by gaas/envoyconf.py.\n"
         f"local GRPC_CODES = {lua_table((c, i.openai_code) for c, i in codes)}\n"
         f"local TYPES = {lua_table((c, i.openai_type) for c, i in codes)}\n"
-        f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n\n"
+        f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n"
+        f'local MAX_BODY = "{edge.max_body_bytes()} bytes"\n\n'
     )
     return header + OPENAI_ERRORS_LUA.read_text()
 def _internal_headers_dropped() -> dict:
@@ -616,27 +654,64 @@ def _ext_proc() -> dict:
     }
 
 
-def _undecided_replies() -> dict:
-    """local_reply_config of the ingress on the direct path: the 503 it answers when no router
-    answered a decision call (status_on_error above) gets a body, in the shape the transcoder gives
-    a router's own UNAVAILABLE with a retry delay, so the error filter can give it OpenAI's shape
-    and a Retry-After (a reply without a body cannot be given one there)."""
-    body = {"code": 14, "message": "no router could decide where this request goes; retry in a moment",
-            "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "router_unavailable"},
-                        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retry_delay": "1s"}]}
-    return {"mappers": [{
-        "filter": {"extension_filter": {
+def _router_unanswered_replies() -> dict:
+    """local_reply_config of the ingress: the 503 it answers when no router answered a key check
+    (ext_authz) or a decision call (ext_proc, on the direct path; their status_on_error) gets a
+    body, in the shape the transcoder gives a router's own UNAVAILABLE with a retry delay, so the
+    error filter can give it OpenAI's shape and a Retry-After (a reply without a body cannot be
+    given one there). A refusal a router sent is a local reply too, with its own body: untouched."""
+
+    def mapper(details: str, what: str) -> dict:
+        body = {"code": 14, "message": f"no router could {what}; retry in a moment",
+                "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "router_unavailable"},
+                            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retry_delay": "1s"}]}
+        return {
+            "filter": cel(f"response.code_details.startsWith('{details}')"),
+            "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
+            "headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        }
+
+    def cel(expression: str) -> dict:
+        return {"extension_filter": {
             "name": "envoy.access_loggers.extension_filters.cel",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                # ext_proc's own failures (a refusal the router sent is a local reply too, with its body)
-                "expression": "response.code_details.startsWith('ext_proc_error')",
+                "expression": expression,
             },
-        }},
-        "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
-        "headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
-                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-    }]}
+        }}
+
+    # The transcoder's own refusal of what it cannot read (a query parameter of the wrong type) is
+    # plain text: in the native API's error shape instead, which the error filter also reads.
+    malformed = {
+        "filter": cel("response.code == 400 && response.code_details.contains('grpc_json_transcode_failure')"),
+        "body_format_override": {"json_format": {"code": 3, "message": "%LOCAL_REPLY_BODY%"}},
+    }
+    return {"mappers": [mapper("ext_authz_error", "check this request's API key"),
+                        mapper("ext_proc_error", "decide where this request goes"), malformed]}
+
+
+def _ext_authz() -> dict:
+    """The ingress checks each request's API key with a router on its headers alone, before it
+    reads the body (services/router/edgeauth.py); only the headers that check needs are sent. No
+    router answering is a 503 that clients retry (never a request let through unchecked)."""
+    return {
+        "name": "envoy.filters.http.ext_authz",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+            "grpc_service": {"envoy_grpc": {"cluster_name": AUTHZ_CLUSTER}, "timeout": f"{edge.AUTHZ_TIMEOUT_S}s"},
+            "transport_api_version": "V3",
+            "failure_mode_allow": False,
+            "status_on_error": {"code": "ServiceUnavailable"},
+            "allowed_headers": {"patterns": [{"exact": "authorization"}, {"exact": "content-type"}]},
+            "include_peer_certificate": False,
+        },
+    }
+
+
+# The routers as the ingress's key checks reach them: a cluster of their own, whose circuit
+# breakers are the checks' budget, apart from the streams of authenticated requests.
+AUTHZ_CLUSTER = "router_authz"
 
 
 # On the direct path, a generation that never reached its worker (no connection, a refused or
@@ -700,8 +775,34 @@ def _direct_workers_cluster(topo: Topology, creds: pki.Credentials) -> dict:
     return cluster
 
 
-# Largest HTTP body the ingress buffers for transcoding; the router sets its own, smaller limit.
-MAX_HTTP_BODY = 8 << 20
+def _edge_hcm_options() -> dict:
+    """What the ingress's connection manager adds for clients it cannot trust (Envoy's advice for
+    an edge proxy): the client's address is the connection's (x-forwarded-for and x-envoy-* headers
+    from clients are not believed), timeouts for headers, whole requests and idle connections,
+    bounded HTTP/2 streams and windows per connection, paths normalized before any check, and
+    header names with underscores refused (an upstream could read them as dashes)."""
+    return {
+        "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "request_headers_timeout": f"{edge.REQUEST_HEADERS_TIMEOUT_S}s",
+        "request_timeout": f"{edge.REQUEST_TIMEOUT_S}s",
+        "common_http_protocol_options": {
+            "idle_timeout": f"{edge.CONNECTION_IDLE_TIMEOUT_S}s",
+            "headers_with_underscores_action": "REJECT_REQUEST",
+        },
+        "http2_protocol_options": {
+            "max_concurrent_streams": edge.MAX_STREAMS_PER_CONNECTION,
+            "initial_stream_window_size": 65536,
+            "initial_connection_window_size": 1048576,
+        },
+    }
+
+
+def max_http_body() -> int:
+    """The largest HTTP body the ingress buffers for transcoding: the router's limit, and room for
+    the framing (a larger body is refused at the ingress with 413, unread)."""
+    return edge.max_body_bytes() + 16 * edge.KIB
 
 
 def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
@@ -724,7 +825,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
             "proto_descriptor": str(descriptor_set),
             "services": [GRPC_SERVICE["router"], OPENAI_SERVICE],
             "convert_grpc_status": True,
-            "max_request_body_size": MAX_HTTP_BODY,
+            "max_request_body_size": max_http_body(),
             "print_options": {
                 "add_whitespace": False,
                 "always_print_primitive_fields": False,
@@ -754,9 +855,10 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         "ingress",
         routes,
         # On responses filters run in reverse: the transcoder's output reaches the Lua filter.
-        # The router's decision (direct) comes after the transcoder: it reads and replaces the
-        # gRPC request, and reads the worker's gRPC trailers before they are transcoded.
-        [_internal_headers_dropped(), openai_errors, transcoder, *([_ext_proc()] if direct else [])],
+        # The key check (ext_authz) comes before the transcoder, which reads the whole body. The
+        # router's decision (direct) comes after it: it reads and replaces the gRPC request, and
+        # reads the worker's gRPC trailers before they are transcoded.
+        [_internal_headers_dropped(), openai_errors, _ext_authz(), transcoder, *([_ext_proc()] if direct else [])],
         log_dir / "envoy-ingress-access.log",
         vhost={"response_headers_to_remove": [UNREACHED_HEADER],
                # The request's arrival here, where its latency decomposition starts (a client's
@@ -769,20 +871,26 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # as vLLM's server echoes it; GaaS keys everything internal on its own id.
         preserve_external_request_id=True,
         always_set_request_id_in_response=True,
-        **({"local_reply_config": _undecided_replies()} if direct else {}),
+        local_reply_config=_router_unanswered_replies(),
+        **_edge_hcm_options(),
         **_tracing(trace, "ingress-0", edge=True),
     )
     edge_tls = _downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
-    listeners = [_listener("ingress", topo.host, topo.ingress_port, hcm, edge_tls)]
+    listener = _listener("ingress", topo.host, topo.ingress_port, hcm, edge_tls)
+    listener["per_connection_buffer_limit_bytes"] = edge.CONNECTION_BUFFER_BYTES
     ingress_creds = authority.credentials(*pki.INGRESS)
+    routers = [(r.host, r.inbound_port) for r in topo.of("router")]
     clusters = [
-        _static_cluster("router", [(r.host, r.inbound_port) for r in topo.of("router")], health_check=True,
-                        tls=_client_tls(ingress_creds, "router"))
+        _static_cluster("router", routers, health_check=True, tls=_client_tls(ingress_creds, "router"),
+                        streams=edge.ROUTER_STREAMS, eject_on_answers=False),
+        _static_cluster(AUTHZ_CLUSTER, routers, health_check=True, tls=_client_tls(ingress_creds, "router"),
+                        streams=edge.AUTHZ_CHECKS, eject_on_answers=False),
     ]
     if direct:
         clusters.append(_direct_workers_cluster(topo, ingress_creds))
     admin = _pipe(LocalSockets.of(sockets, "ingress-0").admin) if sockets else _address(topo.host, topo.ingress_admin_port)
-    return _bootstrap("ingress-0", admin, listeners, clusters, stats=(topo.host, topo.ingress_stats_port), trace=trace)
+    return _bootstrap("ingress-0", admin, [listener], clusters, stats=(topo.host, topo.ingress_stats_port), trace=trace,
+                      edge_proxy=True)
 
 
 def issue_certificates(topo: Topology, authority: pki.Authority) -> None:

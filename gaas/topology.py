@@ -32,6 +32,8 @@ OPENAI_SERVICE = "gaas.v1.OpenAI"
 # (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
 OPENAI_GENERATION = ("Completions", "ChatCompletions")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The router's key check for the ingress, on each request's headers (Envoy's external authorization).
+AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 # How a generation reaches its worker: through the router ("router", the default), or from the
 # ingress straight to the worker the router picked there ("direct").
 INGRESS_PATHS = ("router", "direct")

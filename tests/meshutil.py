@@ -119,6 +119,29 @@ def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str):
             m.stop()
 
 
+def refused_on_headers(mesh, path: str, key: str = "", body_bytes: int = 512 << 10, timeout: float = 5.0):
+    """Send a request's headers announcing a body of body_bytes, and no byte of the body: the
+    (status line, body) the ingress answers with before the body arrives (a timeout here means it
+    waited for the body)."""
+    import socket
+
+    host, port = mesh.ingress.split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        head = f"POST {path} HTTP/1.1\r\nHost: {mesh.ingress}\r\nContent-Type: application/json\r\n" \
+               f"Content-Length: {body_bytes}\r\n"
+        if key:
+            head += f"Authorization: Bearer {key}\r\n"
+        s.sendall((head + "\r\n").encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < 10:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, rest = reply.decode("latin-1").partition("\r\n\r\n")
+    return head.split("\r\n", 1)[0], rest
+
+
 def openai_client(mesh, key=None):
     """The official openai client, pointed at the mesh's ingress, as a user would."""
     import openai

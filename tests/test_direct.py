@@ -20,7 +20,7 @@ from gaas import direct, errors, pricing
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
 from tests.meshutil import (
-    cli_tenant, cli_usage, generate, http, openai_client, own_mesh, served_again,
+    cli_tenant, cli_usage, generate, http, openai_client, own_mesh, refused_on_headers, served_again,
     wait_for_lines,
 )
 
@@ -153,6 +153,9 @@ def test_refusals_at_the_ingress_come_in_openais_shape(direct_mesh):
         limited.completions.create(model=MODEL, prompt="hi", max_tokens=1)
     assert info.value.code == "rate_limit_exceeded"
     assert int(info.value.response.headers["retry-after"]) >= 1
+    # An unknown key is refused on the request's headers, before its body is read (or decided).
+    status, body = refused_on_headers(direct_mesh, "/v1/completions", "gaas_not_a_key")
+    assert "401" in status and "API key" in body
 
 
 def test_a_client_that_hangs_up_is_billed_for_what_it_got_and_frees_its_place(direct_mesh):

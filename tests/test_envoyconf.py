@@ -6,7 +6,7 @@ import grpc
 import pytest
 import yaml
 
-from gaas import envoyconf, pki, protogen, topology
+from gaas import edge, envoyconf, pki, protogen, topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,6 +141,20 @@ def test_peer_clusters_eject_failing_replicas(rendered):
     assert "consecutive_local_origin_failure" not in ingress["router"]["outlier_detection"]
     two = envoyconf._static_cluster("router", [("127.0.0.1", 1), ("127.0.0.1", 2)], health_check=True)
     assert two["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    assert two["outlier_detection"]["enforcing_consecutive_5xx"] == 100, "of two, one answering errors is ejected"
+
+
+def test_no_replica_is_ejected_for_its_answers_where_that_would_leave_none_or_undo_load_shedding(rendered):
+    """A lone replica answering 5xx was ejected, and every request then got "no healthy upstream"
+    (one malformed header did it to the router); a router's 503 sheds load on purpose."""
+    _, configs, _ = rendered
+    lone = {c["name"]: c for c in configs["sidecar-router-0"]["static_resources"]["clusters"]}["control"]
+    assert lone["outlier_detection"]["enforcing_consecutive_5xx"] == 0
+    assert lone["outlier_detection"]["enforcing_consecutive_gateway_failure"] == 0
+    routers = [("127.0.0.1", 1), ("127.0.0.1", 2)]
+    at_ingress = envoyconf._static_cluster("router", routers, health_check=True, eject_on_answers=False)
+    assert at_ingress["outlier_detection"]["enforcing_consecutive_5xx"] == 0
+    assert at_ingress["outlier_detection"]["enforcing_consecutive_local_origin_failure"] == 100, "unreachable: ejected"
 
 
 def routes_of(config: dict, listener: str) -> list[dict]:
@@ -286,8 +300,8 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
     # That 503 (no router answered) gets a body the error filter turns into OpenAI's shape with a
     # Retry-After: UNAVAILABLE with a reason and a retry delay, as a router's own refusal reads.
-    [mapper] = hcm["local_reply_config"]["mappers"]
-    assert "ext_proc_error" in mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+    [mapper] = [m for m in hcm["local_reply_config"]["mappers"]
+                if "ext_proc_error" in m["filter"]["extension_filter"]["typed_config"]["expression"]]
     body = json.loads(mapper["body"]["inline_string"])
     assert body["code"] == grpc.StatusCode.UNAVAILABLE.value[0] and body["message"]
     assert {d["@type"].rsplit(".", 1)[-1] for d in body["details"]} == {"ErrorInfo", "RetryInfo"}
@@ -328,3 +342,64 @@ def test_direct_path_lets_the_ingress_call_only_what_it_needs(rendered, rendered
     assert ingress_paths(routed, "worker-0") == set()
     assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" in ingress_paths(direct, "router-0")
     assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" not in ingress_paths(routed, "router-0")
+
+
+def _ingress_hcm(configs):
+    listener = configs["ingress-0"]["static_resources"]["listeners"][0]
+    return listener, listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+@pytest.mark.parametrize("path", ["router", "direct"])
+def test_the_ingress_checks_the_key_on_the_headers_before_it_reads_a_body(rendered, rendered_direct, path):
+    topo, configs, _ = rendered if path == "router" else rendered_direct
+    _, hcm = _ingress_hcm(configs)
+    names = [f["name"] for f in hcm["http_filters"]]
+    # Before the transcoder, which reads the whole body (and before the direct path's decision).
+    assert names.index("envoy.filters.http.ext_authz") < names.index("envoy.filters.http.grpc_json_transcoder")
+    authz = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.ext_authz"]
+    assert "with_request_body" not in authz and authz["failure_mode_allow"] is False
+    assert authz["status_on_error"] == {"code": "ServiceUnavailable"}, "no router answering is a 503, never a pass"
+    assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {"authorization", "content-type"}
+    # The checks have a budget of their own, apart from the authenticated streams to the routers.
+    clusters = _clusters(configs["ingress-0"])
+    checks = clusters[authz["grpc_service"]["envoy_grpc"]["cluster_name"]]
+    streams = clusters["router"]
+    assert checks["name"] != "router"
+    assert checks["load_assignment"]["endpoints"] == streams["load_assignment"]["endpoints"], "the same routers"
+    assert checks["circuit_breakers"]["thresholds"][0]["max_requests"] == edge.AUTHZ_CHECKS
+    assert streams["circuit_breakers"]["thresholds"][0]["max_requests"] == edge.ROUTER_STREAMS
+    # No router answering the check is a 503 with a body the error filter gives OpenAI's shape.
+    assert any("ext_authz_error" in m["filter"]["extension_filter"]["typed_config"]["expression"]
+               for m in hcm["local_reply_config"]["mappers"])
+    # The router's sidecar lets only the ingress ask.
+    router = _policies(configs["sidecar-router-0"])
+    assert _allowed(router, "/envoy.service.auth.v3.Authorization/Check") == {"spiffe://gaas.local/ingress/"}
+
+
+def test_the_ingress_is_configured_as_an_edge_proxy(rendered):
+    _, configs, _ = rendered
+    listener, hcm = _ingress_hcm(configs)
+    assert hcm["use_remote_address"] is True, "a client's x-forwarded-for and x-envoy-* headers are not believed"
+    assert hcm["normalize_path"] and hcm["merge_slashes"]
+    assert hcm["request_headers_timeout"] == f"{edge.REQUEST_HEADERS_TIMEOUT_S}s"
+    assert hcm["request_timeout"] == f"{edge.REQUEST_TIMEOUT_S}s"
+    assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == "REJECT_REQUEST"
+    assert hcm["http2_protocol_options"]["max_concurrent_streams"] == edge.MAX_STREAMS_PER_CONNECTION
+    assert listener["per_connection_buffer_limit_bytes"] == edge.CONNECTION_BUFFER_BYTES
+    transcoder = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.grpc_json_transcoder"]
+    assert edge.MAX_BODY_BYTES < transcoder["max_request_body_size"] <= edge.MAX_BODY_BYTES + 64 * edge.KIB
+    overload = configs["ingress-0"]["overload_manager"]
+    monitors = {m["name"]: m["typed_config"] for m in overload["resource_monitors"]}
+    assert monitors["envoy.resource_monitors.global_downstream_max_connections"][
+        "max_active_downstream_connections"] == edge.MAX_CONNECTIONS
+    assert {a["name"] for a in overload["actions"]} >= {"envoy.overload_actions.stop_accepting_requests"}
+
+
+def test_every_envoy_lets_a_stream_be_silent_longer_than_a_generation_may_run(rendered):
+    _, configs, _ = rendered
+    for name, cfg in configs.items():
+        for listener in cfg["static_resources"]["listeners"]:
+            hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            if hcm.get("stat_prefix") == "envoy_stats":
+                continue
+            assert int(hcm["stream_idle_timeout"].rstrip("s")) > edge.MAX_STREAM_SECONDS, (name, listener["name"])

@@ -310,16 +310,21 @@ def conn(mesh):
     c.close()
 
 
-def _post(conn, mesh, path, raw):
-    headers = {"authorization": f"Bearer {mesh.api_key}", "content-type": "application/json"}
+def _send(conn, method, path, raw=None, headers=None):
     try:
-        conn.request("POST", path, body=raw, headers=headers)
+        conn.request(method, path, body=raw, headers=headers or {})
         resp = conn.getresponse()
     except (httpclient.HTTPException, OSError):
         conn.close()
-        conn.request("POST", path, body=raw, headers=headers)
+        conn.request(method, path, body=raw, headers=headers or {})
         resp = conn.getresponse()
     return resp.status, resp.read().decode("utf-8", "replace")
+
+
+def _post(conn, mesh, path, raw, extra_headers=()):
+    headers = {"authorization": f"Bearer {mesh.api_key}", "content-type": "application/json"}
+    headers.update(extra_headers)
+    return _send(conn, "POST", path, raw, headers)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -332,6 +337,58 @@ def test_fuzz_openai_http_never_answers_5xx(mesh, conn, case):
         _ok_shaped(path, body, stream)
     else:
         _error_shaped(status, body)
+
+
+# Digits that str.isdigit takes and int() does not, numbers too long to be anything, and the rest.
+_odd_digits = st.sampled_from(["²", "²d", "١٢", "७d", "９", "0", "-1", "7d", "30m", "1e9", "9" * 30, "9" * 30 + "d",
+                               "2026-13-01", "2026-11-01T00:00:00Z", "\x00", " ", "%", "%ZZ", "&", "="])
+_query_values = _odd_digits | st.text(max_size=12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(["/v1/gaas/usage", "/v1/gaas/sessions", "/v1/gaas/models", "/v1/models"]),
+       params=st.dictionaries(st.sampled_from(["since", "until", "by", "limit", "api-version", "x"]) | st.text(max_size=5),
+                              _query_values, max_size=4),
+       raw=st.none() | st.text(max_size=20))
+def test_fuzz_query_strings_never_answer_5xx(mesh, conn, path, params, raw):
+    from urllib.parse import quote, urlencode
+
+    query = urlencode(params) if raw is None else quote(raw, safe="=&%?")
+    status, body = _send(conn, "GET", f"{path}?{query}", headers={"authorization": f"Bearer {mesh.api_key}"})
+    event(f"HTTP {status}")
+    assert status < 500, f"{path}?{query}: {status} {body[:300]}"
+    if status >= 400:
+        error = json.loads(body)
+        assert (error["error"]["message"] if path == "/v1/models" else error["message"])
+
+
+_header_names = st.sampled_from([
+    "x-gaas-session", "x-request-id", "x-gaas-explain", "x-gaas-worker", "x-gaas-tenant", "x-gaas-request-id",
+    "x-gaas-ingress-start", "traceparent", "tracestate", "grpc-timeout", "content-type", "x-forwarded-for",
+    "x-envoy-upstream-rq-timeout-ms", "x-envoy-max-retries", "x-envoy-retry-on", "te", "accept-encoding", "expect",
+    # gRPC's own, parsed by the router's gRPC library (a malformed grpc-timeout once broke its connection)
+    "grpc-encoding", "grpc-accept-encoding", "grpc-previous-rpc-attempts", "grpc-status", "grpc-trace-bin", "x-any-bin",
+])
+_header_values = _odd_digits | st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40) | \
+    st.sampled_from(["application/grpc", "application/grpc-web", "text/plain", "00-" + "f" * 32 + "-" + "f" * 16 + "-01",
+                     "100-continue", "trailers", "127.0.0.1:1", "gzip"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(chat=st.booleans(), headers=st.dictionaries(_header_names, _header_values, min_size=1, max_size=4))
+def test_fuzz_headers_never_answer_5xx(mesh, conn, chat, headers):
+    body = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} if chat
+            else {"model": MODEL, "prompt": "hi"}) | {"max_tokens": 2}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    headers = {k: v.strip() for k, v in headers.items()}
+    try:
+        status, text = _post(conn, mesh, path, json.dumps(body).encode(), headers)
+    except ValueError:  # (a value http.client itself refuses to send)
+        return
+    event(f"HTTP {status}")
+    assert status < 500, f"{headers}: {status} {text[:300]}"
+    if status >= 400:
+        assert text, f"{headers}: {status} without a body"
 
 
 def _sampling(careful: bool):

@@ -10,7 +10,7 @@ import grpc
 import openai
 import pytest
 
-from tests.meshutil import gaas, generate, http, worker_addresses
+from tests.meshutil import gaas, generate, http, refused_on_headers, worker_addresses
 
 pytestmark = pytest.mark.mesh
 
@@ -145,6 +145,14 @@ def test_missing_key_is_401_with_a_hint(mesh):
     assert "Authorization: Bearer" in error["message"] and error["type"] == "authentication_error"
 
 
+@pytest.mark.parametrize("key", ["", "gaas_made_up"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/generate"])
+def test_a_request_without_a_valid_key_is_refused_on_its_headers_before_its_body(mesh, path, key):
+    status, body = refused_on_headers(mesh, path, key)
+    assert "401" in status, status
+    assert "API key" in body
+
+
 @pytest.mark.parametrize(
     "raw, message",
     [
@@ -153,7 +161,8 @@ def test_missing_key_is_401_with_a_hint(mesh):
         (b'{"model": "gaas-tiny", "prompt": "x", "max_tokens": "ten"}', "'max_tokens' must be an integer"),
         (b'{"model": "gaas-tiny", "prompt": "x", "colour": "red"}', "unknown field(s) 'colour'"),
         (b'["not", "an", "object"]', "must be a JSON object"),
-        (json.dumps({"model": "gaas-tiny", "prompt": "x" * (2 << 20)}).encode(), "the limit is"),
+        # Just over the router's limit: the ingress takes it (its framing), the router names the limit.
+        (json.dumps({"model": "gaas-tiny", "prompt": "x" * (1 << 20)}).encode(), "the limit is"),
     ],
 )
 def test_malformed_bodies_are_400_in_openai_shape(mesh, raw, message):
@@ -163,6 +172,13 @@ def test_malformed_bodies_are_400_in_openai_shape(mesh, raw, message):
     assert message in error["message"] and error["type"] == "invalid_request_error"
     # ... and nothing broke: the next request is served.
     assert client(mesh).completions.create(model=MODEL, prompt="still fine", max_tokens=1).choices
+
+
+def test_a_body_larger_than_the_ingress_takes_is_413_naming_the_limit(mesh):
+    status, body = http(mesh, "/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode())
+    assert status == 413, body
+    error = json.loads(body)["error"]
+    assert "1048576 bytes" in error["message"] and error["code"] == "request_too_large"
 
 
 def test_unknown_endpoint_is_404_in_openai_shape(mesh):

@@ -55,6 +55,8 @@ class ServerOptions:
     drain_seconds: float = 1.0
     # Whether this is the mesh's edge (the router): it believes no x-gaas-* metadata from callers.
     edge: bool = False
+    # The largest request message it takes (grpc answers RESOURCE_EXHAUSTED past it, unread).
+    max_request_bytes: int = 64 << 20
 
 
 def _check_socket_free(path: Path) -> None:
@@ -100,7 +102,8 @@ class ServiceRuntime:
                 *telemetry.server_interceptors(self.tracer_provider),
             ],
             # Without this, a second server silently shares a port already in use.
-            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
+                     ("grpc.max_receive_message_length", opts.max_request_bytes)],
         )
         self.port = 0
         self._names: list[str] = []

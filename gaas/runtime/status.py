@@ -46,6 +46,16 @@ def status_details(err: errors.GaasError) -> bytes:
     return status.SerializeToString()
 
 
+def status_json(err: errors.GaasError) -> str:
+    """err's google.rpc.Status as JSON, as the ingress's transcoder renders a failed call's status
+    into an HTTP body (proto field names), so that the ingress's error filter gives an answer the
+    mesh made itself (a refusal at the ingress) OpenAI's shape and a Retry-After as it does theirs."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToJson(status_pb2.Status.FromString(status_details(err)),
+                                     preserving_proto_field_name=True, indent=None)
+
+
 async def abort(context: grpc.aio.ServicerContext, err: errors.GaasError) -> None:
     """End the call with err's status (raises grpc.aio.AbortError, as context.abort does)."""
     await context.abort(grpc.StatusCode[err.code], err.message, trailing_metadata=((DETAILS_KEY, status_details(err)),))

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gaas import edge
 from gaas.runtime.envconfig import ConfigError, base_settings, env_float, env_int, env_str
 from services.router.scheduling.profiles import PROFILES, parse_weights
 
@@ -101,10 +102,10 @@ class RouterConfig:
             window_max=env_int(env, "GAAS_WINDOW_MAX", 64),
             breaker_cooldown_seconds=env_float(env, "GAAS_BREAKER_COOLDOWN_SECONDS", 5.0),
             deploy_file=env_str(env, "GAAS_DEPLOY_FILE", ""),
-            max_stream_seconds=env_float(env, "GAAS_MAX_STREAM_SECONDS", 600.0),
+            max_stream_seconds=env_float(env, "GAAS_MAX_STREAM_SECONDS", edge.MAX_STREAM_SECONDS),
             auth_cache_seconds=env_float(env, "GAAS_AUTH_CACHE_SECONDS", 2.0),
             max_stale_seconds=env_float(env, "GAAS_MAX_STALE_SECONDS", 60.0),
-            max_body_bytes=env_int(env, "GAAS_MAX_BODY_BYTES", 1 << 20),
+            max_body_bytes=env_int(env, "GAAS_MAX_BODY_BYTES", edge.MAX_BODY_BYTES),
             coalesce_per_step=env_int(env, "GAAS_COALESCE_PER_STEP", 2),
             coalesce_max=env_int(env, "GAAS_COALESCE_MAX", 8),
             redis_url=env_str(env, "GAAS_REDIS_URL", "redis://127.0.0.1:6379/0"),

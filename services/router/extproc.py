@@ -26,8 +26,6 @@ import time
 
 import grpc
 from google.api import httpbody_pb2
-from google.protobuf import json_format
-from google.rpc import status_pb2
 from redis.exceptions import RedisError
 
 from gaas import direct as direct_contract
@@ -97,11 +95,9 @@ def immediate(err: errors.GaasError) -> ep.ProcessingResponse:
     of the router's own routes (the HTTP status of err's code, the google.rpc.Status as JSON), so
     that its error filter gives it OpenAI's shape and Retry-After as it does theirs. (The ingress
     answers an HTTP client here, not a gRPC one: the transcoder does not see this answer.)"""
-    rendered = json_format.MessageToJson(status_pb2.Status.FromString(status.status_details(err)),
-                                         preserving_proto_field_name=True, indent=None)
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=ep.HttpStatus(code=err.info.http_status),
-        body=rendered.encode(),
+        body=status.status_json(err).encode(),
         headers=ep.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
         details=err.code,
     ))

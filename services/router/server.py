@@ -12,15 +12,16 @@ import logging
 from pathlib import Path
 
 from gaas import deployspec, qos
+from gaas import edge as edge_limits
 from gaas.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.sessions import SessionPolicy
 from gaas.tokenizer import TokenizerCache
-from gaas.topology import EXT_PROC_SERVICE
+from gaas.topology import AUTHZ_SERVICE, EXT_PROC_SERVICE
 from gaas.v1 import (
-    billing_pb2_grpc, control_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
+    billing_pb2_grpc, control_pb2_grpc, ext_authz_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,
 )
 from services.router.auth import Authenticator
@@ -30,6 +31,7 @@ from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import DirectoryCollector, MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.edgeauth import EdgeAuthorizer
 from services.router.extproc import ExternalProcessor
 from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
@@ -56,7 +58,9 @@ HELP_ENV = """environment:
   GAAS_BREAKER_COOLDOWN_SECONDS  how long a worker whose breaker opened is left alone (5)
   GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:), sessions (sessions:)
   GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
-  GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB)
+  GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB; gaas up sizes the ingress's buffer to it)
+  GAAS_MAX_STREAM_SECONDS  longest a generation streams when its client set no deadline (600; gaas up gives
+                       every Envoy a stream idle timeout 30 s longer)
   GAAS_COALESCE_PER_STEP / _MAX  fuller streamed messages as streams grow: streams in flight per token
                        of a message (2; 0: one token a message always), and the most tokens a message (8)
   GAAS_REDIS_URL       Redis, where usage events go and budgets and sessions are kept (redis://127.0.0.1:6379/0)
@@ -67,7 +71,8 @@ HELP_ENV = """environment:
 
 async def serve(cfg: RouterConfig) -> None:
     # The edge: tenant metadata from outside is never believed.
-    rt = ServiceRuntime(options_for("router", cfg, edge=True))
+    rt = ServiceRuntime(options_for("router", cfg, edge=True, max_request_bytes=max(
+        edge_limits.MAX_GRPC_REQUEST_BYTES, cfg.max_body_bytes + 64 * edge_limits.KIB)))
     rt.install_signal_handlers()
     channel = rt.channel(cfg.outbound)
     control = control_pb2_grpc.ControlStub(channel)
@@ -158,6 +163,9 @@ async def serve(cfg: RouterConfig) -> None:
         openai_pb2_grpc.add_OpenAIServicer_to_server,
         OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter, sessions), "gaas.v1.OpenAI"
     )
+    # The ingress's key check on each request's headers, before it reads the body.
+    rt.add_service(ext_authz_pb2_grpc.add_AuthorizationServicer_to_server, EdgeAuthorizer(auth), AUTHZ_SERVICE,
+                   listed=False)
     # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
     rt.add_service(
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server,
