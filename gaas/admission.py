@@ -1,11 +1,13 @@
 """Admission in Redis, shared by every router replica (one figure per tenant whichever replica a
-request reaches): a tenant's quotas (requests and tokens per minute, requests at once) and its
+request reaches): a tenant's quotas (requests and tokens per minute, sequences at once) and its
 monthly budget, checked and reserved in one atomic script before a request starts (ADMIT), and
 settled in the same script that appends the request's usage event when it ends (RECORD).
 
 Keys (a tenant's share a Redis Cluster hash slot, {tenant}):
-  gaas:inflight:{t}        request id -> "cost tokens second": what a request in flight may still
-                           cost (micro-dollars), the tokens reserved for it, when it was admitted
+  gaas:inflight:{t}        request id -> "cost tokens second sequences": what a request in flight
+                           may still cost (micro-dollars), the tokens reserved for it, when it was
+                           admitted, and the sequences it runs (n choices of each of its prompts:
+                           what the concurrency quota counts; an entry without one is one)
   gaas:inflight-exp:{t}    request id -> when that entry lapses (a router that died mid-request)
   gaas:rpm:{t}, gaas:tpm:{t}  second -> requests / tokens admitted in it (the last 60 s count)
   gaas:budget:{t}          the monthly budget, micro-dollars (absent: none)
@@ -26,7 +28,7 @@ SPEND_TTL_SECONDS = 40 * 86400
 WINDOW_SECONDS = 60
 
 # ADMIT's answers (its first value).
-ADMITTED, OVER_CONCURRENCY, OVER_RPM, OVER_TPM, TOO_LARGE_FOR_TPM, OVER_BUDGET = 1, 2, 3, 4, 5, 6
+ADMITTED, OVER_CONCURRENCY, OVER_RPM, OVER_TPM, TOO_LARGE_FOR_TPM, OVER_BUDGET, TOO_MANY_SEQUENCES = 1, 2, 3, 4, 5, 6, 7
 
 
 def budget_key(tenant: str) -> str:
@@ -60,8 +62,9 @@ def admit_keys(tenant: str, month: str) -> list[str]:
 
 # KEYS: budget, spend, inflight, inflight-exp, rpm, tpm.
 # ARGV: request id, cost estimate (micro-$), tokens estimate, now ms, expiry ms, rpm, tpm, concurrency
-# limits (0: none). -> {answer, a, b, c, retry ms}: ADMITTED with the budget (-1: none), spend and
-# what requests in flight hold; otherwise which limit refused, with its figures (see Meter.admit).
+# limits (0: none), sequences. -> {answer, a, b, c, retry ms}: ADMITTED with the budget (-1: none),
+# spend and what requests in flight hold; otherwise which limit refused, with its figures (see
+# Meter.admit).
 ADMIT = """
 local now = tonumber(ARGV[4])
 local now_s = math.floor(now / 1000)
@@ -71,10 +74,12 @@ if #stale > 0 then
   redis.call('HDEL', KEYS[3], unpack(stale))
   redis.call('ZREM', KEYS[4], unpack(stale))
 end
-local concurrency = tonumber(ARGV[8])
+local concurrency, sequences = tonumber(ARGV[8]), tonumber(ARGV[9] or '1')
 if concurrency > 0 then
-  local n = redis.call('HLEN', KEYS[3])
-  if n >= concurrency then return {%(concurrency)d, n, concurrency, 0, 1000} end
+  if sequences > concurrency then return {%(too_many)d, sequences, concurrency, 0, 0} end
+  local n = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do n = n + tonumber(string.match(v, '^%%S+ %%S+ %%S+ (%%d+)$') or '1') end
+  if n + sequences > concurrency then return {%(concurrency)d, n, concurrency, 0, 1000} end
 end
 -- What the last minute used of a limit, and when enough of it frees for `want` more (ms).
 local function used(key, limit, want)
@@ -128,18 +133,18 @@ if tpm > 0 then
   redis.call('HINCRBY', KEYS[6], now_s, tokens)
   redis.call('EXPIRE', KEYS[6], 2 * window)
 end
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. ' ' .. reserved .. ' ' .. now_s)
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. ' ' .. reserved .. ' ' .. now_s .. ' ' .. sequences)
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 return {%(admitted)d, budget, spend, held, 0}
 """ % {"window": WINDOW_SECONDS, "concurrency": OVER_CONCURRENCY, "rpm": OVER_RPM, "tpm": OVER_TPM,
-       "too_large": TOO_LARGE_FOR_TPM, "budget": OVER_BUDGET, "admitted": ADMITTED}
+       "too_large": TOO_LARGE_FOR_TPM, "budget": OVER_BUDGET, "admitted": ADMITTED, "too_many": TOO_MANY_SEQUENCES}
 
 # Give back what a request in flight holds: its place, and its reserved tokens less `used`.
 _SETTLE = """
 local function settle(inflight, inflight_exp, tpm, id, used)
   local held = redis.call('HGET', inflight, id)
   if not held then return end
-  local _, reserved, second = string.match(held, '^(%-?%d+) (%d+) (%d+)$')
+  local _, reserved, second = string.match(held, '^(%-?%d+) (%d+) (%d+)')
   reserved = tonumber(reserved)
   if reserved and reserved > 0 and redis.call('HEXISTS', tpm, second) == 1 then
     redis.call('HINCRBY', tpm, second, used - reserved)
@@ -160,9 +165,10 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 return entry
 """
 
-# KEYS: inflight, inflight-exp, tpm. ARGV: request id. A request that ends having produced nothing.
+# KEYS: inflight, inflight-exp, tpm. ARGV: request id, tokens used (absent: none). A request that
+# ends without a usage event: having produced nothing, or a /tokenize (its tokens count a minute).
 RELEASE = _SETTLE + """
-settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], 0)
+settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2] or '0'))
 return 1
 """
 

@@ -328,6 +328,7 @@ class Mesh:
         os.umask(0o077)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         stop_leftovers(self.run_dir, self.progress)
+        self._raise_open_files()
         ports = self.topo.tcp_ports() + ([self.topo.trace_port] if self.trace_sink else [])
         busy = [p for p in ports if port_in_use(self.topo.host, p)]
         if busy:
@@ -358,6 +359,25 @@ class Mesh:
         for name, path in configs.items():
             self._spawn_envoy(name, path)
         self._write_state()
+
+    def _raise_open_files(self) -> None:
+        """Every connection the ingress holds is a file descriptor, and a shell's soft limit is often
+        1,024: raised, for what gaas starts, to what the ingress may hold (gaas.edge.MAX_CONNECTIONS,
+        its upstream connections too) where the hard limit allows; said when it does not."""
+        import resource
+
+        from gaas import edge
+
+        want = 2 * edge.MAX_CONNECTIONS + 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft >= want:
+            return
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < want:
+            self.progress(f"open files are limited to {target} (ulimit -Hn): the ingress holds at most about "
+                          f"{target // 2} client connections (raise the hard limit for {edge.MAX_CONNECTIONS})")
 
     @property
     def served_models(self) -> list[str]:

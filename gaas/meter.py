@@ -5,6 +5,11 @@ and one usage event appended to the Redis Stream when it ends, before its last c
 finished, cancelled by the client, or failed after tokens were produced. A request retried on a
 second worker before its first token is one event.
 
+Beside Redis, the process that admits (a router) keeps its own count of what it admitted for each
+tenant (LocalQuotas): a request its tenant cannot be admitted for by this process's count alone is
+refused before its body is parsed or tokenized (cheap refusals first), and while Redis does not
+answer, that count is what admits, bounded (never unlimited for everyone).
+
 Never losing a record: when Redis does not answer, the event goes to a local spool file (an
 append-only JSON-lines file, flushed and fsynced) and a background task appends it once Redis is
 back; the ledger is written once per request id whatever is replayed twice.
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,10 +65,19 @@ class Metered:
     done: bool = False
     # The session the request is a turn of ("": none).
     session_id: str = ""
+    # Sequences it runs (its prompts' n choices): what the concurrency quota counts.
+    sequences: int = 1
+    # Engine requests of it whose client left before their first chunk: each runs on to that chunk
+    # (a future of it, None when none came), which is billed: the engine computed the prompt.
+    abandoned: list = field(default_factory=list)
+    # The cached tokens of each engine request, from its first chunk (its prompt as the engine took it).
+    cached_prompts: int = 0
 
     def add(self, chunk: common_pb2.GenerateChunk) -> bool:
         """Count a chunk; True when it completes the request (every part has its usage)."""
         self.relayed += len(chunk.token_ids)
+        if chunk.HasField("prefill"):
+            self.cached_prompts += chunk.prefill.cached_tokens
         if chunk.HasField("usage"):
             self.finals.append(chunk)
         return len(self.finals) == self.parts and not self.done
@@ -72,8 +87,8 @@ class Metered:
             prompt = sum(c.usage.prompt_tokens for c in self.finals)
             cached = sum(c.usage.cached_tokens for c in self.finals)
             completion = sum(c.usage.completion_tokens for c in self.finals)
-        else:  # cut short: what the client got, and the prompts it was sent with
-            prompt, cached, completion = self.prompt_tokens, sum(c.usage.cached_tokens for c in self.finals), self.relayed
+        else:  # cut short: the prompts it was sent with (as cached as the engines said), and what it got
+            prompt, cached, completion = self.prompt_tokens, self.cached_prompts, self.relayed
         last = self.finals[-1] if self.finals else None
         cost_in, cost_cached, cost_out = pricing.cost_parts(self.price, prompt, cached, completion)
         return UsageEvent(
@@ -91,10 +106,13 @@ class Metered:
 
 
 class Meter:
-    def __init__(self, redis: Redis, spool_dir: Path, clock: Callable[[], int] = metering.now_ms) -> None:
+    def __init__(self, redis: Redis, spool_dir: Path, clock: Callable[[], int] = metering.now_ms,
+                 local: "LocalQuotas | None" = None) -> None:
         # Unix ms (tests move it).
         self._clock = clock
         self._redis = redis
+        # This process's own count of what it admitted (a router's; None: it admits nothing).
+        self.local = local
         self._admit = _Script(redis, admission.ADMIT)
         self._record = _Script(redis, admission.RECORD)
         self._release = _Script(redis, admission.RELEASE)
@@ -105,15 +123,22 @@ class Meter:
         self.spooled = 0
         self._unchecked = False
 
+    def precheck(self, principal: Principal) -> None:
+        """Before a request's body is parsed: refused at once (ResourceExhausted) when this
+        process's own count says its tenant cannot be admitted (LocalQuotas.check)."""
+        if self.local is not None:
+            self.local.check(principal)
+
     async def admit(
         self, principal: Principal, request_id: str, model: str, model_version: str, price: pricing.Price,
         prompt_tokens: int, max_completion_tokens: int, parts: int, client_request_id: str, arrived: float,
+        sequences: int = 0,
     ) -> Metered:
-        """Admit a request against its tenant's quotas and budget, reserving its place, its tokens
-        and its most possible cost; errors.ResourceExhausted (naming the limit, with when to retry)
-        when one does not fit."""
+        """Admit a request against its tenant's quotas and budget, reserving its place (sequences:
+        its prompts' choices, parts by default), its tokens and its most possible cost;
+        errors.ResourceExhausted (naming the limit, with when to retry) when one does not fit."""
         m = Metered(request_id, principal, model, model_version, price, parts, client_request_id, arrived,
-                    prompt_tokens=prompt_tokens)
+                    prompt_tokens=prompt_tokens, sequences=sequences or parts)
         estimate = pricing.estimate_micros(price, prompt_tokens, max_completion_tokens)
         tokens = prompt_tokens + max_completion_tokens
         now = self._clock()
@@ -122,27 +147,47 @@ class Meter:
             answer, a, b, c, retry_ms = await self._admit(
                 keys=admission.admit_keys(principal.tenant, metering.month_of(now)),
                 args=[request_id, estimate, tokens, now, now + RESERVATION_SECONDS * 1000, limits.rpm, limits.tpm,
-                      limits.concurrency],
+                      limits.concurrency, m.sequences],
             )
         except RedisError as exc:
-            # Quotas and budgets are enforced from Redis; while it is away, requests are served (and metered).
+            if self.local is None:
+                raise errors.Unavailable("quotas cannot be checked right now; retry shortly") from None
+            # While Redis is away this process's own count admits, within bounds (LocalQuotas).
             if not self._unchecked:
-                log.warning("cannot check quotas and budgets (%s); serving requests unchecked until Redis answers", exc)
+                log.warning("cannot check quotas and budgets in Redis (%s); admitting by this router's own count "
+                            "until it answers", exc)
             self._unchecked = True
+            self.local.admit_degraded(m, tokens, estimate, now)
             return m
         if self._unchecked:
             log.info("Redis answers again; quotas and budgets are checked")
             self._unchecked = False
         if answer != admission.ADMITTED:
-            raise refusal(principal.tenant, answer, a, b, c, retry_ms, estimate, tokens, now)
+            err = refusal(principal.tenant, answer, a, b, c, retry_ms, estimate, tokens, now)
+            if self.local is not None:
+                self.local.refused(principal.tenant, answer, err)
+            raise err
         m.admitted = True
+        if self.local is not None:
+            self.local.admitted(m, tokens, None if a < 0 else a - b - c - estimate)
         return m
 
+    def ended(self, m: Metered) -> None:
+        """A request this process admitted is over, whoever metered it (a worker, on the direct path)."""
+        if self.local is not None:
+            self.local.ended(m)
+
     async def commit(self, m: Metered, outcome: str) -> None:
-        """Append the request's usage event (spooled when Redis does not answer). Once per request."""
+        """Append the request's usage event (spooled when Redis does not answer). Once per request.
+        Engine requests its client left before their first chunk are waited for (they run on to
+        it): the prompt an engine computed is billed, whatever the client did."""
         if m.done:
             return
         m.done = True
+        for first in await asyncio.gather(*m.abandoned, return_exceptions=True):
+            if isinstance(first, common_pb2.GenerateChunk):
+                m.add(first)
+        self.ended(m)
         if not m.finals and not m.relayed:  # ended before producing anything: nothing to bill
             await self.release(m)
             return
@@ -160,17 +205,20 @@ class Meter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def release_later(self, m: Metered) -> None:
+    def release_later(self, m: Metered, used_tokens: int = 0) -> None:
         """release() from a request being torn down: runs to its end regardless."""
-        task = asyncio.create_task(self.release(m))
+        task = asyncio.create_task(self.release(m, used_tokens))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def release(self, m: Metered) -> None:
+    async def release(self, m: Metered, used_tokens: int = 0) -> None:
+        """A request ends without a usage event: its place and reserved tokens go back, less
+        used_tokens (the tokens of a /tokenize, which count against the minute's quota)."""
+        self.ended(m)
         if not m.admitted:
             return
         try:
-            await self._release(keys=admission.release_keys(m.principal.tenant), args=[m.request_id])
+            await self._release(keys=admission.release_keys(m.principal.tenant), args=[m.request_id, used_tokens])
         except RedisError:
             pass  # the reservation lapses on its own
 
@@ -254,9 +302,14 @@ def refusal(
     subject = f"tenant:{tenant}"
     if answer == admission.OVER_CONCURRENCY:
         return errors.ResourceExhausted(
-            f"tenant {tenant} has {a} requests in flight, its limit is {b} at once: retry when one has finished",
-            reason="rate_limit_exceeded", retry_after=retry,
-            quota=errors.QuotaViolation(subject, f"concurrent requests: {b}"))
+            f"tenant {tenant} has {a} sequences in flight (each choice of each prompt counts), its limit is {b} at "
+            "once: retry when one has finished", reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"concurrent sequences: {b}"))
+    if answer == admission.TOO_MANY_SEQUENCES:
+        return errors.ResourceExhausted(
+            f"this request runs {a} sequences at once (n choices of each prompt), more than tenant {tenant}'s "
+            f"limit of {b}: ask for fewer choices or send fewer prompts", param="n", reason="rate_limit_exceeded",
+            quota=errors.QuotaViolation(subject, f"concurrent sequences: {b}"))
     if answer == admission.OVER_RPM:
         return errors.ResourceExhausted(
             f"tenant {tenant} has made {a} requests in the last minute, its quota is {b} requests per minute: "
@@ -280,6 +333,124 @@ def refusal(
         f"{pricing.format_usd(estimate)}); requests are served again when the budget is raised or the month turns",
         reason="insufficient_quota", retry_after=max(1.0, (month_end - now) / 1000),
         quota=errors.QuotaViolation(subject, f"monthly budget: {pricing.format_usd(a)}"))
+
+
+# While Redis is away, a tenant whose own quota is unlimited (0) is admitted by each router up to
+# these (sequences at once, requests a minute): bounded, never unlimited for everyone.
+DEGRADED_CONCURRENCY = 16
+DEGRADED_RPM = 600
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What one process admitted for one tenant."""
+
+    # Sequences in flight, by request id.
+    in_flight: dict = field(default_factory=dict)
+    # (when, tokens) of each request admitted within the last minute (monotonic seconds).
+    admitted: deque = field(default_factory=deque)
+    # Refused by the requests-per-minute quota until then (monotonic), and the refusal.
+    refused_until: float = 0.0
+    refusal: errors.ResourceExhausted | None = None
+    # Its monthly budget's room when Redis last admitted one of its requests (micro-dollars; None:
+    # no budget, or not known), less what was admitted without Redis since.
+    headroom: int | None = None
+
+
+class LocalQuotas:
+    """One process's own count of what it admitted, per tenant: the sequences it has in flight and
+    the requests and tokens it admitted in the last minute. Every router draws from the tenant's
+    quotas in Redis, so its own count is a lower bound of the whole: a request its tenant is over
+    by this count alone (or that Redis refused on the requests-per-minute quota, until the refusal's
+    retry time) is refused before its body is parsed, sessions are read or its prompt is tokenized.
+
+    While Redis does not answer, this count admits: the tenant's own quotas (or DEGRADED_* where
+    they are unlimited), counted per router, and its budget's room as Redis last reported it, less
+    what was admitted since (a tenant not seen since the router started is admitted within the
+    quotas; what it uses is metered, spooled, and billed once Redis is back)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window: float = 60.0,
+                 degraded_concurrency: int = DEGRADED_CONCURRENCY, degraded_rpm: int = DEGRADED_RPM) -> None:
+        self._clock = clock
+        self._window = window
+        self._degraded = (degraded_concurrency, degraded_rpm)
+        self._tenants: dict[str, _Seen] = {}
+
+    def _seen(self, tenant: str) -> _Seen:
+        s = self._tenants.get(tenant)
+        if s is None:
+            s = self._tenants[tenant] = _Seen()
+        return s
+
+    def _recent(self, s: _Seen) -> deque:
+        horizon = self._clock() - self._window
+        while s.admitted and s.admitted[0][0] <= horizon:
+            s.admitted.popleft()
+        return s.admitted
+
+    def check(self, principal: Principal, sequences: int = 1, degraded: tuple[int, int, int] | None = None) -> None:
+        """Refuse (ResourceExhausted) what this count alone says cannot be admitted: sequences more
+        at once, one request more this minute. degraded: (concurrency, rpm, tpm) to admit by while
+        Redis is away, tokens included (this count reserves each request's most, which Redis
+        settles to what it used: a lower bound of the whole only then)."""
+        s = self._tenants.get(principal.tenant)
+        if s is None:
+            if degraded is None:
+                return
+            s = _Seen()
+        now = self._clock()
+        if s.refusal is not None and now < s.refused_until:
+            raise errors.ResourceExhausted(s.refusal.message, reason=s.refusal.reason,
+                                           retry_after=max(1.0, s.refused_until - now), quota=s.refusal.quota)
+        concurrency, rpm, tpm = degraded or (principal.limits.concurrency, principal.limits.rpm, 0)
+        running = sum(s.in_flight.values())
+        if concurrency and running + sequences > concurrency:
+            raise refusal(principal.tenant, admission.OVER_CONCURRENCY, running, concurrency, 0, 1000, 0, 0, 0)
+        recent = self._recent(s)
+        if rpm and len(recent) >= rpm:
+            retry_ms = int((recent[-rpm][0] + self._window - now) * 1000)
+            raise refusal(principal.tenant, admission.OVER_RPM, len(recent), rpm, 0, retry_ms, 0, 0, 0)
+        if tpm and (used := sum(t for _, t in recent)) >= tpm:
+            retry_ms = int((recent[0][0] + self._window - now) * 1000)
+            raise refusal(principal.tenant, admission.OVER_TPM, used, tpm, 0, retry_ms, 0, 0, 0)
+
+    def admitted(self, m: Metered, tokens: int, headroom: int | None) -> None:
+        s = self._seen(m.principal.tenant)
+        s.in_flight[m.request_id] = m.sequences
+        s.admitted.append((self._clock(), tokens))
+        s.headroom = headroom
+        s.refusal = None
+
+    def refused(self, tenant: str, answer: int, err: errors.ResourceExhausted) -> None:
+        """Redis refused a request: on the requests-per-minute quota the refusal holds until its
+        retry time (only more requests can come before then); the others depend on the request."""
+        if answer == admission.OVER_RPM and err.retry_after:
+            s = self._seen(tenant)
+            s.refusal, s.refused_until = err, self._clock() + err.retry_after
+
+    def ended(self, m: Metered) -> None:
+        s = self._tenants.get(m.principal.tenant)
+        if s is None:
+            return
+        s.in_flight.pop(m.request_id, None)
+        if not s.in_flight and not self._recent(s) and s.headroom is None and s.refusal is None:
+            del self._tenants[m.principal.tenant]
+
+    def admit_degraded(self, m: Metered, tokens: int, estimate: int, now_ms: int) -> None:
+        """Admit without Redis, by this process's count (ResourceExhausted when over)."""
+        limits = m.principal.limits
+        d_concurrency, d_rpm = self._degraded
+        self.check(m.principal, m.sequences, (limits.concurrency or d_concurrency, limits.rpm or d_rpm, limits.tpm))
+        s = self._seen(m.principal.tenant)
+        if s.headroom is not None:
+            if estimate > s.headroom:
+                raise errors.ResourceExhausted(
+                    f"tenant {m.principal.tenant}'s monthly budget has no room left for this request as last "
+                    f"counted, and it cannot be counted again right now: retry shortly", reason="insufficient_quota",
+                    retry_after=5.0, quota=errors.QuotaViolation(f"tenant:{m.principal.tenant}", "monthly budget"))
+            s.headroom -= estimate
+        s.in_flight[m.request_id] = m.sequences
+        s.admitted.append((self._clock(), tokens))
 
 
 class _Script:

@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from gaas import genrequest
+from gaas import edge, genrequest
 from gaas.errors import InvalidArgument, quote
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, is_digits, type_name
@@ -228,6 +228,8 @@ def parse_completion(body: dict) -> OpenAIRequest:
         req.add_special_tokens = special
     _only_defaults(f, _COMPLETION_ONLY_DEFAULT)
     f.finish()
+    if req.max_tokens:  # known from the body alone: refused before anything is tokenized
+        check_answer(parsed, [req.max_tokens] * len(parsed.prompts))
     return parsed
 
 
@@ -297,7 +299,29 @@ def parse_chat(body: dict) -> OpenAIRequest:
         f.boolean(name)
     _only_defaults(f, _CHAT_ONLY_DEFAULT)
     f.finish()
+    if req.max_tokens:
+        check_answer(parsed, [req.max_tokens])
     return parsed
+
+
+def check_answer(parsed: OpenAIRequest, max_tokens: list[int]) -> None:
+    """A non-streamed answer is held whole until it is sent: refused before any work (a 400 that
+    names the limit) when, at the max_tokens of each prompt, it could hold more than
+    gaas.edge.MAX_ANSWER_TOKENS tokens or MAX_ANSWER_LOGPROBS logprob entries. A streamed one is
+    sent as it is made."""
+    if parsed.stream:
+        return
+    tokens = parsed.n * sum(max_tokens)
+    if tokens > edge.MAX_ANSWER_TOKENS:
+        raise InvalidArgument(
+            f"a non-streamed answer holds at most {edge.MAX_ANSWER_TOKENS:,} tokens (n x max_tokens, for each "
+            f"prompt); this one could reach {tokens:,}: lower max_tokens or n, send fewer prompts, or stream it "
+            "(\"stream\": true)", param="max_tokens")
+    if parsed.top_logprobs is not None and (entries := tokens * (1 + parsed.top_logprobs)) > edge.MAX_ANSWER_LOGPROBS:
+        raise InvalidArgument(
+            f"a non-streamed answer holds at most {edge.MAX_ANSWER_LOGPROBS:,} logprob entries (each token and its "
+            f"alternatives); this one could reach {entries:,}: ask for fewer alternatives or tokens, or stream it "
+            "(\"stream\": true)", param="top_logprobs" if parsed.kind == "chat" else "logprobs")
 
 
 @dataclass(slots=True)
@@ -406,23 +430,23 @@ class Formatter:
     def _token(self, token_id: int, text: str) -> str:
         return f"token_id:{token_id}" if self.tokens_as_ids else text
 
+    def _chat_entry(self, e) -> dict:
+        token = self._token(e.token_id, e.token)
+        return {
+            "token": token, "logprob": _floor(e.logprob), "bytes": list(token.encode("utf-8", "replace")),
+            "top_logprobs": [
+                {"token": (t := self._token(a.token_id, a.token)), "logprob": _floor(a.logprob),
+                 "bytes": list(t.encode("utf-8", "replace"))}
+                for a in e.top if 1 <= a.rank <= self.top
+            ],
+        }
+
     def logprobs(self, index: int, entries) -> dict | None:
         """OpenAI's logprobs object for a choice's tokens (None when the request asked for none)."""
         if self.top is None:
             return None
         if self.chat:
-            content = []
-            for e in entries:
-                token = self._token(e.token_id, e.token)
-                content.append({
-                    "token": token, "logprob": _floor(e.logprob), "bytes": list(token.encode("utf-8", "replace")),
-                    "top_logprobs": [
-                        {"token": (t := self._token(a.token_id, a.token)), "logprob": _floor(a.logprob),
-                         "bytes": list(t.encode("utf-8", "replace"))}
-                        for a in e.top if 1 <= a.rank <= self.top
-                    ],
-                })
-            return {"content": content}
+            return {"content": [self._chat_entry(e) for e in entries]}
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = self._offsets.get(index, 0)
         for e in entries:
@@ -435,10 +459,25 @@ class Formatter:
         self._offsets[index] = offset
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
-    def response(self, choices: list[dict], usage_obj: dict) -> dict:
-        """The whole answer of a non-streamed request; choices from choice()."""
+    def answer_logprobs(self, index: int) -> "AnswerLogprobs | None":
+        """A non-streamed choice's logprobs, assembled as its chunks come (None: none asked for)."""
+        return None if self.top is None else AnswerLogprobs(self, index)
+
+    def answer(self, choices: list[tuple[int, str, "AnswerLogprobs | None", common_pb2.GenerateChunk]],
+               usage_obj: dict, extra: dict | None = None) -> bytes:
+        """The whole answer of a non-streamed request, as JSON: choices (index, text, logprobs,
+        final chunk) in index order, the usage and extra fields. Built from each choice's
+        serialized pieces, never as one tree of objects of the whole answer."""
         obj = self._base("chat.completion" if self.chat else "text_completion")
-        return {**obj, "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage_obj}
+        parts = []
+        for index, text, logprobs, final in sorted(choices, key=lambda c: c[0]):
+            raw = dumps(self.choice(index, text, None, final))
+            if logprobs is not None:
+                # (the key's quotes are unescaped: no string value can hold this)
+                raw = raw.replace(b'"logprobs":null', b'"logprobs":' + logprobs.json(), 1)
+            parts.append(raw)
+        tail = dumps({"usage": usage_obj, **(extra or {})})
+        return dumps(obj)[:-1] + b',"choices":[' + b",".join(parts) + b"]," + tail[1:]
 
     def choice(self, index: int, text: str, logprobs: dict | None, final: common_pb2.GenerateChunk) -> dict:
         out: dict = {"index": index}
@@ -470,6 +509,37 @@ class Formatter:
     def usage_chunk(self, usage_obj: dict) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
         return {**self._base(self.object), "choices": [], "usage": usage_obj}
+
+
+class AnswerLogprobs:
+    """One choice's logprobs for a non-streamed answer, kept serialized as its chunks come (a
+    token's alternatives are one short JSON text, not a tree of Python objects), so an answer's
+    memory is about the size of its JSON (gaas.edge.MAX_ANSWER_LOGPROBS bounds it)."""
+
+    def __init__(self, fmt: Formatter, index: int) -> None:
+        self._fmt, self._index = fmt, index
+        # chat: each token's content entry; completions: the four arrays, alternatives serialized.
+        self._content: list[bytes] = []
+        self._offsets: list[int] = []
+        self._tokens: list[str] = []
+        self._token_logprobs: list[float] = []
+        self._top: list[bytes] = []
+
+    def add(self, entries) -> None:
+        if self._fmt.chat:
+            self._content.extend(dumps(self._fmt._chat_entry(e)) for e in entries)
+            return
+        obj = self._fmt.logprobs(self._index, entries)
+        self._offsets += obj["text_offset"]
+        self._tokens += obj["tokens"]
+        self._token_logprobs += obj["token_logprobs"]
+        self._top.extend(dumps(t) for t in obj["top_logprobs"])
+
+    def json(self) -> bytes:
+        if self._fmt.chat:
+            return b'{"content":[' + b",".join(self._content) + b"]}"
+        arrays = dumps({"text_offset": self._offsets, "token_logprobs": self._token_logprobs, "tokens": self._tokens})
+        return arrays[:-1] + b',"top_logprobs":[' + b",".join(self._top) + b"]}"
 
 
 def models_list(models: list[tuple[str, int, int]], created: int) -> dict:

@@ -40,7 +40,8 @@ SESSION_FIELD = "gaas_session"
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    # A non-streamed answer's logprobs, assembled as they come (None: none asked for).
+    logprobs: openai_api.AnswerLogprobs | None = None
     final: common_pb2.GenerateChunk | None = None
     started: bool = False
 
@@ -97,7 +98,9 @@ async def respond(
     try:
         async for which, c in chunks:
             index = which * n + c.index
-            choice = choices.setdefault(index, _Choice())
+            choice = choices.get(index)
+            if choice is None:
+                choice = choices[index] = _Choice(logprobs=None if parsed.stream else fmt.answer_logprobs(index))
             usage.completion += len(c.token_ids)
             if c.HasField("usage"):
                 usage.add_final(c)
@@ -105,7 +108,8 @@ async def respond(
                 turn = session_json(c.session, truncation)
             if not parsed.stream:
                 choice.text.append(c.text)
-                choice.logprobs.extend(c.logprobs)
+                if choice.logprobs is not None and c.logprobs:
+                    choice.logprobs.add(c.logprobs)
                 if c.finish_reason:
                     choice.final = c
                 continue
@@ -127,14 +131,10 @@ async def respond(
         yield sse_body(openai_api.DONE)
         return
     if not parsed.stream:
-        out = [
-            fmt.choice(i, "".join(ch.text), fmt.logprobs(i, ch.logprobs), ch.final or common_pb2.GenerateChunk())
-            for i, ch in choices.items()
-        ]
-        body = fmt.response(out, usage.final())
-        if turn is not None:
-            body[SESSION_FIELD] = turn
-        yield json_body(body)
+        answer = fmt.answer([(i, "".join(ch.text), ch.logprobs, ch.final or common_pb2.GenerateChunk())
+                             for i, ch in choices.items()], usage.final(),
+                            {SESSION_FIELD: turn} if turn is not None else None)
+        yield httpbody_pb2.HttpBody(content_type=JSON, data=answer)
         return
     if parsed.include_usage or usage.explain:
         yield sse_body(openai_api.sse(fmt.usage_chunk(usage.final())))

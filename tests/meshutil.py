@@ -142,6 +142,68 @@ def refused_on_headers(mesh, path: str, key: str = "", body_bytes: int = 512 << 
     return head.split("\r\n", 1)[0], rest
 
 
+def engine_prompt_tokens(mesh, workers: int) -> tuple[float, float]:
+    """The prompt tokens the mesh's engines took, and of them the cached, by vLLM's own counters
+    (vllm:prompt_tokens_total, vllm:prompt_tokens_cached_total), summed over every worker."""
+    from gaas import topology
+
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base,
+                         ingress_port=int(mesh.ingress.rsplit(":", 1)[1]), workers=workers)
+    prompt = cached = 0.0
+    for w in topo.of("worker"):
+        body = urllib.request.urlopen(f"http://{w.host}:{w.metrics_port}/metrics", timeout=5).read().decode()
+        for line in body.splitlines():
+            if line.startswith("vllm:prompt_tokens_total{"):
+                prompt += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prompt_tokens_cached_total{"):
+                cached += float(line.rsplit(" ", 1)[1])
+    return prompt, cached
+
+
+def hang_ups_are_billed_for_what_engines_computed(mesh, workers: int, tenant: str, key: str, clients: int = 8):
+    """Clients that send a long prompt and hang up 5 to 200 ms later, at once, then the same
+    prompts again: for every prompt an engine computed the ledger has the request, so the ledger's
+    prompt (and cached) tokens are the engines' own counts of what they took."""
+    import socket
+    import threading
+
+    wait_workers_idle(mesh)
+    before = engine_prompt_tokens(mesh, workers)
+    host, port = mesh.ingress.split(":")
+    prompt = " ".join(f"word{i} and {i * 7} more" for i in range(220))  # ~1,600 tokens of gaas-tiny
+    delays = [0.005 + i * 0.195 / max(1, clients - 1) for i in range(clients)]
+
+    def hang_up(i: int, delay: float) -> None:
+        body = json.dumps({"model": "gaas-tiny", "prompt": f"client {i}: {prompt}", "max_tokens": 8,
+                           "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(delay)
+
+    threads = [threading.Thread(target=hang_up, args=(i, d)) for i, d in enumerate(delays)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    c = openai_client(mesh, key)
+    for i in range(clients):  # resent: served from the cache whatever the first had become
+        c.completions.create(model="gaas-tiny", prompt=f"client {i}: {prompt}", max_tokens=1)
+    deadline = time.monotonic() + 60
+    while True:
+        wait_workers_idle(mesh, timeout=60)
+        prompt_delta, cached_delta = (a - b for a, b in zip(engine_prompt_tokens(mesh, workers), before))
+        total = cli_usage(mesh, tenant, 0, timeout=0)
+        billed = (total.get("prompt_tokens", 0), total.get("cached_tokens", 0))
+        if billed == (prompt_delta, cached_delta) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert billed == (prompt_delta, cached_delta), \
+        f"engines took {prompt_delta:.0f} prompt tokens ({cached_delta:.0f} cached); the ledger bills {billed}"
+    assert total["requests"] >= clients, "every resent prompt is billed, and the first sends an engine computed"
+    return total
+
+
 def openai_client(mesh, key=None):
     """The official openai client, pointed at the mesh's ingress, as a user would."""
     import openai

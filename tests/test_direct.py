@@ -172,6 +172,15 @@ def test_a_client_that_hangs_up_is_billed_for_what_it_got_and_frees_its_place(di
     served_again(c)  # its one place is free again (the concurrency limit is 1)
 
 
+def test_no_prefill_without_a_bill_on_the_direct_path(direct_mesh):
+    """As on the router's path (tests/test_metering.py), with the worker metering: its engine runs a
+    request whose client left to its first token, and the worker bills it."""
+    from tests.meshutil import hang_ups_are_billed_for_what_engines_computed
+
+    key = cli_tenant(direct_mesh, "direct-prefill")
+    hang_ups_are_billed_for_what_engines_computed(direct_mesh, 2, "direct-prefill", key)
+
+
 def test_a_session_turn_is_served_through_the_router(direct_mesh):
     c = openai_client(direct_mesh)
     first = c.completions.create(model=MODEL, prompt="My name is Ada.", max_tokens=3,

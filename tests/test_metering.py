@@ -156,6 +156,17 @@ def test_a_client_that_hangs_up_mid_stream_is_billed_for_what_it_was_sent(mesh):
     assert 5 <= completion < 400, "billed for the tokens produced before the client left, not the whole budget"
 
 
+def test_no_prefill_without_a_bill(mesh):
+    """Clients that hang up 5-200 ms after sending a long prompt, before their first token: every
+    prompt an engine computed is in the ledger, and the ledger's prompt and cached tokens equal the
+    engines' own counters (a request still in the router's queue is dropped unbilled, and untaken)."""
+    from tests.conftest import MESH_WORKERS
+    from tests.meshutil import cli_tenant, hang_ups_are_billed_for_what_engines_computed
+
+    key = cli_tenant(mesh, "prefill-hangups")
+    hang_ups_are_billed_for_what_engines_computed(mesh, MESH_WORKERS, "prefill-hangups", key)
+
+
 def test_a_tenant_reads_its_own_usage_and_nobody_elses(mesh):
     a, key_a = new_tenant(mesh)
     b, key_b = new_tenant(mesh)

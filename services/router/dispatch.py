@@ -44,6 +44,9 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, g
 PUBLIC_OWNER = "(public)"
 # Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# How long a call whose client left before its first chunk still waits for it (the worker's own
+# bound, services.worker.engine.ABANDONED_FIRST_OUTPUT_S, and a little more).
+ABANDONED_FIRST_CHUNK_S = 35.0
 
 
 @dataclass(slots=True)
@@ -187,6 +190,8 @@ class Dispatcher:
         self._inflight = Inflight()
         self._flow = flow or Flow(qos.DEFAULT_POLICIES)
         self._last_miss_log = 0.0
+        # Calls whose client left before their first chunk, running on to it.
+        self._abandoned: set[asyncio.Future] = set()
 
     @property
     def flow(self) -> Flow:
@@ -240,7 +245,7 @@ class Dispatcher:
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.model = model.name
-        ids = await self._tokenize(tok, request, prefix)
+        ids = await self.tokenize(tok, request, prefix)
         if not ids:
             raise errors.InvalidArgument("the prompt has no tokens", param="prompt")
         forwarded.ClearField("prompt")
@@ -283,8 +288,10 @@ class Dispatcher:
             self._metrics.lookup_seconds.observe(time.perf_counter() - started)
         return found
 
-    async def _tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest,
-                        prefix: PromptPrefix | None = None) -> list[int]:
+    async def tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest,
+                       prefix: PromptPrefix | None = None) -> list[int]:
+        """The token ids of request's prompt or messages (as its fields say: special tokens, the
+        generation prompt); a long one is tokenized off the event loop."""
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
         if request.messages:
@@ -371,11 +378,14 @@ class Dispatcher:
         arrived: float,
         tenant_s: float = 0.0,
         ingress_s: float = 0.0,
+        on_abandoned: Callable[[asyncio.Future], None] | None = None,
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         """The chunks of a prepared request, from whichever worker the scheduler picks. arrived:
         the router's arrival (perf_counter); tenant_s: its admission so far; ingress_s: ingress to
         router. The last chunk carries the request's latency decomposition (latency.complete).
-        Each request is counted by its outcome, with its tokens, TTFT and time per output token."""
+        Each request is counted by its outcome, with its tokens, TTFT and time per output token.
+        on_abandoned: told, with a future of the worker's first chunk, when the client leaves after
+        the request reached a worker and before that chunk (the metering side bills it)."""
         m = self._metrics
         labels = (prepared.model.name, principal.tier)
         outcome = "cancelled"
@@ -384,7 +394,7 @@ class Dispatcher:
         self.activity.started(principal.tenant, principal.tier)
         try:
             async for chunk in self._stream(prepared, principal, request_id, time_remaining, arrived, tenant_s,
-                                            ingress_s):
+                                            ingress_s, on_abandoned):
                 if first_at is None and chunk.token_ids:
                     first_at = time.perf_counter()
                     if m.ttft_seconds is not None:
@@ -532,6 +542,7 @@ class Dispatcher:
         arrived: float,
         tenant_s: float,
         ingress_s: float,
+        on_abandoned: Callable[[asyncio.Future], None] | None = None,
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         model = prepared.model
         workers = await self._directory.workers(model.name)
@@ -563,8 +574,19 @@ class Dispatcher:
             watchdog = loop.call_later(threshold / 1000, self._flow.slow, worker.worker_id, threshold)
             call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
             first = True
+            handed_off = False
             try:
-                async for chunk in call:
+                # Until its first chunk the worker's engine may be computing the prompt: a client
+                # that leaves meanwhile leaves the call running to that chunk, which is billed
+                # (on_abandoned; _run_to_first_chunk), rather than a prefill nobody pays for.
+                reading = asyncio.ensure_future(call.read())
+                try:
+                    chunk = await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    handed_off = True
+                    self._run_to_first_chunk(call, reading, worker.worker_id, token, on_abandoned)
+                    raise
+                while chunk is not grpc.aio.EOF:
                     if first and chunk.token_ids:
                         first = False
                         watchdog.cancel()
@@ -594,6 +616,7 @@ class Dispatcher:
                         )
                     sent_any = True
                     yield chunk
+                    chunk = await call.read()
                 if first:
                     self._flow.succeeded(worker.worker_id)
                 return
@@ -607,19 +630,46 @@ class Dispatcher:
                 raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
             finally:
                 watchdog.cancel()
-                # A client that went away cancels the caller; take the worker's stream with it.
+                if not handed_off:
+                    # A client that went away cancels the caller; take the worker's stream with it.
+                    call.cancel()
+                    self._inflight.finish(worker.worker_id, token)
+                    self._flow.finished(worker.worker_id)
+
+    def _run_to_first_chunk(self, call, reading: asyncio.Future, worker: WorkerId, token: int,
+                            on_abandoned: Callable[[asyncio.Future], None] | None) -> None:
+        """The client left before the worker's first chunk: the call goes on until it comes (its
+        worker keeps the engine request to it as well), then ends; on_abandoned gets a future of
+        that chunk (None when the call failed or the engine never got to it in time), and the
+        worker's room is given back only then."""
+
+        async def finish() -> common_pb2.GenerateChunk | None:
+            try:
+                chunk = await asyncio.wait_for(reading, ABANDONED_FIRST_CHUNK_S)
+                return None if chunk is grpc.aio.EOF else chunk
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - none came: nothing to bill
+                return None
+            finally:
                 call.cancel()
-                self._inflight.finish(worker.worker_id, token)
-                self._flow.finished(worker.worker_id)
+                self._inflight.finish(worker, token)
+                self._flow.finished(worker)
+
+        task = asyncio.ensure_future(finish())
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+        if on_abandoned is not None:
+            on_abandoned(task)
 
 
 async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]]) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:
-    """(which stream, chunk) of several streams as their chunks arrive; the first failure ends all."""
+    """(which stream, chunk) of several streams as their chunks arrive; the first failure ends all.
+    Bounded: while the consumer (a slow client) is behind, the streams wait, and the workers'
+    streams with them, rather than their chunks piling up here."""
     if len(streams) == 1:
         async for c in streams[0]:
             yield 0, c
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
     done = object()
 
     async def pump(i: int, s: AsyncIterator) -> None:

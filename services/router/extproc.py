@@ -53,7 +53,7 @@ from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, DirectPlacement
 from services.router.openai_servicer import engine_requests, session_id_of
-from services.router.servicer import admit, admit_usage, note_client_id
+from services.router.servicer import admit_generation, admit_usage, note_client_id
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         # This router's name: the workers report its requests' ends on its channel.
         self._instance = instance
         # Requests sent straight to a worker and not yet reported ended: request id -> (placement,
-        # its usage record when Redis holds a reservation for it).
+        # its usage record, which the worker commits).
         self._pending: dict[str, tuple[DirectPlacement, Metered | None]] = {}
 
     @property
@@ -139,6 +139,17 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         entry = self._pending.pop(final.request_id, None)
         if entry is not None:
             entry[0].ended(grpc.StatusCode.OK, "", final)
+            self._end(entry[1], release=False)
+
+    def _end(self, metered: Metered | None, release: bool) -> None:
+        """A request of this router's is over at its worker: out of this router's own count, and
+        its reservation given back when the worker recorded nothing for it (release)."""
+        if metered is None or self._meter is None:
+            return
+        if release:
+            self._meter.release_later(metered)  # (out of the count too)
+        else:
+            self._meter.ended(metered)
 
     def _unreported(self, request_id: str) -> None:
         """No report within the grace period of the stream's end: the request ended unknown (the
@@ -150,8 +161,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             return
         p, metered = entry
         p.ended(None)
-        if metered is not None and self._meter is not None:
-            self._meter.release_later(metered)
+        self._end(metered, release=True)
 
     async def run_reports(self, redis_url: str) -> None:
         """Hear the workers' reports of this router's requests' ends, until cancelled (reconnecting
@@ -223,7 +233,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
             body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=framed, end_of_stream=True)))))
         request_id = direct.generate.request_id
-        self._pending[request_id] = (p, metered if metered is not None and metered.admitted else None)
+        self._pending[request_id] = (p, metered)
         try:
             async for req in requests:
                 kind = req.WhichOneof("request")
@@ -254,8 +264,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         if entry is not None:
             p, metered = entry
             p.ended(code, trailers.get("grpc-message", ""))
-            if metered is not None and self._meter is not None:
-                self._meter.release_later(metered)
+            self._end(metered, release=True)
 
     async def _decide(self, headers: dict[str, str], body: bytes, arrived: float, arrived_wall: float):
         """(DirectGenerate, DirectPlacement, Metered or None) for the worker; None: the router's own
@@ -269,7 +278,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         request_id_var.set(request_id)
         tenant_var.set("")
         authorization_var.set(headers.get(AUTHORIZATION_HEADER, ""))
-        principal = await admit(self._auth)
+        principal = await admit_generation(self._auth, self._meter)
         tenant_s = time.perf_counter() - arrived
         http = httpbody_pb2.HttpBody.FromString(grpc_unframe(body))
         parsed = parse(jsonbody.parse(http.data, self._max_body))
@@ -280,6 +289,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             return None  # a batch of prompts: several workers' streams merged, by the router
         note_client_id(parsed.client_request_id)
         prepared = await self._dispatcher.prepare(requests[0], principal)
+        openai_api.check_answer(parsed, [prepared.request.max_tokens])
         admitting = time.perf_counter()
         metered = await admit_usage(self._meter, principal, [prepared], request_id,
                                     parsed.n * prepared.request.max_tokens, arrived)

@@ -14,13 +14,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gaas import errors, jsonbody, latency, openai_api, openai_stream
 from gaas.meter import Meter
 from gaas.openai_stream import EXPLAIN_HEADER, SESSION_HEADER
-from gaas.runtime.context import current_request_id
-from gaas.tokenizer import ChatMessage
+from gaas.pricing import FREE
+from gaas.runtime.context import client_request_id_var, current_request_id
 from gaas.v1 import inference_pb2, openai_pb2_grpc
 from services.router.auth import Authenticator
 from services.router.dispatch import Dispatcher, merge
 from services.router.servicer import (
-    admit, admit_usage, metered, note_client_id, prepare_one, released_on_error, with_session,
+    admit, admit_generation, admit_usage, metered, note_client_id, prepare_one, released_on_error, with_session,
 )
 from services.router.sessions import SessionStore
 
@@ -56,7 +56,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def _serve(self, http: httpbody_pb2.HttpBody, context, parse):
         arrived, arrived_wall = time.perf_counter(), time.time()
-        principal = await admit(self._auth)
+        principal = await admit_generation(self._auth, self._meter)
         tenant_s = time.perf_counter() - arrived
         metadata = dict(context.invocation_metadata() or ())
         request_id = current_request_id()
@@ -73,6 +73,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         else:
             prepared, plan = [await self._dispatcher.prepare(r, principal) for r in requests], None
         with released_on_error(self._sessions, plan):
+            # (max_tokens known now for every prompt, a chat's without one included)
+            openai_api.check_answer(parsed, [p.request.max_tokens for p in prepared])
             fmt = openai_api.Formatter(parsed, request_id, prepared[0].model.name)
             n = parsed.n
             usage = openai_stream.Usage(prompt=sum(p.prompt_tokens for p in prepared),
@@ -88,7 +90,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         streams = [
             with_session(self._sessions, plan, self._dispatcher.stream(
                 p, principal, request_id if len(prepared) == 1 else f"{request_id}-{i}", remaining, arrived, tenant_s,
-                ingress_s))
+                ingress_s, on_abandoned=metered_request.abandoned.append if metered_request is not None else None))
             for i, p in enumerate(prepared)
         ]
         chunks = metered(
@@ -102,15 +104,31 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     # ------------------------------------------------------------ tokenizer
 
     async def Tokenize(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
-        await admit(self._auth)
+        arrived = time.perf_counter()
+        principal = await admit_generation(self._auth, self._meter)
         t = openai_api.parse_tokenize(jsonbody.parse(request.data, self._max_body))
         model = await self._dispatcher.resolve_model(t.model)
         tok = await self._dispatcher.tokenizer(model)
+        text = inference_pb2.GenerateRequest(add_special_tokens=t.add_special_tokens)
         if t.prompt is not None:
-            ids = tok.encode(t.prompt, t.add_special_tokens)
+            text.prompt = t.prompt
         else:
-            messages = [ChatMessage(m.role, m.content) for m in t.messages]
-            ids = tok.encode_chat(messages, t.add_generation_prompt, t.continue_final_message, t.add_special_tokens)
+            text.messages.extend(t.messages)
+            text.add_generation_prompt = t.add_generation_prompt
+            text.continue_final_message = t.continue_final_message
+        # A request against the tenant's quotas (not billed): its place and the most tokens it can
+        # hold (its bytes, and the chat template's few per message) reserved, settled to its count.
+        m = None
+        if self._meter is not None:
+            most = len(t.prompt.encode()) if t.prompt is not None else sum(len(x.content.encode()) + 16 for x in t.messages)
+            m = await self._meter.admit(principal, current_request_id(), model.name, model.version, FREE, most + 16, 0,
+                                        1, client_request_id_var.get(), arrived)
+        ids: list[int] = []
+        try:
+            ids = await self._dispatcher.tokenize(tok, text)  # (a long one off the event loop)
+        finally:
+            if m is not None:
+                self._meter.release_later(m, len(ids))
         strs = [tok.id_to_token(i) or "" for i in ids] if t.return_token_strs else None
         return openai_stream.json_body({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs})
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gaas import deployspec, qos
 from gaas import edge as edge_limits
-from gaas.meter import Meter
+from gaas.meter import LocalQuotas, Meter
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
@@ -141,7 +141,8 @@ async def serve(cfg: RouterConfig) -> None:
              ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
-    meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
+    # Its own count of what it admitted: cheap refusals before parsing, and admission while Redis is away.
+    meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance, local=LocalQuotas())
     sessions = SessionStore(redis, session_policy, metrics=SessionMetrics(
         turns=rt.metrics.counter("session_turns_total", "Session turns by outcome: committed, busy (another turn held "
                                  "the session), changed (its version moved), released (no reply), unavailable",

@@ -31,6 +31,16 @@ async def admit(authenticator: Authenticator) -> Principal:
     return principal
 
 
+async def admit_generation(authenticator: Authenticator, meter: Meter | None) -> Principal:
+    """admit() for a generation: its tenant refused at once, before its body is parsed, sessions
+    read or prompt tokenized, when this router's own count says it cannot be admitted (over its
+    sequences at once, or its requests a minute: Meter.precheck)."""
+    principal = await admit(authenticator)
+    if meter is not None:
+        meter.precheck(principal)
+    return principal
+
+
 def note_client_id(client_id: str) -> None:
     """The id a client gave in its request body, for the logs (the x-request-id header wins)."""
     if client_id and not client_request_id_var.get():
@@ -41,13 +51,15 @@ async def admit_usage(
     meter: Meter | None, principal: Principal, prepared: list[Prepared], request_id: str, parts_tokens: int,
     arrived: float, session_id: str = "",
 ) -> Metered | None:
-    """The budget check of a request about to start (parts_tokens: the most tokens it generates)."""
+    """The quotas and budget check of a request about to start (parts_tokens: the most tokens it
+    generates; its sequences: each prompt's n choices)."""
     if meter is None:
         return None
     model = prepared[0].model
     m = await meter.admit(
         principal, request_id, model.name, model.version, model.prices.get(principal.tier, FREE),
         sum(p.prompt_tokens for p in prepared), parts_tokens, len(prepared), client_request_id_var.get(), arrived,
+        sequences=sum(p.request.n or 1 for p in prepared),
     )
     m.session_id = session_id
     return m
@@ -93,7 +105,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context):
         arrived, arrived_wall = time.perf_counter(), time.time()
-        principal = await admit(self._auth)
+        principal = await admit_generation(self._auth, self._meter)
         tenant_s = time.perf_counter() - arrived
         note_client_id(request.request_id)
         request_id = current_request_id()
@@ -106,7 +118,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             tenant_s += time.perf_counter() - admitting + (plan.tenant_s if plan else 0.0)
         ingress_s = latency.ingress_seconds(dict(context.invocation_metadata() or ()), arrived_wall)
         chunks = self._dispatcher.stream(prepared, principal, request_id, context.time_remaining(), arrived, tenant_s,
-                                         ingress_s)
+                                         ingress_s, on_abandoned=m.abandoned.append if m is not None else None)
         async for chunk in metered(self._meter, m, with_session(self._sessions, plan, chunks),
                                    on_last=lambda c: self._dispatcher.observe_latency(c.timings, principal.tier)):
             yield chunk

@@ -59,7 +59,9 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         record = direct.metered(d, direct.arrived_at(d, arrived, arrived_unix)) if self._meter is not None else None
 
         async def chunks():
-            async for c in self._worker.Generate(d.generate, context):
+            # A client gone before the first token leaves the request running to it, and billed.
+            abandoned = None if record is None else record.abandoned.append
+            async for c in self._worker.Generate(d.generate, context, on_abandoned=abandoned):
                 if c.HasField("usage"):
                     direct.complete(c.timings, d, arrived_unix)
                 yield 0, c

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gaas import errors, genrequest
@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 
 # Finish reasons, as the engine reports them.
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
+
+
+# How long a request whose caller left before its first output still runs to get it (past this
+# the engine had not started it: it is aborted unbilled).
+ABANDONED_FIRST_OUTPUT_S = 30.0
 
 
 class InvalidRequest(errors.InvalidArgument):
@@ -70,6 +75,10 @@ class GenerationRequest:
     continue_final_message: bool = False
     # Tokens per streamed delta (0 or 1: each token; never below the engine's own setting).
     stream_interval: int = 0
+    # Told, with a future of the first delta (None if none came), when the caller leaves before
+    # it: the engine may be computing the prompt, so the request runs on to that delta (and is
+    # billed for it by whoever meters it), bounded by ABANDONED_FIRST_OUTPUT_S.
+    on_abandoned: Callable[["asyncio.Future[Delta | None]"], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +108,10 @@ class Delta:
     completion_tokens: int = 0
     # Time in the engine's queue before the first schedule (last delta only).
     queue_ms: float = 0.0
-    # True on the request's last delta (every choice finished): it carries the usage.
+    # True on the request's last delta (every choice finished): it carries the usage. The first
+    # delta carries prompt_tokens and cached_tokens too (first=True): the prompt as the engine took it.
     done: bool = False
+    first: bool = False
     # One per token of token_ids, when the request asked for logprobs.
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -232,6 +243,8 @@ class VllmEngine(Engine):
         # The UUID of the GPU it runs on; None on the CPU.
         self.gpu_uuid = gpu_uuid
         self._closed = False
+        # Requests whose callers left before their first output, running on to it.
+        self._abandoned: set[asyncio.Future] = set()
 
     @classmethod
     async def start(cls, s: VllmSettings) -> "VllmEngine":
@@ -375,26 +388,24 @@ class VllmEngine(Engine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         VLLMClientError, GracefulHTTPError, VLLMServerError = _vllm_errors()
-        completion_tokens = 0
+        counted = [0]  # completion tokens so far, all choices together
+        outputs = self._llm.generate(prompt, params, r.request_id, priority=r.priority)
+        handed_off = False
         try:
-            async for out in self._llm.generate(prompt, params, r.request_id, priority=r.priority):
-                for c in out.outputs:  # with DELTA, the choice that advanced (n > 1: one at a time)
-                    completion_tokens += len(c.token_ids)
-                    delta = Delta(
-                        text=c.text, token_ids=list(c.token_ids), index=c.index, completion_tokens=completion_tokens,
-                        finish_reason=_finish_reason(c.finish_reason),
-                    )
-                    if r.logprobs is not None and c.logprobs:
-                        delta.logprobs = _logprobs(c.token_ids, c.logprobs)
-                    if delta.finish_reason is not None:
-                        delta.stop_reason = c.stop_reason if isinstance(c.stop_reason, str) else ""
-                    if out.finished and c is out.outputs[-1]:
-                        delta.done = True
-                        delta.prompt_tokens = len(out.prompt_token_ids or token_ids)
-                        delta.cached_tokens = int(out.num_cached_tokens or 0)
-                        m = out.metrics
-                        if m is not None and getattr(m, "scheduled_ts", 0) and getattr(m, "queued_ts", 0):
-                            delta.queue_ms = max(0.0, (m.scheduled_ts - m.queued_ts) * 1000)
+            # Until its first output the engine may be computing the prompt (its blocks then stay in
+            # the prefix cache): a caller that leaves meanwhile leaves the request running to that
+            # output, which the metering side is told of, and bills (r.on_abandoned).
+            first = asyncio.ensure_future(anext(outputs))
+            try:
+                out = await asyncio.shield(first)
+            except asyncio.CancelledError:
+                handed_off = True
+                self._run_to_first_output(outputs, first, r, token_ids)
+                raise
+            for delta in self._deltas(out, r, token_ids, counted, first=True):
+                yield delta
+            async for out in outputs:
+                for delta in self._deltas(out, r, token_ids, counted):
                     yield delta
         except EngineDeadError as exc:
             log.error("the engine died: %s", exc)
@@ -408,6 +419,57 @@ class VllmEngine(Engine):
             cause = exc.__cause__ or exc
             log.error("the engine failed on %s: %s: %s", r.request_id, type(cause).__name__, cause)
             raise EngineFailed(errors.internal_message(r.request_id)) from None
+        finally:
+            if not handed_off:
+                await outputs.aclose()  # a caller that stopped reading: the engine request ends with it
+
+    @staticmethod
+    def _deltas(out, r: GenerationRequest, token_ids: list[int], counted: list[int], first: bool = False):
+        """The Deltas of one engine output (with DELTA outputs, the choice that advanced; n > 1: one
+        at a time). The request's first carries its prompt as the engine took it."""
+        for c in out.outputs:
+            counted[0] += len(c.token_ids)
+            delta = Delta(
+                text=c.text, token_ids=list(c.token_ids), index=c.index, completion_tokens=counted[0],
+                finish_reason=_finish_reason(c.finish_reason),
+            )
+            if r.logprobs is not None and c.logprobs:
+                delta.logprobs = _logprobs(c.token_ids, c.logprobs)
+            if delta.finish_reason is not None:
+                delta.stop_reason = c.stop_reason if isinstance(c.stop_reason, str) else ""
+            last = out.finished and c is out.outputs[-1]
+            if first or last:
+                delta.first, first = first, False
+                delta.prompt_tokens = len(out.prompt_token_ids or token_ids)
+                delta.cached_tokens = int(out.num_cached_tokens or 0)
+            if last:
+                delta.done = True
+                m = out.metrics
+                if m is not None and getattr(m, "scheduled_ts", 0) and getattr(m, "queued_ts", 0):
+                    delta.queue_ms = max(0.0, (m.scheduled_ts - m.queued_ts) * 1000)
+            yield delta
+
+    def _run_to_first_output(self, outputs, first: asyncio.Future, r: GenerationRequest, token_ids: list[int]) -> None:
+        """The caller left before the request's first output: it runs on (at most
+        ABANDONED_FIRST_OUTPUT_S) to that output, then is aborted; r.on_abandoned is told of it."""
+
+        async def finish() -> Delta | None:
+            try:
+                out = await asyncio.wait_for(first, ABANDONED_FIRST_OUTPUT_S)
+                return next(iter(self._deltas(out, r, token_ids, [0], first=True)), None)
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - none came: nothing to bill
+                return None
+            finally:
+                try:
+                    await outputs.aclose()  # aborts it in the engine
+                except Exception:  # noqa: BLE001
+                    pass
+
+        task = asyncio.ensure_future(finish())
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+        if r.on_abandoned is not None:
+            r.on_abandoned(task)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block (the engine refuses while requests hold blocks: False)."""

@@ -52,7 +52,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise errors.Unavailable("the engine is still loading; retry shortly")
         return self.engine
 
-    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context, on_abandoned=None):
+        """The request's chunks. on_abandoned (a caller in this process that meters the request):
+        told, with a future of the first chunk, when its caller leaves before that chunk (the engine
+        runs the request on to it: Engine's GenerationRequest.on_abandoned)."""
         engine = self._engine()
         info = engine.info
         r = request.request
@@ -78,6 +81,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
             continue_final_message=r.continue_final_message,
             stream_interval=min(request.stream_interval, MAX_STREAM_INTERVAL),
+            on_abandoned=None if on_abandoned is None else lambda delta: on_abandoned(self._chunk_later(
+                request.request_id, delta)),
         )
         if self._max_waiting and self._waiting >= self._max_waiting:
             raise errors.ResourceExhausted(
@@ -116,9 +121,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if waiting:
                 self._waiting -= 1
 
+    def _chunk_later(self, request_id: str, delta: "asyncio.Future[Delta | None]") -> asyncio.Future:
+        async def chunk() -> common_pb2.GenerateChunk | None:
+            d = await delta
+            return None if d is None else self._chunk(request_id, d)
+
+        return asyncio.ensure_future(chunk())
+
     @staticmethod
     def _chunk(request_id: str, d: Delta) -> common_pb2.GenerateChunk:
         chunk = common_pb2.GenerateChunk(request_id=request_id, text=d.text, token_ids=d.token_ids, index=d.index)
+        if d.first:
+            chunk.prefill.prompt_tokens, chunk.prefill.cached_tokens = d.prompt_tokens, d.cached_tokens
         if d.finish_reason is not None:
             chunk.finish_reason = FINISH_TO_PB[d.finish_reason]
             chunk.stop_reason = d.stop_reason

@@ -13,7 +13,7 @@ from gaas import admission, errors, metering, pricing
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
 from gaas.principal import Principal
-from gaas.meter import Meter
+from gaas.meter import LocalQuotas, Meter
 from gaas.meter import metered
 
 PRICE = pricing.Price(input=1.0, cached_input=0.1, output=2.0)  # micro-dollars per token
@@ -155,9 +155,9 @@ async def test_a_reservation_of_a_router_that_died_lapses(meter, redis):
 
 async def test_usage_waits_in_the_spool_while_redis_is_away_and_is_appended_after(redis, tmp_path):
     down = redisconn.connect("redis://127.0.0.1:1/0", timeout=0.2)  # nothing listens there
-    meter = Meter(down, tmp_path / "spool")
+    meter = Meter(down, tmp_path / "spool", local=LocalQuotas())
     tenant = fresh_tenant()
-    m = await admit(meter, tenant, f"{tenant}-r")  # budgets cannot be checked: served anyway
+    m = await admit(meter, tenant, f"{tenant}-r")  # Redis cannot count: the router's own count admits it
     async for _ in metered(meter, m, _agen([chunk(2, usage=(3, 0, 2))])):
         pass
     assert meter.spooled == 1 and await meter.drain_spool() == 0
@@ -222,3 +222,48 @@ async def test_a_redis_that_forgot_the_scripts_still_takes_the_events(meter, red
         pass
     assert [e.completion_tokens for e in await stream_events(redis, f"{tenant}-r")] == [2]
     assert meter.spooled == 0
+
+
+@pytest.mark.parametrize("hang_up_after_s", [0.0, 0.1])
+async def test_a_client_that_hangs_up_before_its_first_token_is_billed_for_the_prompt_the_engine_computed(
+        meter, redis, hang_up_after_s):
+    """The request reached a worker, whose engine may be computing its prompt: the worker's call
+    runs on to its first chunk (not cancelled with the client) and the prompt, as cached as the
+    engine said, and that chunk's token are billed, whatever the client did."""
+    import asyncio
+
+    import grpc
+
+    from gaas.v1 import inference_pb2, inference_pb2_grpc
+    from tests.router.test_servicer import AUTH, serve
+    from tests.router.test_servicer import chunk as worker_chunk
+
+    async def prefilled():
+        await asyncio.sleep(0.4)  # the engine computes the prompt
+        c = worker_chunk("a")
+        c.prefill.prompt_tokens, c.prefill.cached_tokens = 9, 4
+        return c
+
+    rt, fake = await serve({"w0": [prefilled, worker_chunk("b", final=True)]}, workers=("w0",), meter=meter)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            call = inference_pb2_grpc.InferenceStub(ch).Generate(
+                inference_pb2.GenerateRequest(prompt="hi there", request_id=f"hung-up-{hang_up_after_s}"), timeout=5,
+                metadata=AUTH)
+            await asyncio.sleep(0.15 + hang_up_after_s)  # placed, sent to the worker, no token yet
+            call.cancel()
+        await asyncio.sleep(0.1)
+        assert fake.made and not fake.made[0].cancelled, "the worker's call was cut with the client"
+        await asyncio.sleep(0.6)
+        assert fake.made[0].cancelled, "the worker's call ends once its first chunk came"
+        await meter.close()
+        deadline = asyncio.get_running_loop().time() + 5
+        while not (events := [e for e in (metering.UsageEvent.from_fields(f) for _, f in await redis.xrange(
+                metering.STREAM)) if e.client_request_id == f"hung-up-{hang_up_after_s}"]):
+            assert asyncio.get_running_loop().time() < deadline, "no usage event for the prefilled prompt"
+            await asyncio.sleep(0.05)
+    finally:
+        await rt.shutdown()
+    assert len(events) == 1, events
+    [e] = events
+    assert (e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.outcome) == (9, 4, 1, "cancelled")

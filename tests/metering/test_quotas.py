@@ -36,11 +36,12 @@ def who(name: str, **limits) -> Principal:
     return Principal(name, "silver", "key_q", "salt", Limits(**limits))
 
 
-async def admit(meter, p: Principal, prompt=10, max_tokens=10):
+async def admit(meter, p: Principal, prompt=10, max_tokens=10, sequences=1):
     """'ok' (and the request's handle), or the refusal."""
     rid = f"{p.tenant}-{next(_ids)}"
     try:
-        return await meter.admit(p, rid, "m", "1", pricing.FREE, prompt, max_tokens, 1, "", time.perf_counter())
+        return await meter.admit(p, rid, "m", "1", pricing.FREE, prompt, max_tokens, 1, "", time.perf_counter(),
+                                 sequences=sequences)
     except errors.ResourceExhausted as exc:
         return exc
 
@@ -58,10 +59,10 @@ async def finish(meter, m, completion: int, prompt: int = 10) -> None:
 
 @pytest.mark.parametrize("limits, requests, admitted, refused_by", [
     ({"rpm": 3}, 5, 3, "requests per minute: 3"),
-    ({"concurrency": 2}, 4, 2, "concurrent requests: 2"),
+    ({"concurrency": 2}, 4, 2, "concurrent sequences: 2"),
     ({"tpm": 100}, 5, 5, None),           # 20 tokens each: 100 fit exactly
     ({"tpm": 99}, 5, 4, "tokens per minute: 99"),
-    ({"rpm": 10, "concurrency": 3}, 6, 3, "concurrent requests: 3"),
+    ({"rpm": 10, "concurrency": 3}, 6, 3, "concurrent sequences: 3"),
     ({}, 50, 50, None),                   # 0: unlimited
 ])
 async def test_quota_arithmetic(redis, tmp_path, limits, requests, admitted, refused_by):
@@ -139,3 +140,81 @@ async def test_two_routers_sharing_one_redis_admit_exactly_the_quota(redis_url, 
     await a.aclose()
     await b.aclose()
     assert sum(not isinstance(r, Exception) for r in results) == 50
+
+
+async def test_concurrency_counts_sequences_not_requests(redis, tmp_path):
+    """n choices (or a list of prompts) run that many sequences at once in the engine: a tenant
+    limited to 8 at once gets two requests with n=4, not eight."""
+    meter = Meter(redis, tmp_path, clock=Clock())
+    p = who(tenant(), concurrency=8)
+    first, second = await admit(meter, p, sequences=4), await admit(meter, p, sequences=4)
+    refused = await admit(meter, p, sequences=1)
+    assert isinstance(refused, errors.ResourceExhausted) and "8 sequences in flight" in refused.message
+    await finish(meter, first, completion=2)
+    assert not isinstance(await admit(meter, p, sequences=4), Exception)
+    alone = await admit(meter, who(tenant(), concurrency=8), sequences=16)
+    assert isinstance(alone, errors.ResourceExhausted) and alone.param == "n" and alone.retry_after is None
+
+
+async def test_an_older_routers_entries_count_one_sequence_each(redis, tmp_path):
+    """Entries written before sequences were kept ("cost tokens second") count as one."""
+    meter = Meter(redis, tmp_path, clock=Clock())
+    p = who(tenant(), concurrency=2)
+    await redis.hset(admission.inflight_key(p.tenant), "old-request", "0 0 1800000000")
+    await redis.zadd(admission.inflight_exp_key(p.tenant), {"old-request": T0 + 10**9})
+    assert not isinstance(await admit(meter, p), Exception)
+    assert isinstance(await admit(meter, p), errors.ResourceExhausted)
+
+
+async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_before_anything_else(redis, tmp_path):
+    """Meter.precheck, before the body is parsed: over its sequences at once by this router's own
+    count, or refused by Redis on its requests a minute until the refusal's retry time."""
+    from gaas.meter import LocalQuotas
+
+    clock = Clock()
+    local_clock = Clock(0)
+    meter = Meter(redis, tmp_path, clock=clock, local=LocalQuotas(clock=lambda: local_clock.ms / 1000))
+    busy = who(tenant(), concurrency=1)
+    meter.precheck(busy)  # nothing known yet
+    m = await admit(meter, busy)
+    with pytest.raises(errors.ResourceExhausted, match="1 sequences in flight"):
+        meter.precheck(busy)
+    await finish(meter, m, completion=1)
+    meter.precheck(busy)
+    limited = who(tenant(), rpm=1)
+    await admit(meter, limited)
+    with pytest.raises(errors.ResourceExhausted, match="requests per minute"):
+        meter.precheck(limited)  # this router's own count: 1 of 1 this minute
+    # Another router has admitted none of them: Redis refuses it there, which it then remembers.
+    other = Meter(redis, tmp_path / "other", clock=clock, local=LocalQuotas(clock=lambda: local_clock.ms / 1000))
+    other.precheck(limited)
+    assert isinstance(await admit(other, limited), errors.ResourceExhausted)
+    with pytest.raises(errors.ResourceExhausted, match="requests per minute") as info:
+        other.precheck(limited)
+    assert info.value.retry_after >= 1
+    local_clock.ms += 61_000
+    clock.ms += 61_000
+    meter.precheck(limited)
+    other.precheck(limited)
+
+
+async def test_while_redis_is_away_admission_is_bounded_by_the_routers_own_count(tmp_path):
+    """Never unlimited for everyone: a tenant's own quotas, or the degraded defaults where its own
+    are unlimited, counted by this router; the spend Redis last reported bounds a budget."""
+    from gaas.meter import DEGRADED_CONCURRENCY, LocalQuotas
+
+    down = redisconn.connect("redis://127.0.0.1:1/0", timeout=0.2)
+    meter = Meter(down, tmp_path, local=LocalQuotas())
+    try:
+        limited = who(tenant(), concurrency=2)
+        assert not isinstance(await admit(meter, limited), Exception)
+        assert not isinstance(await admit(meter, limited), Exception)
+        assert isinstance(await admit(meter, limited), errors.ResourceExhausted)
+        unlimited = who(tenant())
+        held = [await admit(meter, unlimited) for _ in range(DEGRADED_CONCURRENCY)]
+        assert not any(isinstance(h, Exception) for h in held)
+        assert isinstance(await admit(meter, unlimited), errors.ResourceExhausted), "bounded even when unlimited"
+        await meter.release(held[0])
+        assert not isinstance(await admit(meter, unlimited), Exception)
+    finally:
+        await down.aclose()

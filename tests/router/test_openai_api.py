@@ -228,7 +228,7 @@ def final_chunk(index=0, text="!"):
 
 def test_formatter_shapes():
     f = Formatter(parse_chat(chat(stream=True, stream_options={"include_usage": True})), "req-0123abcd", "gaas-tiny")
-    r = f.response([f.choice(0, "hello", None, final_chunk())], openai_api.usage(10, 3, 4))
+    r = json.loads(f.answer([(0, "hello", None, final_chunk())], openai_api.usage(10, 3, 4)))
     assert r["id"] == "chatcmpl-0123abcd" and r["object"] == "chat.completion"
     assert r["choices"][0]["message"]["content"] == "hello" and r["choices"][0]["message"]["role"] == "assistant"
     assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == "END"
@@ -242,7 +242,7 @@ def test_formatter_shapes():
     c = Formatter(parse_completion(completion()), "req-1", "m")
     assert c.chunk(0, common_pb2.GenerateChunk(text="x"), True)["object"] == "text_completion"
     assert "usage" not in c.chunk(0, common_pb2.GenerateChunk(text="x"), True)
-    assert c.response([c.choice(0, "x", None, final_chunk())], {})["choices"][0]["text"] == "x"
+    assert json.loads(c.answer([(0, "x", None, final_chunk())], {}))["choices"][0]["text"] == "x"
 
 
 def _logprob_chunk(index=0):
@@ -273,6 +273,26 @@ def test_chat_logprobs_in_openai_shape():
     assert content[1]["logprob"] == -9999.0
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_an_answer_assembled_chunk_by_chunk_is_what_the_whole_would_be(kind):
+    """Non-streamed answers keep each choice's logprobs serialized as they come: the answer must
+    read exactly as one built from every entry at once, choices in index order, extra fields kept."""
+    parsed = parse_chat(chat(logprobs=True, top_logprobs=1)) if kind == "chat" else \
+        parse_completion(completion(logprobs=1, prompt=["a", "b"]))
+    f, whole = Formatter(parsed, "req-1", "m"), Formatter(parsed, "req-1", "m")
+    assembled = {1: f.answer_logprobs(1), 0: f.answer_logprobs(0)}
+    for index in (1, 0):
+        assembled[index].add(_logprob_chunk(index).logprobs)
+        assembled[index].add(_logprob_chunk(index).logprobs)
+    body = json.loads(f.answer([(1, "abab", assembled[1], final_chunk(1)), (0, "abab", assembled[0], final_chunk(0))],
+                               openai_api.usage(3, 4, 0), {"gaas_session": {"id": "s"}}))
+    entries = list(_logprob_chunk().logprobs) * 2
+    expected = whole.logprobs(0, entries)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["logprobs"] == expected
+    assert body["gaas_session"] == {"id": "s"} and body["usage"]["completion_tokens"] == 4
+
+
 def test_sse_framing_and_errors():
     assert openai_api.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     err = errors.Unavailable("worker died")
@@ -284,3 +304,26 @@ def test_models_list_is_shaped_like_vllms_model_cards():
     listed = openai_api.models_list([("gaas-tiny", 2, 2048)], 1)
     card = listed["data"][0]
     assert card["id"] == card["root"] == "gaas-tiny" and card["object"] == "model" and card["max_model_len"] == 2048
+
+
+@pytest.mark.parametrize("body, param", [
+    # The issue's request: 64 prompts, 20 alternatives per token, 1,800 tokens each.
+    (completion(prompt=["x"] * 64, logprobs=20, max_tokens=1800), "logprobs"),
+    (completion(prompt=["x"] * 64, n=1, max_tokens=4096), "max_tokens"),
+    (chat(n=16, max_tokens=9000), "max_tokens"),
+    (chat(logprobs=True, top_logprobs=20, max_tokens=30_000), "top_logprobs"),
+])
+def test_a_non_streamed_answer_over_the_budget_is_refused_before_any_work_naming_the_limit(body, param):
+    parse = parse_chat if "messages" in body else parse_completion
+    with pytest.raises(errors.InvalidArgument) as info:
+        parse(body)
+    assert info.value.param == param and "at most" in info.value.message and "stream it" in info.value.message
+    # Streamed, the same request is held nowhere: accepted.
+    assert parse({**body, "stream": True}).stream
+
+
+def test_the_budget_counts_the_max_tokens_a_chat_gets_once_tokenized():
+    parsed = parse_chat(chat(logprobs=True, top_logprobs=20))  # no max_tokens: the rest of the context
+    openai_api.check_answer(parsed, [2000])
+    with pytest.raises(errors.InvalidArgument):
+        openai_api.check_answer(parsed, [200_000])

@@ -22,19 +22,23 @@ def rpc_error(code, details="boom"):
 
 
 class FakeCall:
+    """A grpc.aio stream call's read(): the script's chunks, then EOF (or its error)."""
+
     def __init__(self, script, request):
-        self._script = script
+        self._steps = iter(script)
         self._request = request
         self.cancelled = False
 
     def cancel(self):
         self.cancelled = True
 
-    async def __aiter__(self):
-        for step in self._script:
-            if isinstance(step, grpc.aio.AioRpcError):
-                raise step
-            yield step
+    async def read(self):
+        step = next(self._steps, grpc.aio.EOF)
+        if callable(step) and not isinstance(step, grpc.aio.AioRpcError):
+            step = await step()  # (a step that takes its time)
+        if isinstance(step, grpc.aio.AioRpcError):
+            raise step
+        return step
 
 
 class FakeWorkers:
@@ -44,6 +48,7 @@ class FakeWorkers:
         self.scripts = scripts
         self.calls = []  # (address, request)
         self.tenants = []
+        self.made: list[FakeCall] = []
 
     def Generate(self, request, timeout=None, metadata=()):
         from gaas.runtime.context import current_tenant
@@ -51,7 +56,9 @@ class FakeWorkers:
         address = dict(metadata)["x-gaas-worker"]
         self.calls.append((address, request))
         self.tenants.append(current_tenant())  # what the channel's interceptor would send on
-        return FakeCall(self.scripts[address], request)
+        call = FakeCall(self.scripts[address], request)
+        self.made.append(call)
+        return call
 
 
 def chunk(text, final=False):
@@ -320,3 +327,26 @@ async def test_with_one_worker_the_kv_directory_is_not_asked():
     chunks = [c async for c in dispatcher.stream(prepared, principal, "req-y", None, time.perf_counter())]
     assert [c.text for c in chunks] == ["a", "b"]
     assert kv.provisioned == []  # nothing to predict for: the engine's events tell the directory
+
+
+async def test_merged_streams_wait_for_a_slow_consumer_instead_of_piling_up():
+    """A batch of prompts is several workers' streams merged for one client: while the client is
+    behind, the streams are read no further than a small bound ahead of it."""
+    import asyncio
+
+    from gaas.v1 import common_pb2
+    from services.router.dispatch import merge
+
+    produced = [0, 0, 0]
+
+    async def stream(i):
+        for n in range(200):
+            produced[i] += 1
+            yield common_pb2.GenerateChunk(text=f"{i}-{n}")
+
+    merged = merge([stream(i) for i in range(3)])
+    first = [await merged.__anext__() for _ in range(5)]
+    await asyncio.sleep(0.05)  # the consumer dawdles
+    assert sum(produced) <= 5 + 2 * 3 + 3, f"read {produced} ahead of a consumer that took 5"
+    rest = [x async for x in merged]
+    assert len(first) + len(rest) == 600 and produced == [200, 200, 200]

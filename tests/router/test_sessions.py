@@ -7,6 +7,7 @@ and session affinity in the scheduler."""
 import asyncio
 import time
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,16 +45,24 @@ class SlowWorkers(FakeWorkers):
         pause, n = self.pause, len(request.request.prompt_token_ids)
 
         class Call:
+            """A grpc.aio stream call's read(): a chunk, a pause, the final chunk, EOF."""
+
+            def __init__(self):
+                self._steps = self._script()
+
             def cancel(self):
                 pass
 
-            async def __aiter__(self):
+            async def _script(self):
                 yield chunk("a")
                 await asyncio.sleep(pause)
                 final = chunk("b", final=True)
                 final.usage.prompt_tokens = n
                 final.worker_id = address
                 yield final
+
+            async def read(self):
+                return await anext(self._steps, grpc.aio.EOF)
 
         return Call()
 

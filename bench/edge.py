@@ -1,0 +1,351 @@
+"""The edge under abuse, on a mesh of its own (one worker):
+
+1. What a refused request costs the mesh, by where it is refused: CPU time of every mesh process
+   (Envoys and services; the load generator excluded) per request, in microseconds, beside a
+   request that is served (one token). Each kind is sent in sequence over keep-alive connections.
+2. Slow clients: SLOW_HEADERS connections that send a request's headers a byte at a time and
+   never finish them, and TRICKLE connections that send whole headers without a key and then
+   trickle a body, each reconnecting as soon as it is dropped, from addresses of their own
+   (127.0.1.x) for --attack seconds; meanwhile a real client (a valid key, 127.0.0.1) sends a
+   streamed completion every 0.25 s. Reported: the real requests' time to first token and whole
+   time before and during the attack, how many failed, the connections the ingress held, and the
+   resident memory of the ingress and the router.
+
+Goals (issue 26): a real request served within a second of its usual time during the attack; one
+request never grows a process by more than 512 MB.
+
+Prints tables and writes bench/results/edge.json.
+
+    python -m bench.edge [--attack 30] [--slow-headers 1100] [--trickle 1100] [--requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import multiprocessing
+import resource
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench import footprint
+from bench.kvbench import pct
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "gaas-tiny"
+
+
+def say(msg: str) -> None:
+    print(f"edge: {msg}", file=sys.stderr, flush=True)
+
+
+def _raise_open_files() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 8192 if hard == resource.RLIM_INFINITY else min(8192, hard)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+# ------------------------------------------------------------------ refusal costs
+
+
+def _completion(max_tokens: int = 1, **extra) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, **extra}).encode()
+
+
+def _send(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict) -> int:
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+    except (http.client.HTTPException, OSError):
+        conn.close()
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+    resp.read()
+    if resp.getheader("connection", "").lower() == "close":
+        conn.close()
+    return resp.status
+
+
+def refusal_costs(mesh, keys: dict[str, str], n: int) -> list[dict]:
+    """CPU microseconds of the mesh per request for each kind, and the status it got."""
+    host, port = mesh.topo.ingress.split(":")
+    pids = [c.proc.pid for c in mesh.children]
+    big = b'{"model": "gaas-tiny", "prompt": "' + b"x" * (2 << 20) + b'"}'
+    json_headers = {"content-type": "application/json"}
+    kinds = [
+        ("served (1 token)", "/v1/completions", lambda i: _completion(), {"authorization": f"Bearer {keys['served']}"}),
+        ("no key", "/v1/completions", lambda i: _completion(), {}),
+        ("unknown key (the same one)", "/v1/completions", lambda i: _completion(),
+         {"authorization": "Bearer gaas_made_up_key"}),
+        ("unknown keys (a new one each)", "/v1/completions", lambda i: _completion(),
+         {"authorization": "Bearer gaas_made_up_key_{i}"}),
+        ("over its concurrency quota", "/v1/completions", lambda i: _completion(),
+         {"authorization": f"Bearer {keys['busy']}"}),
+        ("over its rate quota", "/v1/completions", lambda i: _completion(), {"authorization": f"Bearer {keys['rpm']}"}),
+        ("body over the limit (2 MiB)", "/v1/completions", lambda i: big,
+         {"authorization": f"Bearer {keys['served']}"}),
+        ("answer over the limit", "/v1/completions", lambda i: _completion(max_tokens=1800, n=16, logprobs=20,
+                                                                           prompt=["x"] * 64),
+         {"authorization": f"Bearer {keys['served']}"}),
+        ("malformed JSON", "/v1/completions", lambda i: b'{"model": ', {"authorization": f"Bearer {keys['served']}"}),
+    ]
+    rows = []
+    for name, path, body, headers in kinds:
+        holder = None
+        if name == "over its concurrency quota":
+            # The tenant's one request at once, held in flight while its others are refused.
+            holder = http.client.HTTPConnection(host, int(port), timeout=600)
+            holder.request("POST", "/v1/completions", body=_completion(max_tokens=1900, stream=True, ignore_eos=True),
+                           headers={"authorization": f"Bearer {keys['busy']}", **json_headers})
+            holder.getresponse().readline()
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        count = n if name != "body over the limit (2 MiB)" else max(10, n // 10)
+        statuses: dict[int, int] = {}
+        before = sum(footprint.cpu_seconds(p) for p in pids)
+        started = time.perf_counter()
+        for i in range(count):
+            h = {**json_headers, **{k: v.replace("{i}", str(i)) for k, v in headers.items()}}
+            status = _send(conn, path, body(i), h)
+            statuses[status] = statuses.get(status, 0) + 1
+        wall = time.perf_counter() - started
+        cpu = sum(footprint.cpu_seconds(p) for p in pids) - before
+        conn.close()
+        if holder is not None:
+            holder.close()
+        rows.append({"kind": name, "requests": count, "statuses": statuses,
+                     "mesh_cpu_us_per_request": round(cpu / count * 1e6), "wall_ms_per_request": round(wall / count * 1e3, 2)})
+        say(f"  {name}: {statuses}, {rows[-1]['mesh_cpu_us_per_request']} us of mesh CPU each")
+    return rows
+
+
+# ------------------------------------------------------------------ slow clients
+
+
+async def _slow_headers(host: str, port: int, source: str, stop: float, counts: dict) -> None:
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+        except OSError:
+            counts["connect_failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        counts["opened"] += 1
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            await writer.drain()
+            while time.monotonic() < stop:  # a header byte every second, never the end of them
+                writer.write(b"X")
+                await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(100), 1.0) == b"":
+                        break
+                    break  # answered (408): dropped
+                except asyncio.TimeoutError:
+                    continue
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
+async def _trickle(host: str, port: int, source: str, stop: float, counts: dict) -> None:
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+        except OSError:
+            counts["connect_failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        counts["opened"] += 1
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000\r\n\r\n{")
+            await writer.drain()
+            while time.monotonic() < stop:  # a body byte every second
+                try:
+                    reply = await asyncio.wait_for(reader.read(200), 1.0)
+                    if reply:
+                        counts["answered_" + reply.split(b" ", 2)[1].decode(errors="replace")] = \
+                            counts.get("answered_" + reply.split(b" ", 2)[1].decode(errors="replace"), 0) + 1
+                    break
+                except asyncio.TimeoutError:
+                    writer.write(b" ")
+                    await writer.drain()
+        except (OSError, IndexError):
+            pass
+        finally:
+            writer.close()
+        await asyncio.sleep(1.0)
+
+
+def _attack(host: str, port: int, slow: int, trickle: int, seconds: float, out) -> None:
+    _raise_open_files()
+
+    async def main() -> dict:
+        stop = time.monotonic() + seconds
+        counts = {"opened": 0, "connect_failed": 0}
+        sources = [f"127.0.1.{i % 250 + 1}" for i in range(slow + trickle)]
+        tasks = [asyncio.create_task(_slow_headers(host, port, sources[i], stop, counts)) for i in range(slow)]
+        tasks += [asyncio.create_task(_trickle(host, port, sources[slow + i], stop, counts)) for i in range(trickle)]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return counts
+
+    out.put(asyncio.run(main()))
+
+
+def _real_requests(host: str, port: int, key: str, seconds: float, every: float = 0.25) -> list[dict]:
+    """Streamed completions, one every `every` seconds, each on a new connection (a new client)."""
+    body = _completion(max_tokens=8, stream=True, ignore_eos=True)
+    out = []
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        started = time.monotonic()
+        rec = {"at": started, "ttft_ms": None, "total_ms": None, "status": None}
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+            resp = conn.getresponse()
+            rec["status"] = resp.status
+            while line := resp.readline():
+                if line.startswith(b"data: ") and rec["ttft_ms"] is None:
+                    rec["ttft_ms"] = (time.monotonic() - started) * 1000
+            rec["total_ms"] = (time.monotonic() - started) * 1000
+            conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            rec["status"] = type(exc).__name__
+        out.append(rec)
+        time.sleep(max(0.0, every - (time.monotonic() - started)))
+    return out
+
+
+def _summary(records: list[dict]) -> dict:
+    ok = [r for r in records if r["status"] == 200 and r["ttft_ms"] is not None]
+    return {
+        "requests": len(records), "failed": len(records) - len(ok),
+        "ttft_p50_ms": round(pct([r["ttft_ms"] for r in ok], 0.5), 1),
+        "ttft_p95_ms": round(pct([r["ttft_ms"] for r in ok], 0.95), 1),
+        "ttft_max_ms": round(max((r["ttft_ms"] for r in ok), default=float("nan")), 1),
+        "total_p50_ms": round(pct([r["total_ms"] for r in ok], 0.5), 1),
+        "total_p95_ms": round(pct([r["total_ms"] for r in ok], 0.95), 1),
+    }
+
+
+def _ingress_connections(mesh) -> int:
+    from gaas import probe
+    from gaas.topology import LocalSockets
+
+    try:
+        _, body = probe.envoy_admin(LocalSockets.of(mesh.sockets, "ingress-0").admin,
+                                    "/stats?filter=^http.ingress.downstream_cx_active$")
+        return int(body.decode().rsplit(":", 1)[-1].strip() or 0)
+    except (OSError, ValueError):
+        return -1
+
+
+def slow_clients(mesh, key: str, slow: int, trickle: int, attack_s: float, baseline_s: float = 8.0) -> dict:
+    host, port = mesh.topo.ingress.split(":")
+    port = int(port)
+    pid = {c.name: c.proc.pid for c in mesh.children}
+    say(f"baseline: real requests for {baseline_s:.0f} s")
+    before = _summary(_real_requests(host, port, key, baseline_s))
+    say(f"attack: {slow} connections never finishing their headers and {trickle} trickling a body without a key, "
+        f"for {attack_s:.0f} s")
+    results = multiprocessing.Queue()
+    attacker = multiprocessing.Process(target=_attack, args=(host, port, slow, trickle, attack_s, results), daemon=True)
+    attacker.start()
+    samples: list[dict] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(1.0):
+            samples.append({"connections": _ingress_connections(mesh),
+                            "ingress_rss_mb": footprint.memory(pid["ingress-0"])["rss_mb"],
+                            "router_rss_mb": footprint.memory(pid["router-0"])["rss_mb"]})
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    time.sleep(3.0)  # the attack under way
+    during = _summary(_real_requests(host, port, key, attack_s - 5.0))
+    attacker.join(timeout=attack_s + 30)
+    sampling.set()
+    sampler.join()
+    counts = results.get(timeout=5) if not results.empty() else {}
+    return {
+        "slow_header_connections": slow, "trickle_connections": trickle, "attack_seconds": attack_s,
+        "before": before, "during": during, "attacker": counts,
+        "ingress_connections_max": max((s["connections"] for s in samples), default=-1),
+        "ingress_rss_mb_max": max((s["ingress_rss_mb"] for s in samples), default=0),
+        "router_rss_mb_max": max((s["router_rss_mb"] for s in samples), default=0),
+        "ttft_p95_added_ms": round(during["ttft_p95_ms"] - before["ttft_p95_ms"], 1),
+    }
+
+
+# ------------------------------------------------------------------ main
+
+
+def run(n: int, slow: int, trickle: int, attack_s: float, keep: bool = False) -> dict:
+    from bench.benchmesh import bench_mesh
+    from gaas.admin import Admin
+
+    _raise_open_files()
+    mesh = bench_mesh("edge", 24000, say, workers=1)
+    try:
+        say("starting a mesh with one worker")
+        mesh.start()
+        mesh.wait_ready(400)
+        keys = {}
+        with Admin(mesh.topo.of("control")[0].inbound) as admin:
+            for name, limits in (("served", {"rpm": 0, "tpm": 0, "concurrency": 0}),
+                                 ("rpm", {"rpm": 1, "tpm": 0, "concurrency": 0}),
+                                 ("busy", {"rpm": 0, "tpm": 0, "concurrency": 1})):
+                admin.create_tenant(f"edge-{name}", "gold")
+                admin.update_tenant(f"edge-{name}", limits=limits)
+                keys[name] = admin.create_key(f"edge-{name}")[1]
+        costs = refusal_costs(mesh, keys, n)
+        attack = slow_clients(mesh, keys["served"], slow, trickle, attack_s)
+    finally:
+        mesh.stop()
+        if not keep:
+            shutil.rmtree(mesh.run_dir, ignore_errors=True)
+    return {"refusals": costs, "slow_clients": attack}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=300, help="requests of each kind for the refusal costs")
+    p.add_argument("--slow-headers", type=int, default=1100, help="connections that never finish their headers")
+    p.add_argument("--trickle", type=int, default=1100, help="connections trickling a body without a key")
+    p.add_argument("--attack", type=float, default=30.0, help="seconds the slow clients keep at it")
+    p.add_argument("--keep", action="store_true", help="keep the mesh's run directory (logs) afterwards")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "edge.json"))
+    args = p.parse_args()
+    result = run(args.requests, args.slow_headers, args.trickle, args.attack, args.keep)
+    print("\nwhat a request costs the mesh, by where it is refused (CPU of every mesh process; one at a time)")
+    print(f"{'request':<32} {'answer':<16} {'mesh CPU per request':>21} {'wall per request':>17}")
+    for r in result["refusals"]:
+        answer = ", ".join(f"{s} x{c}" for s, c in sorted(r["statuses"].items()))
+        print(f"{r['kind']:<32} {answer:<16} {r['mesh_cpu_us_per_request']:>18} us {r['wall_ms_per_request']:>14} ms")
+    a = result["slow_clients"]
+    print(f"\nslow clients: {a['slow_header_connections']} never finishing their headers, {a['trickle_connections']} "
+          f"trickling a body without a key, {a['attack_seconds']:.0f} s (goal: real requests within 1 s of usual)")
+    print(f"{'real requests':<14} {'sent':>5} {'failed':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'TTFT max':>9} {'whole p95':>10}")
+    for when in ("before", "during"):
+        s = a[when]
+        print(f"{when:<14} {s['requests']:>5} {s['failed']:>7} {s['ttft_p50_ms']:>6.1f} ms {s['ttft_p95_ms']:>6.1f} ms "
+              f"{s['ttft_max_ms']:>6.1f} ms {s['total_p95_ms']:>7.1f} ms")
+    print(f"ingress: up to {a['ingress_connections_max']} connections, {a['ingress_rss_mb_max']} MB resident; router "
+          f"{a['router_rss_mb_max']} MB; attacker: {a['attacker']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
