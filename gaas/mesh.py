@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from gaas import deployspec, envoyconf, pki, probe, promconf, protogen
+from gaas import deployspec, envoyconf, pki, probe, promconf, protogen, redisacl
 from gaas.model.build import build_model, is_built
 from gaas.runtime import placement
 from gaas.runtime.devices import visible_gpus
@@ -264,6 +264,28 @@ def _signal_pid(pid: int, sig: int) -> None:
         pass
 
 
+# Variables holding secrets (or where they live): each goes to the services that need it and to
+# no other process (an Envoy, Redis, the trace collector get none of them).
+SECRETS = {
+    "GAAS_STRIPE_API_KEY": ("billing",),
+    "GAAS_DATABASE_URL": ("control",),
+    "GAAS_BILLING_DATABASE_URL": ("billing",),
+    # (each service that uses Redis gets a URL of its own: its ACL user, gaas.redisacl)
+    "GAAS_REDIS_URL": (),
+    # (the gaas CLI's, never a service's)
+    "GAAS_API_KEY": (),
+}
+# Services that use Redis.
+REDIS_CLIENTS = ("control", "router", "worker", "billing")
+# What the environment of an Envoy or Redis holds (they read their config files; an Envoy its name
+# for the access log too).
+BARE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ")
+
+
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in SECRETS}
+
+
 # The password of the Redis `gaas up` starts, in the run directory.
 REDIS_PASSWORD_FILE = "redis-password"
 
@@ -302,6 +324,9 @@ class Mesh:
         # The file the topology came from (recorded, so `gaas status` describes this mesh).
         self.topology_file = topology_file
         self.children: list[Child] = []
+        # The ACL user of each service kind in the Redis gaas starts (none: a Redis run by the
+        # operator, used as given).
+        self.redis_users: dict[str, redisacl.ServiceUser] = {}
         self.log_dir = self.run_dir / "logs"
         self.sockets = sockets_root(self.run_dir)
         self.spec = deployspec.load(self.deploy_file)
@@ -353,7 +378,7 @@ class Mesh:
             self._spawn("tracesink", "tracesink", [
                 sys.executable, "-m", "gaas.tracesink", "--listen", f"{self.trace.host}:{self.trace.port}",
                 "--out", str(self.traces_file),
-            ], {**os.environ, "PYTHONUNBUFFERED": "1"})
+            ], {**without_secrets(dict(os.environ)), "PYTHONUNBUFFERED": "1"})
         for inst in self.topo.instances:
             self._spawn_service(inst)
         for name, path in configs.items():
@@ -413,12 +438,16 @@ class Mesh:
         data = self.run_dir / "redis"
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         password = private_secret(self.run_dir / REDIS_PASSWORD_FILE)
+        # The default user (that password) is the operator's; each service gets a user of its own.
+        self.redis_users = redisacl.users()
         conf = data / "redis.conf"
-        conf.write_text(f"requirepass {password}\n")
-        conf.chmod(0o600)
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join([f"requirepass {password}", *redisacl.config_lines(self.redis_users)]) + "\n")
         cmd = redis_server_command(host, port, data, durable=True, config=conf)
         self.redis_url = with_password(self.redis_url, password)
-        self._spawn("redis", "redis", cmd, os.environ.copy())
+        self._spawn("redis", "redis", cmd, {k: os.environ[k] for k in BARE_ENV if k in os.environ})
         deadline = time.monotonic() + 10
         while not redis_answers(self.redis_url):
             if time.monotonic() > deadline or self.children[-1].proc.poll() is not None:
@@ -457,8 +486,10 @@ class Mesh:
         child.restart_at = 0.0
 
     def service_env(self, inst: Instance) -> dict[str, str]:
+        """What a service process gets: this environment without the secrets (each secret only
+        where its service needs it: SECRETS), its own Redis user, and its settings."""
         env = {
-            **os.environ,
+            **without_secrets(dict(os.environ)),
             "PYTHONUNBUFFERED": "1",
             "GAAS_INSTANCE": inst.name,
             "GAAS_HOST": inst.host,
@@ -468,17 +499,24 @@ class Mesh:
             # Service and sidecar meet on Unix sockets only the mesh's owner can reach.
             "GAAS_LISTEN": f"unix:{LocalSockets.of(self.sockets, inst.name).service}",
             "GAAS_OUTBOUND": f"unix:{LocalSockets.of(self.sockets, inst.name).outbound}",
-            "GAAS_REDIS_URL": self.redis_url,
             "GAAS_SPOOL_DIR": str(self.run_dir / "spool"),
         }
+        for name, services in SECRETS.items():
+            if inst.service in services and name in os.environ:
+                env[name] = os.environ[name]
+        if inst.service in REDIS_CLIENTS:
+            user = self.redis_users.get(inst.service)
+            env["GAAS_REDIS_URL"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
         if self.trace is not None:
             # gaas.runtime.telemetry exports there; the W3C context comes from the sidecars.
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.trace.endpoint
             env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
             # Follow the caller's decision; never start a trace of their own (background calls).
             env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
-        env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
-        env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
+        if inst.service == "control":
+            env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
+        if inst.service == "billing":
+            env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
         if inst.service in ("control", "billing", "router"):
             env["GAAS_DEPLOY_FILE"] = str(self.deploy_file)
         if inst.service == "worker":
@@ -529,7 +567,8 @@ class Mesh:
             "--log-level", os.environ.get("GAAS_ENVOY_LOG_LEVEL", "warn"),
             "--service-node", name,
         ]
-        self._spawn(name, "envoy", cmd, {**os.environ, "GAAS_ENVOY_NAME": name})
+        env = {k: os.environ[k] for k in BARE_ENV if k in os.environ}
+        self._spawn(name, "envoy", cmd, {**env, "GAAS_ENVOY_NAME": name})
 
     def _write_state(self) -> None:
         state = {

@@ -53,6 +53,9 @@ class SessionPolicy:
     lease_seconds: int = 30
     # What happens when the context outgrows the model's window (the one policy so far).
     truncation: str = "drop_oldest_turns"
+    # Sessions a tenant may keep at once (its Redis memory bounded with them); a turn that would
+    # start one more is refused until some are deleted or expire.
+    max_per_tenant: int = 1000
 
 
 TRUNCATIONS = ("drop_oldest_turns",)
@@ -62,11 +65,11 @@ def parse_policy(doc: object) -> SessionPolicy:
     """The `sessions:` section; ValueError naming what is wrong."""
     if doc is None:
         return SessionPolicy()
-    known = {"ttl_seconds", "reply_reserve_tokens", "lease_seconds", "truncation"}
+    known = {"ttl_seconds", "reply_reserve_tokens", "lease_seconds", "truncation", "max_per_tenant"}
     if not isinstance(doc, dict) or set(doc) - known:
         raise ValueError(f"sessions: expected a mapping with {', '.join(sorted(known))}")
     out = {}
-    for name in ("ttl_seconds", "reply_reserve_tokens", "lease_seconds"):
+    for name in ("ttl_seconds", "reply_reserve_tokens", "lease_seconds", "max_per_tenant"):
         if name in doc:
             value = doc[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -218,11 +221,18 @@ def dropped_tokens(ctx: Context, keep_from: int) -> int:
 # ---------------------------------------------------------------- Redis scripts
 
 # KEYS: session, index. ARGV: request id, now ms, lease ms, ttl ms, session id, the version the
-# caller holds (-1: none). -> {-1, holder, ms left}: another turn holds the session;
-# {0}: no session yet (this turn starts it); {version}: the caller's copy is current;
-# {version, ctx}: it is not, here is the context.
+# caller holds (-1: none), the most sessions the tenant may keep (0: any number).
+# -> {-1, holder, ms left}: another turn holds the session; {-3, kept, most}: it would be one
+# session more than the tenant may keep; {0}: no session yet (this turn starts it); {version}: the
+# caller's copy is current; {version, ctx}: it is not, here is the context.
 BEGIN = """
 local now = tonumber(ARGV[2])
+local most = tonumber(ARGV[7] or '0')
+if most > 0 and redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  local kept = redis.call('ZCARD', KEYS[2])
+  if kept >= most then return {-3, kept, most} end
+end
 local holder = redis.call('HGET', KEYS[1], 'turn')
 if holder and holder ~= '' and holder ~= ARGV[1] then
   local till = tonumber(redis.call('HGET', KEYS[1], 'turn_until') or '0')

@@ -16,7 +16,7 @@ from gaas import pki
 from gaas.topology import LocalSockets, load, sockets_root
 from gaas.v1 import (billing_pb2, billing_pb2_grpc, control_pb2, control_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc,
                      router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc)
-from tests.conftest import MESH_WORKERS, ROOT
+from tests.conftest import MESH_WORKERS, ROOT, process_alive
 from tests.meshutil import generate
 
 pytestmark = pytest.mark.mesh
@@ -154,3 +154,22 @@ def test_services_and_envoy_admin_listen_only_where_their_owner_can_reach(mesh):
     pki_dir = _authority(mesh).dir
     assert stat.S_IMODE(os.stat(pki_dir).st_mode) == 0o700
     assert all(stat.S_IMODE(os.stat(k).st_mode) == 0o600 for k in Path(pki_dir).glob("*.key"))
+
+
+def test_each_process_of_the_mesh_holds_only_the_secrets_its_job_needs(mesh):
+    """Read from the running processes themselves: the Stripe key is billing's alone, the
+    operator's Redis password nobody's (each service is a Redis user of its own), and an Envoy or
+    the Redis holds no GAAS_ secret at all."""
+    def environ(pid: int) -> dict[str, str]:
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
+
+    operator_password = (mesh.run_dir / "redis-password").read_text().strip()
+    envs = {name: environ(pid) for name, pid in mesh.children.items() if process_alive(pid)}
+    assert sorted(n for n, e in envs.items() if "GAAS_STRIPE_API_KEY" in e) == ["billing-0"]
+    assert [n for n, e in envs.items() if operator_password in "".join(e.values())] == []
+    for name, env in envs.items():
+        if name.startswith(("sidecar-", "ingress-", "redis")):
+            assert [k for k in env if k.startswith("GAAS_") and k != "GAAS_ENVOY_NAME"] == [], name
+        elif name.startswith(("router-", "control-", "billing-", "worker-")):
+            assert env["GAAS_REDIS_URL"].startswith(f"redis://gaas-{name.split('-')[0]}:"), name

@@ -138,13 +138,20 @@ class SessionStore:
             answer = await self._begin(
                 keys=[sessions.session_key(tenant, session_id), sessions.index_key(tenant)],
                 args=[request_id, self._clock(), self.lease_ms, self.ttl_ms, session_id,
-                      cached[0] if cached else -1],
+                      cached[0] if cached else -1, self.policy.max_per_tenant],
             )
         except RedisError as exc:
             log.warning("cannot begin a turn of a session (%s)", exc)
             self.metrics.count("unavailable")
             raise _unavailable() from None
         version = int(answer[0])
+        if version == -3:
+            kept, most = int(answer[1]), int(answer[2])
+            raise errors.ResourceExhausted(
+                f"tenant {tenant} keeps {kept} sessions, the most it may: delete some (DELETE /v1/gaas/sessions/ID, "
+                f"or `gaas session delete`) or let them expire ({self.policy.ttl_seconds} s after their last turn) "
+                "before starting another", reason="session_limit",
+                quota=errors.QuotaViolation(f"tenant:{tenant}", f"sessions kept: {most}"))
         if version < 0:
             self.metrics.count("busy")
             holder, left_ms = _text(answer[1]), int(answer[2])

@@ -399,3 +399,18 @@ def test_a_session_id_outside_its_pattern_is_refused_whole(session_id):
     with pytest.raises(errors.InvalidArgument) as info:
         check_id(session_id)
     assert info.value.param == "session_id"
+
+
+async def test_a_tenant_keeps_at_most_its_sessions_and_one_more_is_refused_naming_the_limit(redis):
+    """Sessions (and the Redis memory they hold) are bounded per tenant: a turn that would start
+    one session more is refused before any work; turns of the kept ones go on; a deleted one frees
+    its room."""
+    store, (disp, _) = SessionStore(redis, SessionPolicy(max_per_tenant=2)), dispatcher()
+    for sid in ("k1", "k2"):
+        await turn(store, disp, session_id=sid, prompt="Once", max_tokens=2)
+    with pytest.raises(errors.ResourceExhausted) as info:
+        await turn(store, disp, session_id="k3", prompt="Once", max_tokens=2)
+    assert "keeps 2 sessions" in info.value.message and info.value.reason == "session_limit"
+    await turn(store, disp, session_id="k1", prompt=" more", max_tokens=2)  # a kept one goes on
+    await store.delete("acme", "k2")
+    await turn(store, disp, session_id="k3", prompt="Once", max_tokens=2)

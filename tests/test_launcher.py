@@ -1,0 +1,57 @@
+"""What `gaas up` hands each process (gaas/mesh.py): every secret only to the service that needs
+it, a Redis user of its own to each service that uses Redis, nothing of either to an Envoy or the
+Redis it starts; and the limits it raises for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gaas import redisacl, topology
+from tests.conftest import ROOT
+
+SECRETS = {
+    "GAAS_STRIPE_API_KEY": "sk_test_secret",
+    "GAAS_DATABASE_URL": "postgresql://control:pw@db/control",
+    "GAAS_BILLING_DATABASE_URL": "postgresql://billing:pw@db/billing",
+    "GAAS_REDIS_URL": "redis://:operator-pw@127.0.0.1:6379/0",
+    "GAAS_API_KEY": "gaas_the_operators_own",
+}
+
+
+@pytest.fixture
+def mesh(tmp_path, monkeypatch):
+    from gaas import mesh as mesh_mod
+
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(mesh_mod, "visible_gpus", lambda: [])
+    t = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=47000, workers=1)
+    m = mesh_mod.Mesh(t, run_dir=tmp_path, deploy_file=ROOT / "deploy" / "gaas.yaml",
+                      redis_url="redis://:operator-pw@127.0.0.1:6379/0")
+    m.redis_users = redisacl.users()  # as when gaas up starts its own Redis
+    return m
+
+
+def test_each_secret_reaches_only_the_service_that_needs_it(mesh):
+    env = {inst.service: mesh.service_env(inst) for inst in mesh.topo.instances}
+    holders = {name: sorted(s for s, e in env.items() if e.get(name) == value) for name, value in SECRETS.items()}
+    assert holders == {"GAAS_STRIPE_API_KEY": ["billing"], "GAAS_DATABASE_URL": ["control"],
+                       "GAAS_BILLING_DATABASE_URL": ["billing"], "GAAS_REDIS_URL": [], "GAAS_API_KEY": []}
+
+
+def test_each_service_that_uses_redis_is_its_own_user_and_the_others_get_no_redis(mesh):
+    for inst in mesh.topo.instances:
+        url = mesh.service_env(inst).get("GAAS_REDIS_URL")
+        if inst.service in ("control", "router", "worker", "billing"):
+            assert url.startswith(f"redis://gaas-{inst.service}:") and "operator-pw" not in url
+        else:
+            assert url is None, inst.service
+
+
+def test_an_envoy_and_redis_get_no_secret_and_little_else(mesh, monkeypatch):
+    spawned = {}
+    monkeypatch.setattr(mesh, "_spawn", lambda name, kind, cmd, env, cpus=None: spawned.setdefault(name, env))
+    mesh._spawn_envoy("ingress-0", ROOT / "x.yaml")
+    env = spawned["ingress-0"]
+    assert not [k for k in env if k.startswith("GAAS_") and k != "GAAS_ENVOY_NAME"], env
+    assert not set(SECRETS.values()) & set(env.values())
