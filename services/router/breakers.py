@@ -6,7 +6,10 @@ clusters is the second line.
 Closed -> open: a connection-level failure (the worker is not there), or at least 5 failures in a
 row making up at least 60% of its last 30 s (SITS2026's resilience dimension). A request whose
 first token takes longer than the worker's threshold counts as a failure: 1.3 x its own p99 TTFT
-over the last minute, never below 800 ms nor above 12 s (12 s until it has 20 samples).
+over the last minute, never below 800 ms nor above 12 s (12 s until it has 20 samples), for a
+request of its prompt's length: TTFTs are kept per unit of work (1 + the prompt's tokens not
+expected from the prefix cache / WORK_TOKENS), and the threshold (its bounds too) is scaled by the
+request's own, so a burst of long prompts is slow without being a failure.
 Open -> half-open after a cooldown (5 s, doubling up to 60 s while probes fail); the probe's
 success closes it.
 """
@@ -22,6 +25,13 @@ from gaas.runtime.metrics import nearest_rank
 from services.router.scheduling import WorkerId
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+# Prompt tokens to compute that make one more unit of a first token's work.
+WORK_TOKENS = 1024
+
+
+def prompt_work(uncached_tokens: int) -> float:
+    """A first token's work, in units: 1, and one more per WORK_TOKENS prompt tokens to compute."""
+    return 1.0 + max(0, uncached_tokens) / WORK_TOKENS
 
 
 @dataclass(slots=True)
@@ -29,7 +39,7 @@ class Breaker:
     state: str = CLOSED
     consecutive: int = 0
     results: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, ok)
-    ttfts: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, ms)
+    ttfts: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, ms per unit of work)
     opened_at: float = 0.0
     cooldown: float = 0.0
     probing: bool = False
@@ -73,22 +83,23 @@ class Breakers:
         elif b.state == HALF_OPEN:
             b.probing = True
 
-    def threshold_ms(self, worker: WorkerId) -> float:
-        """How long a first token may take on worker before the request counts as failed."""
+    def threshold_ms(self, worker: WorkerId, work: float = 1.0) -> float:
+        """How long a first token of `work` units (prompt_work) may take on worker before the
+        request counts as failed."""
         b = self._get(worker)
         since = self._clock() - 60.0
         values = [ms for t, ms in b.ttfts if t >= since]
         if len(values) < 20:
-            return self._max_ms
+            return self._max_ms * work
         p99 = nearest_rank(values, 0.99)
-        return min(self._max_ms, max(self._min_ms, 1.3 * p99))
+        return work * min(self._max_ms, max(self._min_ms, 1.3 * p99))
 
-    def success(self, worker: WorkerId, ttft_ms: float | None = None) -> None:
-        """worker answered (first token after ttft_ms, when known)."""
+    def success(self, worker: WorkerId, ttft_ms: float | None = None, work: float = 1.0) -> None:
+        """worker answered (first token after ttft_ms, when known, for `work` units)."""
         b = self._get(worker)
         now = self._clock()
         if ttft_ms is not None:
-            b.ttfts.append((now, ttft_ms))
+            b.ttfts.append((now, ttft_ms / max(1.0, work)))
         b.results.append((now, True))
         b.consecutive = 0
         if b.state == HALF_OPEN:

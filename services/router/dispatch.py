@@ -29,6 +29,7 @@ from gaas.runtime.context import WORKER_HEADER
 from gaas.tokenizer import ChatMessage, PromptPrefix, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.activity import TenantActivity
+from services.router.breakers import prompt_work
 from gaas.principal import Principal
 from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory, ModelEntry
@@ -65,19 +66,46 @@ class Prepared:
     prefix_lookup: asyncio.Task | None = None
     # A session turn: the worker that served the session's last turn ("": none).
     session_worker: str = ""
+    # Under a public prefix's salt: the prompt's leading tokens that are the prefix's own, the
+    # most cached tokens its usage may say (None: the tenant's own salt).
+    cached_cap: int | None = None
 
 
-def cache_salt(model: ModelEntry, request: inference_pb2.GenerateRequest, tenant_salt: str) -> str:
-    """The salt a request's blocks are cached under: a public prefix's when its chat opens with
-    that system prompt (or its text prompt begins with it), else the tenant's own."""
+def public_prefix(model: ModelEntry, request: inference_pb2.GenerateRequest) -> tuple[str, str] | None:
+    """(id, text) of the public prefix a request begins with: its chat opens with that system
+    prompt, or its text prompt begins with it."""
     for prefix_id, text in model.public_prefixes:
         if request.messages:
             first = request.messages[0]
             if first.role in ("system", "developer") and first.content == text:
-                return f"public:{prefix_id}"
+                return prefix_id, text
         elif request.prompt.startswith(text):
-            return f"public:{prefix_id}"
-    return tenant_salt
+            return prefix_id, text
+    return None
+
+
+def cache_salt(model: ModelEntry, request: inference_pb2.GenerateRequest, tenant_salt: str) -> str:
+    """The salt a request's blocks are cached under: a public prefix's, else the tenant's own."""
+    found = public_prefix(model, request)
+    return f"public:{found[0]}" if found else tenant_salt
+
+
+def shared_tokens(tok: Tokenizer, request: inference_pb2.GenerateRequest, text: str, ids: list[int]) -> int:
+    """How many of the prompt's leading token ids (ids) are the public prefix's own (text, as the
+    request's first message or the start of its prompt): where they stop, the tenant's own part
+    begins, whose cache hits under the shared salt would be other tenants' continuations."""
+    if request.messages:
+        first = request.messages[0]
+        own = tok.encode_chat([ChatMessage(first.role, text)], False, False, request.add_special_tokens)
+    else:
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        own = tok.encode(text, special)
+    n = 0
+    for a, b in zip(own, ids):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 class Inflight:
@@ -263,7 +291,10 @@ class Dispatcher:
                 raise genrequest.no_room_error(limit, len(ids), what)
             raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
         genrequest.check(forwarded, limit or None, tok.vocab_size)
-        prepared = Prepared(model, forwarded, len(ids), cache_salt(model, request, principal.cache_salt))
+        shared = public_prefix(model, request)
+        prepared = Prepared(model, forwarded, len(ids), f"public:{shared[0]}" if shared else principal.cache_salt)
+        if shared is not None:
+            prepared.cached_cap = shared_tokens(tok, request, shared[1], ids)
         self._ask_prefix(prepared, workers)
         return prepared
 
@@ -449,6 +480,8 @@ class Dispatcher:
         worker_request = worker_pb2.WorkerGenerateRequest(
             request=prepared.request, request_id=request_id, cache_salt=prepared.cache_salt
         )
+        if prepared.cached_cap is not None:
+            worker_request.cached_tokens_cap = prepared.cached_cap
         # Fuller messages as this router's streams grow (the first token still goes alone).
         interval = self._coalescing.interval(self._inflight.total)
         if interval > 1:
@@ -509,7 +542,8 @@ class Dispatcher:
             # What the tenant waited for the first token, from the ingress's arrival; the window's
             # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
             seen_ms = t.total_ms - t.decode_ms
-            self._flow.first_token(worker, p.principal.tier, t.ttft_ms, seen_ms - t.ingress_ms - t.router_queue_ms)
+            self._flow.first_token(worker, p.principal.tier, t.ttft_ms, seen_ms - t.ingress_ms - t.router_queue_ms,
+                                   prompt_work(u.prompt_tokens - u.cached_tokens))
             outcome = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
             if m.ttft_seconds is not None:
                 m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
@@ -570,7 +604,9 @@ class Dispatcher:
             left = remaining()
             timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)
             sent_at = time.perf_counter()
-            threshold = self._flow.breakers.threshold_ms(worker.worker_id)
+            # The first token's work: the prompt less what the directory says the worker caches.
+            work = prompt_work(prepared.prompt_tokens - ctx.prefix.get(worker.worker_id, 0) * worker.block_size)
+            threshold = self._flow.breakers.threshold_ms(worker.worker_id, work)
             watchdog = loop.call_later(threshold / 1000, self._flow.slow, worker.worker_id, threshold)
             call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
             first = True
@@ -595,7 +631,7 @@ class Dispatcher:
                         # tenant waits for, less the queue the window itself decides (the router's
                         # own delays under load count: a smaller window relieves them too).
                         self._flow.first_token(worker.worker_id, principal.tier, (now - sent_at) * 1000,
-                                               (now - arrived - queued_s) * 1000)
+                                               (now - arrived - queued_s) * 1000, work)
                     if chunk.HasField("usage"):
                         now = time.perf_counter()
                         latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,

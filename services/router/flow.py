@@ -106,10 +106,12 @@ class Flow:
             abandon=lambda decision: self.finished(decision.worker.worker_id),
         )
 
-    def first_token(self, worker: WorkerId, tier: str, ttft_ms: float, seen_ms: float | None = None) -> None:
+    def first_token(self, worker: WorkerId, tier: str, ttft_ms: float, seen_ms: float | None = None,
+                    work: float = 1.0) -> None:
         """worker sent a request's first token ttft_ms after it was sent there; seen_ms: after the
-        request reached this router, less its wait in the queue (default ttft_ms)."""
-        self.breakers.success(worker, ttft_ms)
+        request reached this router, less its wait in the queue (default ttft_ms); work: its
+        prompt's (breakers.prompt_work)."""
+        self.breakers.success(worker, ttft_ms, work)
         if self.settings.enabled:
             self.windows.observe(worker, tier, ttft_ms if seen_ms is None else seen_ms)
 

@@ -26,6 +26,10 @@ FINISH_TO_PB = {
 }
 
 
+def _capped(cached: int, cap: int | None) -> int:
+    return cached if cap is None else min(cached, cap)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
@@ -82,8 +86,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             continue_final_message=r.continue_final_message,
             stream_interval=min(request.stream_interval, MAX_STREAM_INTERVAL),
             on_abandoned=None if on_abandoned is None else lambda delta: on_abandoned(self._chunk_later(
-                request.request_id, delta)),
+                request.request_id, delta, cap)),
         )
+        # Under a public prefix's salt, a hit past the prefix would be another tenant's continuation.
+        cap = request.cached_tokens_cap if request.HasField("cached_tokens_cap") else None
         if self._max_waiting and self._waiting >= self._max_waiting:
             raise errors.ResourceExhausted(
                 f"this worker's queue is full ({self._waiting} requests waiting for their first token); another "
@@ -101,10 +107,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self._waiting -= 1
                     waiting = False
                 produced = d.completion_tokens
-                chunk = self._chunk(request.request_id, d)
+                chunk = self._chunk(request.request_id, d, cap)
                 if d.done:
                     chunk.usage.prompt_tokens = d.prompt_tokens
-                    chunk.usage.cached_tokens = d.cached_tokens
+                    chunk.usage.cached_tokens = _capped(d.cached_tokens, cap)
                     chunk.usage.completion_tokens = d.completion_tokens
                     chunk.worker_id = self._worker_id
                     chunk.tenant = current_tenant()
@@ -121,18 +127,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if waiting:
                 self._waiting -= 1
 
-    def _chunk_later(self, request_id: str, delta: "asyncio.Future[Delta | None]") -> asyncio.Future:
+    def _chunk_later(self, request_id: str, delta: "asyncio.Future[Delta | None]", cap: int | None) -> asyncio.Future:
         async def chunk() -> common_pb2.GenerateChunk | None:
             d = await delta
-            return None if d is None else self._chunk(request_id, d)
+            return None if d is None else self._chunk(request_id, d, cap)
 
         return asyncio.ensure_future(chunk())
 
     @staticmethod
-    def _chunk(request_id: str, d: Delta) -> common_pb2.GenerateChunk:
+    def _chunk(request_id: str, d: Delta, cap: int | None = None) -> common_pb2.GenerateChunk:
         chunk = common_pb2.GenerateChunk(request_id=request_id, text=d.text, token_ids=d.token_ids, index=d.index)
         if d.first:
-            chunk.prefill.prompt_tokens, chunk.prefill.cached_tokens = d.prompt_tokens, d.cached_tokens
+            chunk.prefill.prompt_tokens, chunk.prefill.cached_tokens = d.prompt_tokens, _capped(d.cached_tokens, cap)
         if d.finish_reason is not None:
             chunk.finish_reason = FINISH_TO_PB[d.finish_reason]
             chunk.stop_reason = d.stop_reason

@@ -246,6 +246,28 @@ def test_the_slowness_threshold_follows_the_workers_own_p99_within_bounds():
     assert fast.threshold_ms(w) == 800, "never below the floor"
 
 
+def test_a_burst_of_long_prompts_is_slow_without_opening_the_breaker_and_a_slow_short_one_still_fails():
+    """A first token's time grows with the prompt the engine computes: thresholds are kept per unit
+    of work and scaled by the request's own (breakers.prompt_work)."""
+    from services.router.breakers import WORK_TOKENS, prompt_work
+
+    clock = Clock()
+    b = Breakers(clock=clock)
+    w = WorkerId("w0")
+    for _ in range(50):
+        b.success(w, 40.0, prompt_work(100))  # short prompts: ~40 ms
+    assert b.threshold_ms(w) == 800
+    long = prompt_work(16 * WORK_TOKENS)  # a 16K-token prompt: 17 units
+    assert b.threshold_ms(w, long) >= 17 * 800 * 0.9, "its ceiling and floor scale with it"
+    # Its first token in 2 s is in line with the short ones' pace: within the threshold.
+    assert 2_000 < b.threshold_ms(w, long)
+    for _ in range(30):  # a burst of them, each as fast as its length allows, keeps the breaker closed
+        b.success(w, 2_000, long)
+    assert b.state()[w].state == "closed" and b.threshold_ms(w) == 800, "nor moves a short prompt's threshold"
+    # A short prompt that takes as long is slow for its length.
+    assert b.threshold_ms(w, prompt_work(100)) < 2_000
+
+
 # ------------------------------------------------------------------ flow: placing through the scheduler
 
 

@@ -12,6 +12,7 @@ from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, WorkerId, make_scheduler
 from services.router.servicer import InferenceServicer
+from gaas.tokenizer import ChatMessage
 
 KEYS = {"key-acme": Principal("acme", "gold", "key_1", "salt-acme")}
 AUTH = (("authorization", "Bearer key-acme"),)
@@ -350,3 +351,30 @@ async def test_merged_streams_wait_for_a_slow_consumer_instead_of_piling_up():
     assert sum(produced) <= 5 + 2 * 3 + 3, f"read {produced} ahead of a consumer that took 5"
     rest = [x async for x in merged]
     assert len(first) + len(rest) == 600 and produced == [200, 200, 200]
+
+
+async def test_under_a_public_prefix_the_worker_is_told_the_most_cached_tokens_usage_may_say():
+    """The public prefix's blocks are shared by every tenant; past them a cache hit would tell a
+    tenant that another sent the same continuation (a block-by-block oracle): the worker caps the
+    cached tokens it reports at the prefix's own."""
+    models = [ModelEntry("tiny", "1.0", 256, True, public_prefixes=(("pub_1", "You are helpful."),))]
+    cands = [Candidate(WorkerId("w0"), "w0", "tiny", "1.0", 256)]
+
+    async def fetch():
+        return models, cands
+
+    fake = FakeWorkers({"w0": OK})
+    d = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
+                   retries=0, max_stream_seconds=30)
+    acme = KEYS["key-acme"]
+    shared = await d.prepare(inference_pb2.GenerateRequest(prompt="You are helpful. Tell me a secret."), acme)
+    assert shared.cache_salt == "public:pub_1"
+    assert shared.cached_cap == len(FakeTokenizer().encode("You are helpful."))
+    own = await d.prepare(inference_pb2.GenerateRequest(prompt="Tell me a secret."), acme)
+    assert own.cache_salt == acme.cache_salt and own.cached_cap is None
+    chat = await d.prepare(inference_pb2.GenerateRequest(messages=[
+        inference_pb2.ChatMessage(role="system", content="You are helpful."),
+        inference_pb2.ChatMessage(role="user", content="A secret.")]), acme)
+    assert chat.cached_cap == len(FakeTokenizer().encode_chat([ChatMessage("system", "You are helpful.")], False))
+    assert d._worker_request(shared, acme, "r1").cached_tokens_cap == shared.cached_cap
+    assert not d._worker_request(own, acme, "r2").HasField("cached_tokens_cap")

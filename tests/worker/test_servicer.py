@@ -213,3 +213,26 @@ async def test_a_full_waiting_queue_refuses_with_resource_exhausted_and_the_tier
         await rt.shutdown()
     assert engine.requests[-1].priority == 7, "the router's tier-bound priority, not the client's"
     assert engine.requests[-1].stream_interval == 64 and engine.requests[0].stream_interval == 0
+
+
+async def test_the_cached_tokens_reported_stay_within_the_cap_the_router_gave():
+    """Under a public prefix the router sends cached_tokens_cap: the usage (and the first chunk's
+    prefill) never say more were cached, whatever the engine served from its cache."""
+    engine = FakeEngine(script=[
+        Delta(text="a", token_ids=[1], completion_tokens=1, first=True, prompt_tokens=200, cached_tokens=192),
+        Delta(text="b", token_ids=[2], completion_tokens=2, finish_reason=LENGTH, done=True, prompt_tokens=200,
+              cached_tokens=192),
+    ])
+    rt = await serve(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            req = wreq(prompt_token_ids=[1] * 200, max_tokens=2)
+            req.cached_tokens_cap = 40
+            chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=5)]
+            plain = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(wreq(prompt_token_ids=[1] * 200,
+                                                                                   max_tokens=2), timeout=5)]
+    finally:
+        await rt.shutdown()
+    assert chunks[0].prefill.cached_tokens == 40 and chunks[-1].usage.cached_tokens == 40
+    assert chunks[0].prefill.prompt_tokens == 200
+    assert plain[-1].usage.cached_tokens == 192, "without a cap, what the engine served"
