@@ -8,7 +8,8 @@ help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers)"
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
-	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions (prints tables, writes bench/results/*.json)"
+	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions,"
+	@echo "             what a refused request costs and slow clients at the edge (prints tables, writes bench/results/*.json)"
 	@echo "make gpu-check   on a host with NVIDIA GPUs: install, start the mesh (one worker per GPU), stream"
 	@echo "             through it, compare with vLLM's own server on the same GPU (bench/results/gpu-check.json)"
 	@echo "make model   build the tiny local model into models/gaas-tiny"
@@ -42,6 +43,7 @@ bench: proto
 	$(BIN)/python -m bench.mtlsbench
 	$(BIN)/python -m bench.faults
 	$(BIN)/python -m bench.sessions
+	$(BIN)/python -m bench.edge
 
 gpu-check:
 	@bash scripts/gpu-check.sh

@@ -138,7 +138,18 @@ def refusal_costs(mesh, keys: dict[str, str], n: int) -> list[dict]:
 # ------------------------------------------------------------------ slow clients
 
 
-async def _slow_headers(host: str, port: int, source: str, stop: float, counts: dict) -> None:
+# What each kind of slow client sends first, then a byte at a time (one a second) until the
+# ingress answers or drops it: headers that never end, or whole headers without a key and a body.
+SLOW_HEADERS = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b"X")
+TRICKLE = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 1000000\r\n\r\n{", b" ")
+
+
+async def _slow_client(host: str, port: int, source: str, stop: float, counts: dict, kind: tuple[bytes, bytes],
+                       pause: float) -> None:
+    """Connect from source, send kind's opening, then a byte a second; when the ingress answers
+    (counted by status) or drops the connection, connect again after pause, until stop."""
+    opening, byte = kind
     while time.monotonic() < stop:
         try:
             reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
@@ -148,51 +159,23 @@ async def _slow_headers(host: str, port: int, source: str, stop: float, counts: 
             continue
         counts["opened"] += 1
         try:
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            writer.write(opening)
             await writer.drain()
-            while time.monotonic() < stop:  # a header byte every second, never the end of them
-                writer.write(b"X")
-                await writer.drain()
-                try:
-                    if await asyncio.wait_for(reader.read(100), 1.0) == b"":
-                        break
-                    break  # answered (408): dropped
-                except asyncio.TimeoutError:
-                    continue
-        except OSError:
-            pass
-        finally:
-            writer.close()
-
-
-async def _trickle(host: str, port: int, source: str, stop: float, counts: dict) -> None:
-    while time.monotonic() < stop:
-        try:
-            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
-        except OSError:
-            counts["connect_failed"] += 1
-            await asyncio.sleep(0.5)
-            continue
-        counts["opened"] += 1
-        try:
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 1000000\r\n\r\n{")
-            await writer.drain()
-            while time.monotonic() < stop:  # a body byte every second
+            while time.monotonic() < stop:
                 try:
                     reply = await asyncio.wait_for(reader.read(200), 1.0)
-                    if reply:
-                        counts["answered_" + reply.split(b" ", 2)[1].decode(errors="replace")] = \
-                            counts.get("answered_" + reply.split(b" ", 2)[1].decode(errors="replace"), 0) + 1
-                    break
                 except asyncio.TimeoutError:
-                    writer.write(b" ")
+                    writer.write(byte)
                     await writer.drain()
-        except (OSError, IndexError):
+                    continue
+                status = reply.split(b" ", 2)[1].decode(errors="replace") if reply.count(b" ") >= 2 else "closed"
+                counts[f"answered_{status}"] = counts.get(f"answered_{status}", 0) + 1
+                break
+        except OSError:
             pass
         finally:
             writer.close()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(pause)
 
 
 def _attack(host: str, port: int, slow: int, trickle: int, seconds: float, out) -> None:
@@ -202,8 +185,10 @@ def _attack(host: str, port: int, slow: int, trickle: int, seconds: float, out) 
         stop = time.monotonic() + seconds
         counts = {"opened": 0, "connect_failed": 0}
         sources = [f"127.0.1.{i % 250 + 1}" for i in range(slow + trickle)]
-        tasks = [asyncio.create_task(_slow_headers(host, port, sources[i], stop, counts)) for i in range(slow)]
-        tasks += [asyncio.create_task(_trickle(host, port, sources[slow + i], stop, counts)) for i in range(trickle)]
+        tasks = [asyncio.create_task(_slow_client(host, port, sources[i], stop, counts, SLOW_HEADERS, 0.0))
+                 for i in range(slow)]
+        tasks += [asyncio.create_task(_slow_client(host, port, sources[slow + i], stop, counts, TRICKLE, 1.0))
+                  for i in range(trickle)]
         await asyncio.gather(*tasks, return_exceptions=True)
         return counts
 

@@ -42,8 +42,10 @@ MAX_CONNECTIONS = 20_000
 ROUTER_STREAMS = 8_192
 # API key checks in flight from the ingress to the routers: a budget of their own.
 AUTHZ_CHECKS = 1_024
-# How long the ingress waits for a router to check a key.
-AUTHZ_TIMEOUT_S = 2
+# How long the ingress waits for a router to check a key: longer than a router waits for control
+# (services/router/controlclient.CONTROL_TIMEOUT, 2 s), so that while control does not answer a
+# check falls back on the keys the router verified lately instead of failing.
+AUTHZ_TIMEOUT_S = 5
 # Envoy's own memory (the ingress's): past 95% it frees what it can, past 98% it refuses new requests.
 ENVOY_HEAP_BYTES = 1024 * MIB
 

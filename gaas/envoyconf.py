@@ -146,6 +146,9 @@ def _tracing(target: TraceTarget | None, envoy: str, *, edge: bool = False) -> d
         },
         "spawn_upstream_span": False,
     }
+    # Spans waiting for the next export (every 5 s): Envoy's default, 1,024, dropped spans of a
+    # busy ingress (two a request since the key check).
+    tracing["provider"]["typed_config"]["max_cache_size"] = 16_384
     # Whether to trace is the sampler's decision alone: a client's own x-request-id (passed on
     # through the mesh, and often not a UUID) must not decide it.
     request_id = {"typed_config": {

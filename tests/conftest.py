@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,48 +125,23 @@ def mesh(tmp_path_factory) -> RunningMesh:
         os.environ["GAAS_HOME"] = str(Path(existing).resolve())
         yield _attach(Path(existing))
         return
-    run_dir = tmp_path_factory.mktemp("mesh")
-    base = free_port_base(span=200, start=31000)
-    ingress_port = base + 190
-    redis_port = base + 191
-    output = run_dir / "gaas-up.out"
+    from tests.meshutil import start_mesh
     from tests.stripefake import FakeStripe
 
+    run_dir = tmp_path_factory.mktemp("mesh")
     stripe = FakeStripe("sk_test_mesh").start()
-    env = {
-        **os.environ,
-        # Billing reports to the local Stripe in 2-second windows, so tests see meter events soon.
-        "GAAS_STRIPE_API_KEY": stripe.api_key, "GAAS_STRIPE_API_BASE": stripe.url,
-        "GAAS_STRIPE_WINDOW_SECONDS": "2", "GAAS_STRIPE_GRACE_SECONDS": "1",
-    }
-    cmd = [
-        sys.executable, "-m", "gaas.cli", "up",
-        "--run-dir", str(run_dir),
-        "--port-base", str(base),
-        "--ingress-port", str(ingress_port),
-        "--workers", str(MESH_WORKERS),
-        "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-        "--timeout", str(MESH_START_TIMEOUT),
-        # Every request traced, as an operator looking into one would run it (tests/test_traces.py).
-        "--trace",
-        "--json",
-    ]
-    out = open(output, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True, env=env)
-    ready_line = proc.stdout.readline()  # the one JSON line `gaas up --json` prints when ready
-    if not ready_line:
-        proc.wait(timeout=60)
-        pytest.fail(f"gaas up failed (exit {proc.returncode}):\n{output.read_text()[-4000:]}")
-    ready = json.loads(ready_line)
-    children = json.loads((run_dir / "mesh.json").read_text())["children"]
-    api_key = Path(ready["demo_key_file"]).read_text().strip()
-    m = RunningMesh(proc, run_dir, f"127.0.0.1:{ingress_port}", base, ready, children, output, api_key, stripe)
+    # Billing reports to the local Stripe in 2-second windows, so tests see meter events soon.
+    env = {"GAAS_STRIPE_API_KEY": stripe.api_key, "GAAS_STRIPE_API_BASE": stripe.url,
+           "GAAS_STRIPE_WINDOW_SECONDS": "2", "GAAS_STRIPE_GRACE_SECONDS": "1"}
+    # Every request traced, as an operator looking into one would run it (tests/test_traces.py).
+    m = start_mesh(run_dir, free_port_base(span=200, start=31000), "--workers", str(MESH_WORKERS), "--trace",
+                   timeout=MESH_START_TIMEOUT, env=env)
+    m.stripe = stripe
     # In-process clients (gaas.admin, gaas.probe) reach the sidecars as this mesh's operator.
     os.environ["GAAS_HOME"] = str(run_dir.resolve())
     yield m
-    if proc.poll() is None:
+    if m.proc.poll() is None:
         m.stop()
-    out.close()
     stripe.stop()
 
 

@@ -77,10 +77,10 @@ def wait_for_lines(path, *needles, timeout=10.0) -> str:
         time.sleep(0.2)
 
 
-def start_mesh(run_dir, base: int, *args: str, timeout: float = 420):
+def start_mesh(run_dir, base: int, *args: str, timeout: float = 420, env: dict | None = None):
     """`gaas up` from run_dir at port base `base` (its ingress at base + 190, its own Redis at
     base + 191), as a user runs it; the RunningMesh once it says it is ready, else pytest.fail
-    with the end of its output. args: more of gaas up's options."""
+    with the end of its output. args: more of gaas up's options; env: more of its environment."""
     import pytest
 
     from tests.conftest import RunningMesh
@@ -91,7 +91,7 @@ def start_mesh(run_dir, base: int, *args: str, timeout: float = 420):
            "--timeout", str(timeout), "--json", *args]
     with open(output, "a") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if k != "GAAS_HOME"})
+                                env={**{k: v for k, v in os.environ.items() if k != "GAAS_HOME"}, **(env or {})})
     line = proc.stdout.readline()
     if not line:
         proc.wait(timeout=60)

@@ -62,7 +62,8 @@ def test_a_tenant_at_its_concurrency_limit_is_refused_until_a_stream_finishes(me
     with pytest.raises(openai.RateLimitError) as info:
         c.completions.create(model=MODEL, prompt="a second at once", max_tokens=2)
     assert info.value.code == "rate_limit_exceeded"
-    assert f"tenant {tenant} has 1 requests in flight, its limit is 1 at once" in info.value.message
+    assert f"tenant {tenant} has 1 sequences in flight (each choice of each prompt counts), its limit is 1 at once" \
+        in info.value.message
     stream.close()
     served_again(c)
 

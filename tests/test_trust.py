@@ -4,6 +4,7 @@ cannot register, renew or remove another; services are reachable only through th
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -165,7 +166,8 @@ def test_each_process_of_the_mesh_holds_only_the_secrets_its_job_needs(mesh):
         return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
 
     operator_password = (mesh.run_dir / "redis-password").read_text().strip()
-    envs = {name: environ(pid) for name, pid in mesh.children.items() if process_alive(pid)}
+    children = json.loads((mesh.run_dir / "mesh.json").read_text())["children"]  # (restarted ones too)
+    envs = {name: environ(pid) for name, pid in children.items() if process_alive(pid)}
     assert sorted(n for n, e in envs.items() if "GAAS_STRIPE_API_KEY" in e) == ["billing-0"]
     assert [n for n, e in envs.items() if operator_password in "".join(e.values())] == []
     for name, env in envs.items():
