@@ -3,7 +3,9 @@
 1. What a refused request costs the mesh, by where it is refused: CPU time of every mesh process
    (Envoys and services; the load generator excluded) per request, in microseconds, beside a
    request that is served (one token). Each kind is sent in sequence over keep-alive connections.
-2. Slow clients: SLOW_HEADERS connections that send a request's headers a byte at a time and
+2. The largest non-streamed answer the limits admit: served (not a 504), and how much the router
+   grew while it assembled it.
+3. Slow clients: SLOW_HEADERS connections that send a request's headers a byte at a time and
    never finish them, and TRICKLE connections that send whole headers without a key and then
    trickle a body, each reconnecting as soon as it is dropped, from addresses of their own
    (127.0.1.x) for --attack seconds; meanwhile a real client (a valid key, 127.0.0.1) sends a
@@ -283,6 +285,49 @@ def slow_clients(mesh, key: str, slow: int, trickle: int, attack_s: float, basel
     }
 
 
+# ------------------------------------------------------------------ the largest answer admitted
+
+
+def largest_answer(mesh, key: str) -> dict:
+    """The largest non-streamed answer the limits admit (64 prompts, each to the end of gaas-tiny's
+    context, 3 alternatives a token: just under gaas.edge.MAX_ANSWER_TOKENS and _LOGPROBS): how
+    long it took, what it answered, and how much the router grew meanwhile (sampled every 0.1 s)."""
+    from gaas import edge
+
+    host, port = mesh.topo.ingress.split(":")
+    router = {c.name: c.proc.pid for c in mesh.children}["router-0"]
+    prompts, per_prompt = 64, 2040
+    top = edge.MAX_ANSWER_LOGPROBS // (prompts * per_prompt) - 1
+    body = json.dumps({"model": MODEL, "prompt": ["x"] * prompts, "max_tokens": per_prompt, "logprobs": top,
+                       "ignore_eos": True}).encode()
+    before = footprint.memory(router)["rss_mb"]
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            peak.append(footprint.memory(router)["rss_mb"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection(host, int(port), timeout=900)
+    conn.request("POST", "/v1/completions", body=body, headers={"authorization": f"Bearer {key}",
+                                                                   "content-type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    seconds = time.perf_counter() - started
+    done.set()
+    sampler.join()
+    answer = json.loads(raw) if resp.status == 200 else {}
+    tokens = answer.get("usage", {}).get("completion_tokens", 0)
+    say(f"  the largest answer admitted: HTTP {resp.status}, {tokens} tokens, {len(raw) / 1e6:.0f} MB of JSON in "
+        f"{seconds:.1f} s; the router grew {max(peak) - before:.0f} MB")
+    return {"status": resp.status, "completion_tokens": tokens, "logprobs_top": top, "answer_mb": round(len(raw) / 1e6, 1),
+            "seconds": round(seconds, 1), "router_rss_before_mb": before, "router_rss_peak_mb": max(peak),
+            "router_growth_mb": round(max(peak) - before, 1)}
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -305,12 +350,13 @@ def run(n: int, slow: int, trickle: int, attack_s: float, keep: bool = False) ->
                 admin.update_tenant(f"edge-{name}", limits=limits)
                 keys[name] = admin.create_key(f"edge-{name}")[1]
         costs = refusal_costs(mesh, keys, n)
+        largest = largest_answer(mesh, keys["served"])
         attack = slow_clients(mesh, keys["served"], slow, trickle, attack_s)
     finally:
         mesh.stop()
         if not keep:
             shutil.rmtree(mesh.run_dir, ignore_errors=True)
-    return {"refusals": costs, "slow_clients": attack}
+    return {"refusals": costs, "largest_answer": largest, "slow_clients": attack}
 
 
 def main() -> None:
@@ -329,6 +375,11 @@ def main() -> None:
         answer = ", ".join(f"{s} x{c}" for s, c in sorted(r["statuses"].items()))
         where = ", ".join(f"{k} {v}" for k, v in list(r["cpu_us_by_process"].items())[:4])
         print(f"{r['kind']:<32} {answer:<16} {r['mesh_cpu_us_per_request']:>18} us {r['wall_ms_per_request']:>14} ms  {where}")
+    big = result["largest_answer"]
+    print(f"\nthe largest non-streamed answer the limits admit (64 prompts x {2040} tokens, {big['logprobs_top']} "
+          f"alternatives a token; goal: served, and no process grows 512 MB): HTTP {big['status']}, "
+          f"{big['completion_tokens']:,} tokens, {big['answer_mb']} MB of JSON in {big['seconds']} s; the router grew "
+          f"{big['router_growth_mb']} MB (to {big['router_rss_peak_mb']} MB)")
     a = result["slow_clients"]
     print(f"\nslow clients: {a['slow_header_connections']} never finishing their headers, {a['trickle_connections']} "
           f"trickling a body without a key, {a['attack_seconds']:.0f} s (goal: real requests within 1 s of usual)")

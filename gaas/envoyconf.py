@@ -829,6 +829,9 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
             "services": [GRPC_SERVICE["router"], OPENAI_SERVICE],
             "convert_grpc_status": True,
             "max_request_body_size": max_http_body(),
+            # Per message of a response: a non-streamed answer comes in pieces of 256 KiB
+            # (gaas.openai_stream.ANSWER_PIECE_BYTES), an event of a stream is smaller.
+            "max_response_body_size": 1 << 20,
             "print_options": {
                 "add_whitespace": False,
                 "always_print_primitive_fields": False,
