@@ -100,7 +100,8 @@ def refusal_costs(mesh, keys: dict[str, str], n: int) -> list[dict]:
         ("over its rate quota", "/v1/completions", lambda i: _completion(), {"authorization": f"Bearer {keys['rpm']}"}),
         ("body over the limit (2 MiB)", "/v1/completions", lambda i: big,
          {"authorization": f"Bearer {keys['served']}"}),
-        ("answer over the limit", "/v1/completions", lambda i: _completion(max_tokens=1800, n=16, logprobs=20,
+        # The request: 64 prompts, 20 alternatives a token, 1,800 tokens each.
+        ("answer over the limit", "/v1/completions", lambda i: _completion(max_tokens=1800, logprobs=20,
                                                                            prompt=["x"] * 64),
          {"authorization": f"Bearer {keys['served']}"}),
         ("malformed JSON", "/v1/completions", lambda i: b'{"model": ', {"authorization": f"Bearer {keys['served']}"}),

@@ -302,8 +302,13 @@ def test_the_mesh_own_background_calls_make_no_traces(mesh):
     generate(mesh, prompt="only this", max_tokens=2)
     time.sleep(6)  # leases renew and registries refresh meanwhile
     collected = traces.load(mesh.run_dir / traces.TRACES_FILE)
-    rootless = [t for t in collected.values() if not any(s.service == "envoy-ingress-0" for s in t.spans)]
-    assert not rootless, [(t.trace_id, [(s.service, s.name) for s in t.spans]) for t in rootless[:3]]
+    # A client's request leaves a span in the router's public methods or its key check, even where
+    # Envoy's exporter dropped the ingress's own (it drops spans when the collector falls behind:
+    # a few did under the fuzzing before this, every request traced on two cores).
+    client_methods = ("/gaas.v1.OpenAI/", "/gaas.v1.Inference/", "/envoy.service.auth.v3.Authorization/")
+    background = [t for t in collected.values() if not any(s.service == "envoy-ingress-0" for s in t.spans)
+                  and not any(s.name.startswith(client_methods) for s in t.spans)]
+    assert not background, [(t.trace_id, [(s.service, s.name) for s in t.spans]) for t in background[:3]]
 
 
 @pytest.mark.mesh
