@@ -402,6 +402,8 @@ class VllmEngine(Engine):
                 handed_off = True
                 self._run_to_first_output(outputs, first, r, token_ids)
                 raise
+            except StopAsyncIteration:  # (no output at all: nothing to yield)
+                return
             for delta in self._deltas(out, r, token_ids, counted, first=True):
                 yield delta
             async for out in outputs:
