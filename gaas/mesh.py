@@ -400,7 +400,7 @@ class Mesh:
         target = want if hard == resource.RLIM_INFINITY else min(want, hard)
         if target > soft:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        if target < want:
+        if target < 8 * 1024:  # (a few thousand connections are enough not to mention it)
             self.progress(f"open files are limited to {target} (ulimit -Hn): the ingress holds at most about "
                           f"{target // 2} client connections (raise the hard limit for {edge.MAX_CONNECTIONS})")
 
