@@ -84,10 +84,10 @@ def public_prefix(model: ModelEntry, request: inference_pb2.GenerateRequest) -> 
     return None
 
 
-def cache_salt(model: ModelEntry, request: inference_pb2.GenerateRequest, tenant_salt: str) -> str:
-    """The salt a request's blocks are cached under: a public prefix's, else the tenant's own."""
-    found = public_prefix(model, request)
-    return f"public:{found[0]}" if found else tenant_salt
+def cache_salt(shared: tuple[str, str] | None, tenant_salt: str) -> str:
+    """The salt a request's blocks are cached under: the public prefix's it begins with (shared,
+    from public_prefix), else the tenant's own."""
+    return f"public:{shared[0]}" if shared else tenant_salt
 
 
 def shared_tokens(tok: Tokenizer, request: inference_pb2.GenerateRequest, text: str, ids: list[int]) -> int:
@@ -292,7 +292,7 @@ class Dispatcher:
             raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
         genrequest.check(forwarded, limit or None, tok.vocab_size)
         shared = public_prefix(model, request)
-        prepared = Prepared(model, forwarded, len(ids), f"public:{shared[0]}" if shared else principal.cache_salt)
+        prepared = Prepared(model, forwarded, len(ids), cache_salt(shared, principal.cache_salt))
         if shared is not None:
             prepared.cached_cap = shared_tokens(tok, request, shared[1], ids)
         self._ask_prefix(prepared, workers)

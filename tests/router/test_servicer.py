@@ -234,18 +234,21 @@ async def test_no_workers_is_unavailable():
 
 
 def test_a_public_prefix_replaces_the_tenants_salt_only_for_prompts_that_begin_with_it():
-    from services.router.dispatch import cache_salt
+    from services.router.dispatch import cache_salt, public_prefix
 
     model = ModelEntry("tiny", "1.0", 64, True, public_prefixes=(("pub_1", "You are helpful."),))
 
     def chat(*messages):
         return inference_pb2.GenerateRequest(messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in messages])
 
-    assert cache_salt(model, chat(("system", "You are helpful."), ("user", "hi")), "tenant") == "public:pub_1"
-    assert cache_salt(model, chat(("system", "You are helpful!"), ("user", "hi")), "tenant") == "tenant"
-    assert cache_salt(model, chat(("user", "You are helpful.")), "tenant") == "tenant"
-    assert cache_salt(model, inference_pb2.GenerateRequest(prompt="You are helpful. Go."), "tenant") == "public:pub_1"
-    assert cache_salt(model, inference_pb2.GenerateRequest(prompt="Go."), "tenant") == "tenant"
+    def salt(request):
+        return cache_salt(public_prefix(model, request), "tenant")
+
+    assert salt(chat(("system", "You are helpful."), ("user", "hi"))) == "public:pub_1"
+    assert salt(chat(("system", "You are helpful!"), ("user", "hi"))) == "tenant"
+    assert salt(chat(("user", "You are helpful."))) == "tenant"
+    assert salt(inference_pb2.GenerateRequest(prompt="You are helpful. Go.")) == "public:pub_1"
+    assert salt(inference_pb2.GenerateRequest(prompt="Go.")) == "tenant"
 
 
 async def test_the_engine_gets_the_tiers_band_whatever_priority_the_client_asks_for():
