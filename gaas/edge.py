@@ -76,6 +76,10 @@ MAX_ANSWER_TOKENS = 131_072
 # ... and this many logprob entries (each token's own and its top alternatives). A streamed
 # answer is sent as it is made and held nowhere: neither bounds it.
 MAX_ANSWER_LOGPROBS = 524_288
+# A non-streamed answer goes to the ingress in messages of at most this many bytes; the ingress's
+# transcoder takes a response message up to RESPONSE_MESSAGE_BYTES (a stream's events are smaller).
+ANSWER_PIECE_BYTES = 256 * KIB
+RESPONSE_MESSAGE_BYTES = 4 * ANSWER_PIECE_BYTES
 
 # --------------------------------------------------------------- unknown keys
 

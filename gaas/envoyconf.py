@@ -829,9 +829,8 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
             "services": [GRPC_SERVICE["router"], OPENAI_SERVICE],
             "convert_grpc_status": True,
             "max_request_body_size": max_http_body(),
-            # Per message of a response: a non-streamed answer comes in pieces of 256 KiB
-            # (gaas.openai_stream.ANSWER_PIECE_BYTES), an event of a stream is smaller.
-            "max_response_body_size": 1 << 20,
+            # Per message of a response: a non-streamed answer comes in pieces (edge.ANSWER_PIECE_BYTES).
+            "max_response_body_size": edge.RESPONSE_MESSAGE_BYTES,
             "print_options": {
                 "add_whitespace": False,
                 "always_print_primitive_fields": False,

@@ -11,14 +11,12 @@ from dataclasses import dataclass, field
 
 from google.api import httpbody_pb2
 
-from gaas import errors, latency, openai_api
+from gaas import edge, errors, latency, openai_api
 from gaas.runtime.interceptors import translate
 from gaas.v1 import common_pb2
 
 JSON = "application/json"
 SSE = "text/event-stream"
-# A non-streamed answer goes to the ingress in messages of at most this many bytes.
-ANSWER_PIECE_BYTES = 256 << 10
 
 
 def json_body(obj: dict) -> httpbody_pb2.HttpBody:
@@ -139,8 +137,8 @@ async def respond(
         choices.clear()
         # In pieces: the ingress's transcoder appends each to the one JSON body it sends, holding
         # none of them whole (it refuses a single message larger than its buffer).
-        for start in range(0, len(answer), ANSWER_PIECE_BYTES):
-            yield httpbody_pb2.HttpBody(content_type=JSON, data=answer[start:start + ANSWER_PIECE_BYTES])
+        for start in range(0, len(answer), edge.ANSWER_PIECE_BYTES):
+            yield httpbody_pb2.HttpBody(content_type=JSON, data=answer[start:start + edge.ANSWER_PIECE_BYTES])
         return
     if parsed.include_usage or usage.explain:
         yield sse_body(openai_api.sse(fmt.usage_chunk(usage.final())))
