@@ -19,7 +19,7 @@ install:
 	@bash scripts/install.sh
 
 proto: install
-	@$(BIN)/python -m gaas.protogen
+	@$(BIN)/python -m gaas.ops.protogen
 
 model: proto
 	@$(BIN)/gaas model build --preset tiny

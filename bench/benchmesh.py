@@ -16,15 +16,15 @@ def bench_mesh(
     replicas: Mapping[str, int] | None = None, worker_options: Mapping[str, object] | None = None,
     deploy_file: Path | None = None, extra_env: Mapping[str, str] | None = None, ingress_path: str | None = None,
 ):
-    """A gaas.mesh.Mesh, not yet started, in a new run directory (gaas-<name>-...): deploy/topology.yaml
+    """A gaas.launcher.mesh.Mesh, not yet started, in a new run directory (gaas-<name>-...): deploy/topology.yaml
     with `workers` workers, other services' replicas as given, the workers' options as given, the
     ingress's path to the workers as given (router or direct; default: the topology's).
-    The run directory becomes GAAS_HOME, so in-process admin calls (gaas.admin, gaas.probe) reach
+    The run directory becomes GAAS_HOME, so in-process admin calls (gaas.sdk.admin, gaas.ops.probe) reach
     the sidecars as this mesh's operator."""
     import yaml
 
-    from gaas import topology
-    from gaas.mesh import Mesh, free_port_base
+    from gaas.ops import topology
+    from gaas.launcher.mesh import Mesh, free_port_base
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"gaas-{name}-"))
     os.environ["GAAS_HOME"] = str(run_dir)

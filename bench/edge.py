@@ -237,8 +237,8 @@ def _summary(records: list[dict]) -> dict:
 
 
 def _ingress_connections(mesh) -> int:
-    from gaas import probe
-    from gaas.topology import LocalSockets
+    from gaas.ops import probe
+    from gaas.ops.topology import LocalSockets
 
     try:
         _, body = probe.envoy_admin(LocalSockets.of(mesh.sockets, "ingress-0").admin,
@@ -291,9 +291,9 @@ def slow_clients(mesh, key: str, slow: int, trickle: int, attack_s: float, basel
 
 def largest_answer(mesh, key: str) -> dict:
     """The largest non-streamed answer the limits admit (64 prompts, each to the end of gaas-tiny's
-    context, 3 alternatives a token: just under gaas.edge.MAX_ANSWER_TOKENS and _LOGPROBS): how
+    context, 3 alternatives a token: just under gaas.contracts.edge.MAX_ANSWER_TOKENS and _LOGPROBS): how
     long it took, what it answered, and how much the router grew meanwhile (sampled every 0.1 s)."""
-    from gaas import edge
+    from gaas.contracts import edge
 
     host, port = mesh.topo.ingress.split(":")
     router = {c.name: c.proc.pid for c in mesh.children}["router-0"]
@@ -334,7 +334,7 @@ def largest_answer(mesh, key: str) -> dict:
 
 def run(n: int, slow: int, trickle: int, attack_s: float, keep: bool = False) -> dict:
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
+    from gaas.sdk.admin import Admin
 
     _raise_open_files()
     mesh = bench_mesh("edge", 24000, say, workers=1)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from gaas.runtime import placement
+from gaas.host import placement
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
@@ -120,8 +120,8 @@ def _alive(pid: int) -> bool:
 
 
 def _serving(mesh, name: str) -> bool:
-    from gaas import probe
-    from gaas.topology import LocalSockets
+    from gaas.ops import probe
+    from gaas.ops.topology import LocalSockets
 
     if name.startswith("sidecar-"):
         return probe.envoy_ready(LocalSockets.of(mesh.sockets, name.removeprefix("sidecar-")).admin)
@@ -169,7 +169,7 @@ def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
 
 def run(replicas: int, streams: int, settle: float, targets: tuple[str, ...] = TARGETS, keep: bool = False) -> list[dict]:
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
+    from gaas.sdk.admin import Admin
 
     mesh = bench_mesh("faults", 25000, say, workers=2,
                       replicas={kind: replicas for kind in ("control", "kvcache", "billing", "router")})

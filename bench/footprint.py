@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from gaas.runtime.placement import descendants
+from gaas.host.placement import descendants
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

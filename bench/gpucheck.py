@@ -1,6 +1,6 @@
 """make gpu-check: prove GaaS's GPU path on a host with NVIDIA GPUs, unattended, in a few minutes.
 
-  1. Finds the GPUs (gaas.runtime.devices: the same answer `gaas up` and the workers get).
+  1. Finds the GPUs (gaas.host.devices: the same answer `gaas up` and the workers get).
   2. Starts the whole mesh (`gaas up`'s machinery: Redis, services, Envoys) with one worker per GPU,
      and checks that every GPU got its own worker (by UUID) and that each worker computes on CUDA.
   3. Streams completions through the ingress with the official `openai` client (completions and
@@ -103,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     started = time.monotonic()
 
-    from gaas import topology
-    from gaas.runtime.devices import visible_gpus
+    from gaas.ops import topology
+    from gaas.host.devices import visible_gpus
 
     gpus = visible_gpus()
     if not gpus and args.cpu_rehearsal:
-        from gaas.runtime.devices import GpuInfo
+        from gaas.host.devices import GpuInfo
 
         say("rehearsal on the CPU: the GPU checks will fail")
         gpus = [GpuInfo(0, "cpu", "cpu", 0)]
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"GPU {g.index}: {g.describe()}")
 
     from bench.vllm_bench import run as vllm_bench
-    from gaas.admin import Admin
-    from gaas.mesh import Mesh, MeshError, free_port_base
+    from gaas.sdk.admin import Admin
+    from gaas.launcher.mesh import Mesh, MeshError, free_port_base
     from gaas.model.build import build_model, is_built
 
     check = Check()
@@ -245,7 +245,7 @@ def clients(check: Check, ingress: str, key: str, model: str) -> None:
     """The tools people point at vLLM servers, and GaaS's own client, through the ingress."""
     import openai
 
-    from gaas.client import GaasClient
+    from gaas.sdk.client import GaasClient
 
     oai = openai.OpenAI(base_url=f"http://{ingress}/v1", api_key=key, max_retries=0, timeout=60)
 

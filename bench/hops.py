@@ -47,7 +47,7 @@ def entry_points(topo, run_dir: Path, api_key: str, model: str) -> dict:
     """name -> call(request_number) -> a stream of chunks, for each entry point of ENTRIES."""
     import grpc
 
-    from gaas import pki, topology
+    from gaas.ops import pki, topology
     from gaas.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     worker, router = topo.of("worker")[0], topo.of("router")[0]
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
+    from gaas.sdk.admin import Admin
 
     mesh = bench_mesh("hops", 23000, say)
     topo, run_dir = mesh.topo, mesh.run_dir

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from bench.workload import multi_tenant_chat
-from gaas import kvhash
+from gaas.contracts import kvhash
 from services.kvcache.directory import BlockDirectory, Stored, WorkerId
 from services.router.scheduling import Candidate, Load, RequestContext, make_scheduler
 
@@ -95,7 +95,7 @@ def decision_cost(workers: int = 8, prompt_tokens: int = 4096, iterations: int =
     tokenize_ms = None
     tok_dir = ROOT / "models" / "gaas-tiny"
     if (tok_dir / "tokenizer.json").exists():
-        from gaas.tokenizer import Tokenizer
+        from gaas.model.tokenizer import Tokenizer
 
         tok = Tokenizer.load(tok_dir)
         text = " ".join(random.Random(1).choice(["river", "stone", "cloud", "harbor", "signal"]) for _ in range(3000))

@@ -25,16 +25,17 @@ import time
 from pathlib import Path
 
 from bench.kvbench import pct
-from gaas import admission, metering, pricing
-from gaas.mesh import redis_answers, redis_server_command
-from gaas.metering import GROUP, STREAM, UsageEvent
+from gaas.contracts import pricing, usage as metering
+from gaas.metering import admission
+from gaas.launcher.mesh import redis_answers, redis_server_command
+from gaas.contracts.usage import GROUP, STREAM, UsageEvent
 from gaas.runtime import redisconn
 from gaas.runtime.sql import Database
 from gaas.v1 import common_pb2
 from services.billing.consumer import UsageConsumer
 from services.billing.ledger import Ledger
-from gaas.principal import Principal
-from gaas.meter import Meter
+from gaas.contracts.principal import Principal
+from gaas.metering.meter import Meter
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POSTGRES = os.environ.get("GAAS_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

@@ -1,6 +1,6 @@
 """What mutual TLS costs per hop between sidecars.
 
-One hop exactly as the mesh builds it (gaas/envoyconf.py): a caller's sidecar outbound listener (a
+One hop exactly as the mesh builds it (gaas/envoy/config.py): a caller's sidecar outbound listener (a
 Unix socket) -> the callee's sidecar inbound listener (TCP) -> the service (a Unix socket), with
 Envoy 1 thread each. Measured twice: the inbound listener and the cluster with the mesh's mutual
 TLS, RBAC and caller forwarding (as `gaas up` renders them), and the same hop in plaintext. The
@@ -29,8 +29,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gaas.runtime.metrics import nearest_rank
-from gaas import envoyconf, pki
-from gaas.mesh import free_port_base
+from gaas.envoy import config as envoyconf
+from gaas.ops import pki
+from gaas.launcher.mesh import free_port_base
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_MS = 0.2

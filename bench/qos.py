@@ -31,7 +31,7 @@ import httpx
 
 from bench import footprint
 from bench.kvbench import pct
-from gaas.topology import INGRESS_PATHS
+from gaas.ops.topology import INGRESS_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
@@ -50,7 +50,7 @@ def prompt(rng: random.Random, words: int = 90) -> str:
 
 async def one(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -> dict:
     """One streamed completion: outcome, TTFT (ms), tokens, and where the mesh says its time went
-    (gaas.latency's parts, asked for with x-gaas-explain)."""
+    (gaas.contracts.latency's parts, asked for with x-gaas-explain)."""
     body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     started = time.perf_counter()
@@ -179,7 +179,7 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
 def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path | None = None,
                ingress_path: str | None = None):
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
+    from gaas.sdk.admin import Admin
 
     mesh = bench_mesh("qos", 24000, say, workers=workers, replicas={"router": routers}, deploy_file=deploy_file,
                       extra_env={"GAAS_QOS": "on" if qos_on else "off"}, ingress_path=ingress_path)
@@ -241,7 +241,7 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
         tiers = asyncio.run(open_loop(base, keys, rate, args.seconds, args.max_tokens))
         used, host = os.times(), footprint.host_load(host_before, footprint.host_times())
         client_cpu = (used.user + used.system - cpu.user - cpu.system) / (time.perf_counter() - started)
-        from gaas.admin import router_flow
+        from gaas.sdk.admin import router_flow
 
         return {"unloaded_gold_ttft_p50_ms": round(pct(alone, 0.5), 1),
                 "unloaded_gold_ttft_p95_ms": round(pct(alone, 0.95), 1),
@@ -276,7 +276,7 @@ async def hammer(base: str, key: str, seconds: float, streams: int) -> tuple[int
 def rate_limit_accuracy(args) -> dict:
     mesh, run_dir, base, keys, topo = start_mesh(True, args.workers, routers=2, ingress_path=args.ingress_path)
     try:
-        from gaas.admin import Admin
+        from gaas.sdk.admin import Admin
 
         with Admin(topo.of("control")[0].inbound) as admin:
             admin.create_tenant("metered", "silver")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.run import free_port, pct, start_vllm_server, stop_group, wait_http
 from bench.workload import multi_tenant_chat
-from gaas.runtime.placement import worker_cpus
+from gaas.host.placement import worker_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-small"
@@ -84,9 +84,9 @@ def run_workload(base_url: str, api_key: str, rounds, concurrency: int, model: s
 def ceiling(rounds, block_size: int) -> float:
     """Hit rate of one worker whose cache never evicts, serving the requests in order (vLLM
     recomputes at least the last token of a prompt)."""
-    from gaas import kvhash
-    from gaas.mesh import ROOT as MESH_ROOT
-    from gaas.tokenizer import ChatMessage, Tokenizer
+    from gaas.contracts import kvhash
+    from gaas.launcher.mesh import ROOT as MESH_ROOT
+    from gaas.model.tokenizer import ChatMessage, Tokenizer
 
     tok = Tokenizer.load(MESH_ROOT / "models" / MODEL)
     seen: set[int] = set()
@@ -105,9 +105,9 @@ def ceiling(rounds, block_size: int) -> float:
 
 
 def working_set_blocks(rounds, block_size: int) -> int:
-    from gaas import kvhash
-    from gaas.mesh import ROOT as MESH_ROOT
-    from gaas.tokenizer import ChatMessage, Tokenizer
+    from gaas.contracts import kvhash
+    from gaas.launcher.mesh import ROOT as MESH_ROOT
+    from gaas.model.tokenizer import ChatMessage, Tokenizer
 
     tok = Tokenizer.load(MESH_ROOT / "models" / MODEL)
     return len({
@@ -118,7 +118,7 @@ def working_set_blocks(rounds, block_size: int) -> int:
 
 def gaas_run(policy: str, workers: int, blocks: int, rounds, concurrency: int) -> dict:
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
+    from gaas.sdk.admin import Admin
 
     mesh = bench_mesh("routing", 23000, say, workers=workers,
                       worker_options={"model": MODEL, "kv_cache_blocks": blocks},
@@ -145,8 +145,8 @@ def ensure_vllm_router() -> str:
 
 
 def vllm_router_run(blocks: int, rounds, concurrency: int, log_dir: Path) -> dict:
-    from gaas import topology
-    from gaas.deployspec import load as load_spec
+    from gaas.ops import topology
+    from gaas.settings.deployspec import load as load_spec
 
     model = load_spec(ROOT / "deploy" / "gaas.yaml").model(MODEL)
     executor = str(topology.load(ROOT / "deploy" / "topology.yaml", env={}).of("worker")[0].options["executor"])
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
 
-    from gaas.deployspec import load as load_spec
+    from gaas.settings.deployspec import load as load_spec
     from gaas.model.build import build_model, is_built
 
     model = load_spec(ROOT / "deploy" / "gaas.yaml").model(MODEL)

@@ -64,7 +64,7 @@ def prompts(n: int) -> list[str]:
 
 def grpc_stream(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int, dict]:
     """(TTFT s, gaps between token chunks s, tokens, the mesh's latency decomposition in ms)."""
-    from gaas import latency
+    from gaas.contracts import latency
 
     start = time.perf_counter()
     stamps: list[float] = []
@@ -107,7 +107,7 @@ class Series:
             "ttft_mean_ms": ms(statistics.fmean(self.ttft)) if self.ttft else None,
             "itl_p50_ms": ms(pct(self.itl, 0.5)),
             "itl_p99_ms": ms(pct(self.itl, 0.99)),
-            # The mesh's own account of each request (gaas.latency), p50 / p99 per part.
+            # The mesh's own account of each request (gaas.contracts.latency), p50 / p99 per part.
             "latency_ms": {
                 part: {"p50": round(pct([d[part] for d in self.latency], 0.5), 3),
                        "p99": round(pct([d[part] for d in self.latency], 0.99), 3)}
@@ -156,8 +156,8 @@ def start_vllm_server(
     model_dir: Path, model_name: str, port: int, core: int, log: Path, extra: list[str] = (), executor: str = "mp"
 ) -> subprocess.Popen:
     """vLLM's OpenAI server, its model computing on core; executor as a GaaS worker's
-    (gaas.runtime.placement.EXECUTORS; "mp" is vLLM's own choice on the CPU)."""
-    from gaas.runtime.placement import engine_executor
+    (gaas.host.placement.EXECUTORS; "mp" is vLLM's own choice on the CPU)."""
+    from gaas.host.placement import engine_executor
 
     backend, engine_env = engine_executor(executor, on_gpu=False, bind=str(core))
     env = {
@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench import footprint
     from bench.vllm_bench import run as vllm_bench
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
-    from gaas.client import GaasClient
-    from gaas.runtime.placement import pin_descendants, worker_cpus
+    from gaas.sdk.admin import Admin
+    from gaas.sdk.client import GaasClient
+    from gaas.host.placement import pin_descendants, worker_cpus
 
     # One mesh per path, side by side (each its own run directory, ports and Redis); their workers
     # share the core, as they take turns being measured.

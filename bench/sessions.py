@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     from bench.benchmesh import bench_mesh
-    from gaas.admin import Admin
-    from gaas.tokenizer import Tokenizer
+    from gaas.sdk.admin import Admin
+    from gaas.model.tokenizer import Tokenizer
 
     mesh = bench_mesh("sessions", 23000, say, worker_options={"model": MODEL})
     topo, run_dir = mesh.topo, mesh.run_dir

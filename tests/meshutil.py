@@ -20,7 +20,7 @@ from tests.conftest import ROOT
 
 def gaas(mesh, *args, timeout=60):
     return subprocess.run(
-        [sys.executable, "-m", "gaas.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "gaas.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "GAAS_HOME": str(mesh.run_dir)},
     )
 
@@ -49,7 +49,7 @@ def http(mesh, path, body: bytes | None = None, method="POST", key: str | None =
 def wait_workers_idle(mesh, timeout: float = 30.0) -> None:
     """Until every worker reports nothing running or waiting (what earlier tests left streaming has
     ended), so that a test of where requests go starts from equal workers."""
-    from gaas import probe
+    from gaas.ops import probe
 
     control = next(i["address"] for i in mesh.ready["instances"] if i["name"] == "control-0")
     deadline = time.monotonic() + timeout
@@ -86,7 +86,7 @@ def start_mesh(run_dir, base: int, *args: str, timeout: float = 420, env: dict |
     from tests.conftest import RunningMesh
 
     output = run_dir / "gaas-up.out"
-    cmd = [sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(run_dir), "--port-base", str(base),
+    cmd = [sys.executable, "-m", "gaas.cli.main", "up", "--run-dir", str(run_dir), "--port-base", str(base),
            "--ingress-port", str(base + 190), "--redis-url", f"redis://127.0.0.1:{base + 191}/0",
            "--timeout", str(timeout), "--json", *args]
     with open(output, "a") as out:
@@ -108,7 +108,7 @@ def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str):
     (its own ports, Redis and run directory; GAAS_HOME left to the session's mesh). port_start:
     below the kernel's ephemeral ports (32768 and up here), or a client's connection may take a
     port the mesh is about to listen on."""
-    from gaas.mesh import free_port_base
+    from gaas.launcher.mesh import free_port_base
 
     m = start_mesh(run_dir, free_port_base(span=200, start=port_start), "--workers", str(workers),
                    "--ingress-path", ingress_path)
@@ -145,7 +145,7 @@ def refused_on_headers(mesh, path: str, key: str = "", body_bytes: int = 512 << 
 def engine_prompt_tokens(mesh, workers: int) -> tuple[float, float]:
     """The prompt tokens the mesh's engines took, and of them the cached, by vLLM's own counters
     (vllm:prompt_tokens_total, vllm:prompt_tokens_cached_total), summed over every worker."""
-    from gaas import topology
+    from gaas.ops import topology
 
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base,
                          ingress_port=int(mesh.ingress.rsplit(":", 1)[1]), workers=workers)

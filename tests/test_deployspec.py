@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from gaas import deployspec
-from gaas.deployspec import SpecError
+from gaas.settings import deployspec
+from gaas.settings.deployspec import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 

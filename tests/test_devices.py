@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import topology
-from gaas.runtime import devices, placement
-from gaas.runtime.devices import GpuInfo, visible_gpus
+from gaas.ops import topology
+from gaas.host import devices, placement
+from gaas.host.devices import GpuInfo, visible_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -183,12 +183,12 @@ def test_gpu_monitor_falls_back_to_the_device_when_nvml_cannot_attribute(nvml):
 
 
 def test_the_device_script_needs_no_dependencies_and_reads_nvidia_smi(tmp_path):
-    """scripts/install.sh asks `python3 gaas/runtime/devices.py kind` before the venv exists."""
+    """scripts/install.sh asks `python3 gaas/host/devices.py kind` before the venv exists."""
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\necho '0, GPU-aaaa, NVIDIA H200, 143771, 0, 00000000:19:00.0'\n"
                     "echo '1, GPU-bbbb, NVIDIA H200, 143771, 0, 00000000:3B:00.0'\n")
     fake.chmod(0o755)
-    script = ROOT / "gaas" / "runtime" / "devices.py"
+    script = ROOT / "gaas" / "host" / "devices.py"
     # -S: no site-packages, so no pynvml: the nvidia-smi path.
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
     run = lambda *a, **e: subprocess.run([sys.executable, "-S", str(script), *a], env={**env, **e},  # noqa: E731
@@ -265,7 +265,7 @@ def test_worker_replicas_default_to_one_per_gpu():
 
 
 def _mesh(tmp_path, monkeypatch, gpus, workers, **worker_options):
-    from gaas import mesh as mesh_mod
+    from gaas.launcher import mesh as mesh_mod
 
     monkeypatch.setattr(mesh_mod, "visible_gpus", lambda: list(gpus))
     t = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=47000, workers=workers)
@@ -286,7 +286,7 @@ def test_gpu_workers_get_their_gpu_by_uuid_and_settings_for_it(tmp_path, monkeyp
 
 
 def test_more_workers_than_gpus_share_with_split_memory_or_are_refused(tmp_path, monkeypatch):
-    from gaas.mesh import MeshError
+    from gaas.launcher.mesh import MeshError
 
     monkeypatch.setenv("GAAS_GPU_MEMORY_UTILIZATION", "0.8")
     m = _mesh(tmp_path, monkeypatch, GPUS[:1], 2)
@@ -326,7 +326,7 @@ def test_an_unknown_executor_is_refused():
 
 
 def test_worker_settings_by_device():
-    from gaas.runtime.envconfig import ConfigError
+    from gaas.settings.env import ConfigError
     from services.worker.config import WorkerConfig
 
     base = {"GAAS_MODEL": "m", "GAAS_MODEL_PATH": "/m"}

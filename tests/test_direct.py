@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import direct, errors, pricing
+from gaas.contracts import errors, pricing
+from gaas.metering import direct
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
 from tests.meshutil import (

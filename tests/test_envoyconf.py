@@ -6,7 +6,9 @@ import grpc
 import pytest
 import yaml
 
-from gaas import edge, envoyconf, pki, protogen, topology
+from gaas.contracts import edge
+from gaas.envoy import config as envoyconf
+from gaas.ops import pki, protogen, topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,7 +124,7 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     names = [f["name"] for f in hcm["http_filters"]]
     assert names.index("envoy.filters.http.lua") < names.index("envoy.filters.http.grpc_json_transcoder")
     lua = filters["envoy.filters.http.lua"]["default_source_code"]["inline_string"]
-    # Its tables come from gaas/errors.py: a status shows the same in a stream's error event and at the edge.
+    # Its tables come from gaas/contracts/errors.py: a status shows the same in a stream's error event and at the edge.
     assert '[3] = "invalid_request_error"' in lua and '[8] = "rate_limit_exceeded"' in lua
     assert "function envoy_on_response" in lua
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gaas import pki
-from gaas.runtime.placement import descendants
+from gaas.ops import pki
+from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import process_alive
 from tests.meshutil import gaas, generate

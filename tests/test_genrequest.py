@@ -1,7 +1,7 @@
 import pytest
 
-from gaas import genrequest
-from gaas.errors import InvalidArgument
+from gaas.contracts import genrequest
+from gaas.contracts.errors import InvalidArgument
 from gaas.v1 import common_pb2, inference_pb2
 
 

@@ -1,4 +1,4 @@
-"""Where a request's time went: the latency decomposition (gaas/latency.py), computed from what
+"""Where a request's time went: the latency decomposition (gaas/contracts/latency.py), computed from what
 each hop measured, returned on the last chunk (gRPC), in usage.gaas_latency_ms (OpenAI routes, on
 request), printed by `gaas generate --explain`, and recorded as the router's histograms."""
 
@@ -12,7 +12,7 @@ import grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import latency
+from gaas.contracts import latency
 from gaas.runtime.context import INGRESS_START_HEADER
 from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.conftest import MESH_WORKERS, ROOT
@@ -122,7 +122,7 @@ def test_gaas_generate_explain_prints_the_parts(mesh):
 
 
 def test_the_router_records_the_parts_as_histograms_by_tier(mesh):
-    from gaas import topology
+    from gaas.ops import topology
 
     _timed_generate(mesh, prompt="metrics", max_tokens=4)
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base, workers=MESH_WORKERS)

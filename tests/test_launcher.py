@@ -1,4 +1,4 @@
-"""What `gaas up` hands each process (gaas/mesh.py): every secret only to the service that needs
+"""What `gaas up` hands each process (gaas/launcher/mesh.py): every secret only to the service that needs
 it, a Redis user of its own to each service that uses Redis, nothing of either to an Envoy or the
 Redis it starts; and the limits it raises for them."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gaas import redisacl, topology
+from gaas.ops import redisacl, topology
 from tests.conftest import ROOT
 
 SECRETS = {
@@ -20,7 +20,7 @@ SECRETS = {
 
 @pytest.fixture
 def mesh(tmp_path, monkeypatch):
-    from gaas import mesh as mesh_mod
+    from gaas.launcher import mesh as mesh_mod
 
     for k, v in SECRETS.items():
         monkeypatch.setenv(k, v)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import redis
 
-from gaas import pki
+from gaas.ops import pki
 from gaas.v1 import (
     common_pb2,
     control_pb2,
@@ -174,7 +174,7 @@ def test_forged_worker_header_from_outside_is_ignored(mesh):
 
 def test_the_router_sidecar_reaches_only_the_meshs_own_workers(mesh):
     """x-gaas-worker picks one of the mesh's workers; any other host:port has nowhere to go."""
-    from gaas.topology import LocalSockets, sockets_root
+    from gaas.ops.topology import LocalSockets, sockets_root
 
     outbound = LocalSockets.of(sockets_root(mesh.run_dir.resolve()), "router-0").outbound
     with grpc.insecure_channel(f"unix:{outbound}") as ch:
@@ -261,7 +261,7 @@ def test_cli_generate_prints_text_and_stats(mesh):
 
 
 def test_services_expose_metrics(mesh):
-    from gaas import topology
+    from gaas.ops import topology
 
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base, workers=MESH_WORKERS)
     router = topo.instance("router-0")

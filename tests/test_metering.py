@@ -17,9 +17,9 @@ import grpc
 import openai
 import pytest
 
-from gaas import pricing
-from gaas.admin import Admin, BillingAdmin
-from gaas.client import GaasClient
+from gaas.contracts import pricing
+from gaas.sdk.admin import Admin, BillingAdmin
+from gaas.sdk.client import GaasClient
 from gaas.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import process_alive
 from tests.meshutil import gaas, http
@@ -326,7 +326,7 @@ def wait_restarted(mesh, name: str, old_pid: int, timeout: float = 60.0) -> int:
 
 
 def wait_serving(mesh, name: str, timeout: float = 60.0) -> None:
-    from gaas.probe import grpc_health
+    from gaas.ops.probe import grpc_health
 
     deadline = time.monotonic() + timeout
     while grpc_health(instance(mesh, name))[0] != "SERVING":

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import yaml
 
-from gaas import promconf, topology
+from gaas.ops import promconf, topology
 from tests.conftest import ROOT
 from tests.meshutil import generate
 

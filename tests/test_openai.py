@@ -223,7 +223,7 @@ def test_a_forged_tenant_header_from_outside_is_ignored(mesh, tenants):
 def test_tenants_never_share_prefix_cache(mesh, tenants):
     """No timing side channel: another tenant's identical prompt never hits acme's cached blocks,
     even on the worker that holds them."""
-    from gaas.admin import Admin
+    from gaas.sdk.admin import Admin
 
     acme = (("authorization", f"Bearer {tenants['acme']['api_key']}"),)
     prompt = "Only acme has ever sent this exact prompt before, block after block after block. " * 8

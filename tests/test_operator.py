@@ -42,7 +42,7 @@ def home(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ports():
     """Two port blocks (below the kernel's ephemeral range), for a start that moves."""
-    from gaas.mesh import free_port_base
+    from gaas.launcher.mesh import free_port_base
 
     first = free_port_base(span=200, start=27000)
     return first, free_port_base(span=200, start=first + 200)
@@ -56,7 +56,7 @@ def served(m, key=None, times: int = 1) -> None:
 
 
 def gaas(home, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "gaas.cli", *args, "--run-dir", str(home)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "gaas.cli.main", *args, "--run-dir", str(home)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={k: v for k, v in os.environ.items() if k != "GAAS_HOME"})
 
@@ -123,7 +123,7 @@ def test_a_second_gaas_up_is_refused_naming_the_running_one(home, ports, tmp_pat
         assert r.returncode != 0
         assert f"already running from {home}" in r.stderr and f"pid {m.proc.pid}" in r.stderr, r.stderr
         other = tmp_path / "other"
-        r = subprocess.run([sys.executable, "-m", "gaas.cli", "up", "--run-dir", str(other), "--port-base",
+        r = subprocess.run([sys.executable, "-m", "gaas.cli.main", "up", "--run-dir", str(other), "--port-base",
                             str(ports[0]), "--ingress-port", str(ports[0] + 190), "--redis-url",
                             f"redis://127.0.0.1:{ports[0] + 191}/0", "--timeout", "30"],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -151,7 +151,7 @@ def test_after_kill_9_of_gaas_up_the_next_start_serves(home, ports):
 
 
 def test_a_topology_changed_between_starts_serves_only_its_own_workers(home, ports):
-    from gaas import topology
+    from gaas.ops import topology
 
     # One worker, other ports: worker-1, and worker-0 at its old address, are not this mesh's.
     m = start_mesh(home, ports[1], "--workers", "1")

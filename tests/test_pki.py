@@ -1,4 +1,4 @@
-"""The mesh's CA and identities (gaas/pki.py) and control's rule that a worker registers only itself."""
+"""The mesh's CA and identities (gaas/ops/pki.py) and control's rule that a worker registers only itself."""
 
 import os
 import stat
@@ -10,7 +10,8 @@ from cryptography.x509.oid import ExtensionOID
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import errors, pki
+from gaas.contracts import errors
+from gaas.ops import pki
 from gaas.runtime.context import caller_var
 from services.control.servicer import _only_the_worker_itself
 

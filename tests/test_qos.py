@@ -12,7 +12,7 @@ import grpc
 import openai
 import pytest
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime import status
 from gaas.v1 import inference_pb2, inference_pb2_grpc
 from tests.meshutil import gaas, served_again

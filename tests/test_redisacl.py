@@ -1,4 +1,4 @@
-"""Least privilege in Redis (gaas/redisacl.py): every key and channel each service makes is within
+"""Least privilege in Redis (gaas/ops/redisacl.py): every key and channel each service makes is within
 its user's patterns (so the mesh runs under them), and against a real Redis each user can do its
 job and nothing beside it: no other service's keys, no budget written by a router, no admin
 command."""
@@ -11,8 +11,10 @@ import json
 import pytest
 import redis as redis_sync
 
-from gaas import admission, direct, metering, redisacl, sessions
-from gaas.metering import UsageEvent
+from gaas.contracts import sessions, usage as metering
+from gaas.metering import admission, direct
+from gaas.ops import redisacl
+from gaas.contracts.usage import UsageEvent
 from services.control import registry
 
 TENANT = "acme"

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime import status
 from gaas.runtime.context import client_request_id_var, current_request_id, current_tenant, request_id_var
 from gaas.runtime.server import ServerOptions, ServiceRuntime

@@ -15,7 +15,7 @@ import uuid
 import openai
 import pytest
 
-from gaas.client import GaasClient
+from gaas.sdk.client import GaasClient
 from tests.meshutil import gaas, http
 from tests.test_metering import client, new_tenant
 

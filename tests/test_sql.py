@@ -4,7 +4,7 @@ that found it with Unavailable and is replaced at the next; statements are bound
 import psycopg
 import pytest
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime.sql import Database
 from tests.sqlurls import POSTGRES_URL, database_urls
 

@@ -1,4 +1,4 @@
-"""gaas.tokenizer against transformers (what vLLM runs): the same token ids for any text, the same
+"""gaas.model.tokenizer against transformers (what vLLM runs): the same token ids for any text, the same
 rendered chat for any conversation, the same template environment. A disagreement here would
 make the router's token ids (and, later, its prefix hashes) differ from the engine's silently."""
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gaas.tokenizer import ChatMessage, Tokenizer, TokenizerError
+from gaas.model.tokenizer import ChatMessage, Tokenizer, TokenizerError
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_a_model_without_template_or_tokenizer_is_a_clear_error(tiny_model, tmp_
 @given(turns=st.lists(st.tuples(st.text(max_size=60), st.text(max_size=60)), min_size=1, max_size=5),
        system=st.text(max_size=40))
 def test_a_sessions_next_prompt_reuses_the_last_ones_tokens_and_gets_exactly_the_whole_prompts_ids(pair, turns, system):
-    from gaas.tokenizer import PromptPrefix
+    from gaas.model.tokenizer import PromptPrefix
 
     ours, _ = pair
     prefix = PromptPrefix()

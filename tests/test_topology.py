@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from gaas import topology
-from gaas.topology import TopologyError
+from gaas.ops import topology
+from gaas.ops.topology import TopologyError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = {
@@ -83,7 +83,7 @@ def test_the_shipped_topology_loads():
     ([4, 5, 6], 3, {0: (4, None), 1: (5, None), 2: (6, None)}),
 ])
 def test_front_ends_keep_off_every_engine_core(monkeypatch, cores, workers, expected):
-    from gaas.runtime import placement
+    from gaas.host import placement
 
     monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(cores))
     assert {i: placement.worker_cpus(i, workers) for i in range(workers)} == expected
@@ -93,7 +93,7 @@ def test_front_ends_keep_off_every_engine_core(monkeypatch, cores, workers, expe
     ("0", {0}), ("0-3", {0, 1, 2, 3}), ("0,2,4-5", {0, 2, 4, 5}), ("auto", set()), ("nobind", set()), ("1-x", set()),
 ])
 def test_cpu_lists_read_as_vllm_writes_them(spec, cpus):
-    from gaas.runtime.placement import parse_cpu_list
+    from gaas.host.placement import parse_cpu_list
 
     assert parse_cpu_list(spec) == cpus
 
@@ -101,7 +101,7 @@ def test_cpu_lists_read_as_vllm_writes_them(spec, cpus):
 @pytest.mark.parametrize("command", [["status"], ["kv", "stats"], ["session", "list", "--tenant", "demo"]])
 def test_every_command_that_reads_a_malformed_topology_says_what_is_wrong_and_exits_2(tmp_path, capsys, monkeypatch,
                                                                                       command):
-    from gaas.cli import main
+    from gaas.cli.main import main
 
     monkeypatch.setenv("GAAS_HOME", str(tmp_path))  # (main sets it: restored after the test)
     bad = tmp_path / "topology.yaml"

@@ -1,4 +1,4 @@
-"""Traces (gaas.traces, gaas.tracesink, the Envoys' tracing) and the live view (gaas top): the
+"""Traces (gaas.ops.traces, gaas.ops.tracesink, the Envoys' tracing) and the live view (gaas top): the
 collector stores what the OpenTelemetry SDK exports and reads it back as parented traces; one
 request through the running mesh (started with --trace) is one trace with a span from every
 Envoy and service it crossed, the routing decision on the router's; `gaas top` shows the mesh."""
@@ -15,8 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import envoyconf, top, traces
-from gaas.traces import TraceError, TraceTarget
+from gaas.cli import top
+from gaas.envoy import config as envoyconf
+from gaas.ops import traces
+from gaas.ops.traces import TraceError, TraceTarget
 from services.router.activity import TenantActivity
 from tests.meshutil import gaas, generate
 
@@ -61,7 +63,7 @@ def _tracing(cfg: dict) -> list[dict]:
 
 
 def test_every_connection_manager_traces_only_when_asked_and_only_the_edge_starts_traces(tmp_path):
-    from gaas import pki, protogen, topology
+    from gaas.ops import pki, protogen, topology
     from tests.conftest import ROOT
 
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=42000, workers=2)
@@ -96,7 +98,7 @@ def test_every_connection_manager_traces_only_when_asked_and_only_the_edge_start
 
 @pytest.fixture
 def sink(tmp_path):
-    """A running gaas.tracesink (in this process) and an SDK tracer provider exporting to it."""
+    """A running gaas.ops.tracesink (in this process) and an SDK tracer provider exporting to it."""
     from concurrent import futures
 
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -105,7 +107,7 @@ def sink(tmp_path):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from gaas.tracesink import FileSink
+    from gaas.ops.tracesink import FileSink
 
     path = tmp_path / traces.TRACES_FILE
     store = FileSink(path)
@@ -162,7 +164,7 @@ def test_the_collector_rotates_its_file_and_reading_keeps_the_previous_one(tmp_p
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
     from opentelemetry.proto.trace.v1 import trace_pb2
 
-    from gaas.tracesink import FileSink
+    from gaas.ops.tracesink import FileSink
 
     path = tmp_path / traces.TRACES_FILE
     store = FileSink(path, max_bytes=600)

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gaas import pki
-from gaas.topology import LocalSockets, load, sockets_root
+from gaas.ops import pki
+from gaas.ops.topology import LocalSockets, load, sockets_root
 from gaas.v1 import (billing_pb2, billing_pb2_grpc, control_pb2, control_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc,
                      router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc)
 from tests.conftest import MESH_WORKERS, ROOT, process_alive

@@ -19,7 +19,7 @@ AUTHORIZATION_HEADER = "authorization"
 # The client's own request id (OpenAI clients and vLLM's benchmark send it); echoed by the ingress.
 CLIENT_REQUEST_ID_HEADER = "x-request-id"
 # Who called, as the inbound sidecar verified the caller's certificate (Envoy sets it, replacing
-# anything the caller sent); gaas.pki.caller_from_xfcc reads it.
+# anything the caller sent); gaas.ops.pki.caller_from_xfcc reads it.
 CALLER_HEADER = "x-forwarded-client-cert"
 # Longest client request id kept (longer ones are cut); only printable ASCII survives.
 CLIENT_ID_MAX = 128

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime import status
 from gaas.runtime.context import (
     AUTHORIZATION_HEADER,

@@ -228,8 +228,8 @@ def run_service(service: str, load_config: Callable[[], object], serve: Callable
     one-line reason instead of a traceback."""
     import sys
 
-    from gaas.deployspec import SpecError
-    from gaas.runtime.envconfig import ConfigError
+    from gaas.settings.deployspec import SpecError
+    from gaas.settings.env import ConfigError
     from gaas.runtime.logs import setup_logging
     from gaas.runtime.redisconn import RedisUnavailable
 

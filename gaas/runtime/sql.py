@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gaas import errors
+from gaas.contracts import errors
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from gaas import errors
+from gaas.contracts import errors
 
 DETAILS_KEY = "grpc-status-details-bin"
 DOMAIN = "gaas"

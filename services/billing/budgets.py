@@ -1,5 +1,5 @@
 """Monthly budgets: kept in the ledger's database, mirrored into Redis where the routers enforce
-them (gaas.metering's keys and scripts). The mirror is rewritten at start and every few seconds,
+them (gaas.contracts.usage's keys and scripts). The mirror is rewritten at start and every few seconds,
 and a tenant's spend counter for the month, should Redis have lost it, is rebuilt from the ledger."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas import admission, metering
+from gaas.contracts import usage
+from gaas.metering import admission
 from services.billing.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -30,13 +31,13 @@ class Budgets:
         return (await self._ledger.budgets()).get(tenant, 0)
 
     async def spent(self, tenant: str, month: str) -> int:
-        start, end = metering.month_bounds(month)
+        start, end = usage.month_bounds(month)
         return (await self._ledger.totals(tenant, start, end)).cost_micros
 
     async def _mirror_one(self, tenant: str, micros: int) -> None:
         if micros:
             await self._redis.set(admission.budget_key(tenant), micros)
-            month = metering.month_of(metering.now_ms())
+            month = usage.month_of(usage.now_ms())
             spent = await self.spent(tenant, month)
             # NX: a live counter already holds requests the ledger has not caught up with.
             await self._redis.set(admission.spend_key(tenant, month), spent, nx=True, ex=admission.SPEND_TTL_SECONDS)

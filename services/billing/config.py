@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gaas.runtime.envconfig import base_settings, env_float, env_int, env_str
+from gaas.settings.env import base_settings, env_float, env_int, env_str
 
 
 @dataclass(frozen=True, slots=True)

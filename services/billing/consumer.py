@@ -14,7 +14,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from gaas.metering import GROUP, STREAM, UsageEvent
+from gaas.contracts.usage import GROUP, STREAM, UsageEvent
 from services.billing.ledger import Ledger
 
 log = logging.getLogger(__name__)

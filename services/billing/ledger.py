@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gaas import metering
-from gaas.metering import UsageEvent
+from gaas.contracts import usage as metering
+from gaas.contracts.usage import UsageEvent
 from gaas.runtime.migrations import migrate
 from gaas.runtime.sql import Database
 
@@ -89,7 +89,7 @@ COLUMNS = (
     "completion_tokens", "cost_input_micros", "cost_cached_micros", "cost_output_micros", "outcome", "worker",
     "finished_ms", "queue_ms", "ttft_ms", "e2e_ms", "client_request_id", "recorded_ms", "session_id",
 )
-# The SQL of each of gaas.metering.USAGE_GROUPS ("": the total).
+# The SQL of each of gaas.contracts.usage.USAGE_GROUPS ("": the total).
 GROUPS = {"": "''", "model": "model", "key": "key_id", "day": "finished_ms / 86400000"}
 assert set(GROUPS) == {"", *metering.USAGE_GROUPS}
 

@@ -13,7 +13,7 @@ import logging
 import time
 from pathlib import Path
 
-from gaas import deployspec
+from gaas.settings import deployspec
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.runtime.sql import Database

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gaas import errors, metering, pricing
-from gaas.jsonbody import is_digits
+from gaas.contracts import errors, pricing, usage
+from gaas.contracts.jsonbody import is_digits
 from gaas.v1 import billing_pb2 as pb
 from gaas.v1 import billing_pb2_grpc
 from services.billing.budgets import Budgets
@@ -42,7 +42,7 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
         tenant = self._tenant(request.tenant)
         if request.end_unix_ms and request.end_unix_ms <= request.start_unix_ms:
             raise errors.InvalidArgument("end_unix_ms must be after start_unix_ms", param="end_unix_ms")
-        if request.group_by and request.group_by not in metering.USAGE_GROUPS:
+        if request.group_by and request.group_by not in usage.USAGE_GROUPS:
             raise errors.InvalidArgument("group_by must be model, day or key", param="group_by")
         total = await self._ledger.totals(tenant, request.start_unix_ms, request.end_unix_ms)
         rows = (
@@ -52,7 +52,7 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
         return pb.UsageReport(tenant=tenant, total=row_pb(total), rows=[row_pb(r) for r in rows])
 
     async def _budget(self, tenant: str) -> pb.Budget:
-        month = metering.month_of(metering.now_ms())
+        month = usage.month_of(usage.now_ms())
         return pb.Budget(
             tenant=tenant, amount_usd=pricing.usd(await self._budgets.get(tenant)), month=month,
             spent_usd=pricing.usd(await self._budgets.spent(tenant, month)),
@@ -70,10 +70,10 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
 
     async def GetInvoicePreview(self, request: pb.GetInvoicePreviewRequest, context) -> pb.InvoicePreview:
         tenant = self._tenant(request.tenant)
-        month = request.month or metering.month_of(metering.now_ms())
+        month = request.month or usage.month_of(usage.now_ms())
         if len(month) != 6 or not is_digits(month) or not 1 <= int(month[4:]) <= 12:
             raise errors.InvalidArgument("month is YYYYMM, e.g. 202611", param="month")
-        start, end = metering.month_bounds(month)
+        start, end = usage.month_bounds(month)
         lines, total, requests = [], 0, 0
         for model, n, uncached, cached, output, c_in, c_cached, c_out in await self._ledger.invoice_lines(tenant, start, end):
             requests += n

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from gaas.deployspec import DeploySpec, ModelSpec
-from gaas.pricing import Price, price_for
+from gaas.settings.deployspec import DeploySpec, ModelSpec
+from gaas.contracts.pricing import Price, price_for
 from gaas.runtime.sql import Database
 
 PRICES_SCHEMA = """

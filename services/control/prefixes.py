@@ -15,7 +15,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime.sql import Database
 
 SCHEMA = [

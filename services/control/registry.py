@@ -17,7 +17,7 @@ from typing import NewType
 
 import redis.asyncio as aioredis
 
-from gaas import errors
+from gaas.contracts import errors
 
 log = logging.getLogger(__name__)
 

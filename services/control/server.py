@@ -10,7 +10,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from gaas import deployspec, qos
+from gaas.contracts import qos
+from gaas.settings import deployspec
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.runtime.sql import Database

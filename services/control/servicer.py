@@ -7,9 +7,10 @@ from collections.abc import Mapping
 
 from google.protobuf import json_format
 
-from gaas import errors, pki, qos
-from gaas.jsonbody import is_digits
-from gaas.tenancy import TIER_FROM_PB, TIER_TO_PB
+from gaas.contracts import errors, qos
+from gaas.ops import pki
+from gaas.contracts.jsonbody import is_digits
+from gaas.contracts.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc

@@ -10,9 +10,9 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime.sql import Database
-from gaas.tenancy import TENANT_NAME_RE, TIERS
+from gaas.contracts.tenancy import TENANT_NAME_RE, TIERS
 
 NAME_RE = TENANT_NAME_RE
 KEY_PREFIX = "gaas_"

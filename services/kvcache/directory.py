@@ -1,7 +1,7 @@
 """The KV page directory: which worker holds which prefix blocks, rebuilt from the workers' KV
 events (so any replica can rebuild it). Pure data structure, no I/O.
 
-Blocks are keyed by GaaS's own chained hashes (gaas/kvhash.py), computed here from the token ids
+Blocks are keyed by GaaS's own chained hashes (gaas/contracts/kvhash.py), computed here from the token ids
 the engines report, the cache salt and the LoRA adapter: the engines' hashes are only used to
 match their later removals to what they stored. A lookup counts, per worker, the leading blocks of
 a prompt it holds: confirmed by its engine, or provisioned by a router that just sent it a request
@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
-from gaas import kvhash
-from gaas.kvhash import BlockHash
+from gaas.contracts import kvhash
+from gaas.contracts.kvhash import BlockHash
 
 log = logging.getLogger(__name__)
 

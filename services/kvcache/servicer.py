@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.v1 import kvcache_pb2 as pb
 from gaas.v1 import kvcache_pb2_grpc
 from services.kvcache.directory import BlockDirectory, WorkerId

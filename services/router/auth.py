@@ -15,9 +15,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from gaas import edge
-from gaas.errors import GaasError, ResourceExhausted, Unauthenticated
-from gaas.principal import Principal
+from gaas.contracts import edge
+from gaas.contracts.errors import GaasError, ResourceExhausted, Unauthenticated
+from gaas.contracts.principal import Principal
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.v1 import billing_pb2, billing_pb2_grpc
 
 log = logging.getLogger(__name__)

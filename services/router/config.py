@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gaas import edge
-from gaas.runtime.envconfig import ConfigError, base_settings, env_float, env_int, env_str
+from gaas.contracts import edge
+from gaas.settings.env import ConfigError, base_settings, env_float, env_int, env_str
 from services.router.scheduling.profiles import PROFILES, parse_weights
 
 

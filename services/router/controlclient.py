@@ -8,14 +8,14 @@ import logging
 
 import grpc
 
-from gaas import errors
-from gaas.pricing import Price
-from gaas.qos import Limits
+from gaas.contracts import errors
+from gaas.contracts.pricing import Price
+from gaas.contracts.qos import Limits
 
 from gaas.runtime.context import TenantId
-from gaas.tenancy import TIER_FROM_PB
+from gaas.contracts.tenancy import TIER_FROM_PB
 from gaas.v1 import control_pb2, control_pb2_grpc
-from gaas.principal import Principal
+from gaas.contracts.principal import Principal
 from services.router.directory import ModelEntry
 from services.router.scheduling.types import Candidate, Load, WorkerId
 

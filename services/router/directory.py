@@ -10,8 +10,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from gaas import errors
-from gaas.pricing import Price
+from gaas.contracts import errors
+from gaas.contracts.pricing import Price
 from services.router.scheduling.types import Candidate
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class ModelEntry:
     source: str = ""
     # Public prefixes: (prefix id, text) of prompt beginnings every tenant shares in the cache.
     public_prefixes: tuple[tuple[str, str], ...] = ()
-    # Tier -> what its tokens cost (gaas.pricing.Price); a tier not listed pays nothing.
+    # Tier -> what its tokens cost (gaas.contracts.pricing.Price); a tier not listed pays nothing.
     prices: Mapping[str, Price] = field(default_factory=dict)
 
 

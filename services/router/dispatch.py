@@ -8,7 +8,7 @@ did (first token time, failures: windows and circuit breakers). Retries on anoth
 while no token has been relayed, so a client never sees a token twice.
 
 Both public APIs (gaas.v1.Inference and the OpenAI-compatible one) go through here; failures are
-gaas.errors, which the server interceptor turns into statuses.
+gaas.contracts.errors, which the server interceptor turns into statuses.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
-from gaas import errors, genrequest, kvhash, latency, qos
+from gaas.contracts import errors, genrequest, kvhash, latency, qos
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
-from gaas.tokenizer import ChatMessage, PromptPrefix, Tokenizer
+from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from services.router.activity import TenantActivity
 from services.router.breakers import prompt_work
-from gaas.principal import Principal
+from gaas.contracts.principal import Principal
 from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
@@ -142,7 +142,7 @@ class RouterMetrics:
     # Engines serving fewer cached tokens than the directory said they held.
     prediction_misses: Counter | None = None
     lookup_seconds: Histogram | None = None
-    # The latency decomposition of every request, by part (gaas.latency) and tier.
+    # The latency decomposition of every request, by part (gaas.contracts.latency) and tier.
     latency_seconds: Histogram | None = None
     # Requests by model, tier and outcome (a finish reason: stop, length...; a status: UNAVAILABLE...;
     # or cancelled), and their tokens by kind (prompt, completion, cached): cached / prompt is the

@@ -16,8 +16,8 @@ from __future__ import annotations
 from google.api import annotations_pb2
 from google.rpc import status_pb2
 
-from gaas import edge
-from gaas.errors import GaasError
+from gaas.contracts import edge
+from gaas.contracts.errors import GaasError
 from gaas.runtime import status
 from gaas.v1 import ext_authz_pb2 as az
 from gaas.v1 import ext_authz_pb2_grpc, openai_pb2

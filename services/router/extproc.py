@@ -8,7 +8,7 @@ here. The router authenticates, admits and places it as it does for its own rout
 with the worker to send it to (x-gaas-worker, which picks the ingress's cluster of that worker's
 sidecar) and the body replaced by a gaas.v1.DirectGenerate: the tokens then stream from the worker
 to the ingress without passing through the router, and the worker formats and meters the answer.
-The worker reports the request's end to this router (gaas/direct.py), which then records it as
+The worker reports the request's end to this router (gaas/metering/direct.py), which then records it as
 one of its own streams (metrics, windows, circuit breakers) and frees its room.
 
 A request the direct path does not serve (a session turn, a batch of prompts) passes on unchanged
@@ -28,10 +28,11 @@ import grpc
 from google.api import httpbody_pb2
 from redis.exceptions import RedisError
 
-from gaas import direct as direct_contract
-from gaas import errors, jsonbody, latency, openai_api
-from gaas.meter import Meter, Metered
-from gaas.openai_stream import EXPLAIN_HEADER
+from gaas.metering import direct as direct_contract
+from gaas.contracts import errors, jsonbody, latency
+from gaas.openai import api as openai_api
+from gaas.metering.meter import Meter, Metered
+from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
 from gaas.runtime.context import (
     AUTHORIZATION_HEADER,
@@ -47,7 +48,7 @@ from gaas.runtime.context import (
     tenant_var,
 )
 from gaas.runtime.interceptors import translate
-from gaas.topology import OPENAI_SERVICE
+from gaas.ops.topology import OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
 from services.router.auth import Authenticator
@@ -131,7 +132,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         return len(self._pending)
 
     def reported(self, summary: str) -> None:
-        """A worker's report of a request's end (gaas.direct.report_channel)."""
+        """A worker's report of a request's end (gaas.metering.direct.report_channel)."""
         final = direct_contract.read_final(summary)
         if final is None:
             log.warning("a worker's report of a request's end is unreadable; ignored")
@@ -155,7 +156,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         """No report within the grace period of the stream's end: the request ended unknown (the
         client went away, the worker died or never got it); its room and reservation go back now
         rather than when the reservation lapses (a worker still recording it settles nothing
-        twice: gaas.admission)."""
+        twice: gaas.metering.admission)."""
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return

@@ -1,5 +1,5 @@
 """Flow control in the router: how a scheduled request gets its worker under load. The tier's
-priority band orders everything (gaas.qos); each worker has a dynamic batching window
+priority band orders everything (gaas.contracts.qos); each worker has a dynamic batching window
 (services/router/windows.py); requests no window has room for wait in a bounded queue, best band
 first and fair between tenants (services/router/waitqueue.py), until their tier's queue timeout;
 workers that fail in bursts or slow down past their own p99 are cut off by circuit breakers
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from gaas import qos
-from gaas.qos import BAND_NAMES, TierPolicy
+from gaas.contracts import qos
+from gaas.contracts.qos import BAND_NAMES, TierPolicy
 from services.router.breakers import Breakers
 from services.router.scheduling import Candidate, Decision, RequestContext, Scheduler, WorkerId
 from services.router.scheduling.types import NoCapacity

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from gaas import errors
-from gaas.qos import BAND_NAMES
-from gaas.tenancy import TENANT_NAME_RE
+from gaas.contracts import errors
+from gaas.contracts.qos import BAND_NAMES
+from gaas.contracts.tenancy import TENANT_NAME_RE
 from gaas.runtime.metrics import nearest_rank
 from gaas.v1 import router_pb2 as pb
 from gaas.v1 import inference_pb2, router_pb2_grpc

@@ -11,10 +11,11 @@ from google.api import httpbody_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from gaas import errors, jsonbody, latency, openai_api, openai_stream
-from gaas.meter import Meter
-from gaas.openai_stream import EXPLAIN_HEADER, SESSION_HEADER
-from gaas.pricing import FREE
+from gaas.contracts import errors, jsonbody, latency
+from gaas.openai import api as openai_api, stream as openai_stream
+from gaas.metering.meter import Meter
+from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
+from gaas.contracts.pricing import FREE
 from gaas.runtime.context import client_request_id_var, current_request_id
 from gaas.v1 import inference_pb2, openai_pb2_grpc
 from services.router.auth import Authenticator

@@ -11,15 +11,16 @@ import asyncio
 import logging
 from pathlib import Path
 
-from gaas import deployspec, qos
-from gaas import edge as edge_limits
-from gaas.meter import LocalQuotas, Meter
+from gaas.contracts import qos
+from gaas.settings import deployspec
+from gaas.contracts import edge as edge_limits
+from gaas.metering.meter import LocalQuotas, Meter
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.sessions import SessionPolicy
-from gaas.tokenizer import TokenizerCache
-from gaas.topology import AUTHZ_SERVICE, EXT_PROC_SERVICE
+from gaas.contracts.sessions import SessionPolicy
+from gaas.model.tokenizer import TokenizerCache
+from gaas.ops.topology import AUTHZ_SERVICE, EXT_PROC_SERVICE
 from gaas.v1 import (
     billing_pb2_grpc, control_pb2_grpc, ext_authz_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from gaas import errors, latency, metering
-from gaas.pricing import FREE
+from gaas.contracts import errors, latency, usage as metering
+from gaas.contracts.pricing import FREE
 from gaas.runtime.context import (
     client_request_id_var,
     current_authorization,
@@ -18,7 +18,7 @@ from gaas.runtime.context import (
 from gaas.v1 import billing_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher, Prepared
-from gaas.meter import Meter, Metered, metered
+from gaas.metering.meter import Meter, Metered, metered
 from services.router.sessions import (
     SessionStore, TurnPlan, available, check_turn, committing, delete_response, get_response, list_response, plan_turn,
 )

@@ -1,4 +1,4 @@
-"""The router's side of sessions (gaas/sessions.py has the model, the policy and the scripts):
+"""The router's side of sessions (gaas/contracts/sessions.py has the model, the policy and the scripts):
 taking a session's turn in Redis, building the turn's request from the stored context (shortened
 to the model's window by the declared policy), committing the reply with a compare-and-set on the
 version before the turn's last chunk is released, and the tenant's list / show / delete.
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas import errors, genrequest, latency, metering, sessions
-from gaas.sessions import Context, SessionPolicy
-from gaas.tokenizer import PromptPrefix
+from gaas.contracts import errors, genrequest, latency, sessions, usage as metering
+from gaas.contracts.sessions import Context, SessionPolicy
+from gaas.model.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
-from gaas.principal import Principal
+from gaas.contracts.principal import Principal
 from services.router.dispatch import Prepared
-from gaas.meter import _Script
+from gaas.metering.meter import _Script
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gaas import errors
-from gaas.qos import BAND_NAMES
+from gaas.contracts import errors
+from gaas.contracts.qos import BAND_NAMES
 
 
 @dataclass(eq=False, slots=True)

@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gaas.runtime.envconfig import ConfigError, base_settings, env_bool, env_float, env_int, env_str
-from gaas.runtime.placement import EXECUTORS
+from gaas.settings.env import ConfigError, base_settings, env_bool, env_float, env_int, env_str
+from gaas.host.placement import EXECUTORS
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class WorkerConfig:
     # Skip torch.compile and CUDA graphs (faster start, slower steps); None: by device, eager on
     # the CPU only.
     enforce_eager: bool | None
-    # "cuda" or "cpu" as the launcher found the host (gaas.runtime.devices); "" when not launched
+    # "cuda" or "cpu" as the launcher found the host (gaas.host.devices); "" when not launched
     # by gaas up. The worker refuses to start when its vLLM build computes elsewhere.
     device: str
     # Most sequences batched together, and most tokens in one engine step (0: vLLM's default).

@@ -1,8 +1,8 @@
 """gaas.v1.OpenAI's generation methods on a worker, for requests the router decided at the
-ingress (topology: ingress.path: direct; gaas/direct.py): the body is a DirectGenerate the router
+ingress (topology: ingress.path: direct; gaas/metering/direct.py): the body is a DirectGenerate the router
 put there, never a client's. The worker generates, formats the OpenAI answer, appends the usage
-event before the last chunk (gaas.meter, as the router does on its own routes) and reports the
-request's end to the router that decided it (gaas.direct.report_channel)."""
+event before the last chunk (gaas.metering.meter, as the router does on its own routes) and reports the
+request's end to the router that decided it (gaas.metering.direct.report_channel)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas import direct, errors, jsonbody, openai_api, openai_stream
-from gaas.meter import Meter, metered
+from gaas.contracts import errors, jsonbody
+from gaas.metering import direct
+from gaas.openai import api as openai_api, stream as openai_stream
+from gaas.metering.meter import Meter, metered
 from gaas.runtime.context import request_id_var, tenant_var
 from gaas.v1 import openai_pb2_grpc, worker_pb2
 from services.worker.servicer import WorkerServicer
@@ -31,7 +33,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
     def __init__(self, worker: WorkerServicer, meter: Meter | None, redis: Redis | None = None) -> None:
         self._worker = worker
         self._meter = meter
-        # Where the routers hear of their requests' ends (gaas.direct.report_channel).
+        # Where the routers hear of their requests' ends (gaas.metering.direct.report_channel).
         self._redis = redis
         self._reports: set[asyncio.Task] = set()
 

@@ -14,9 +14,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from gaas import errors, genrequest
-from gaas.runtime import devices, placement
-from gaas.tokenizer import ChatMessage, Tokenizer
+from gaas.contracts import errors, genrequest
+from gaas.host import devices, placement
+from gaas.model.tokenizer import ChatMessage, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class VllmSettings:
     kv_cache_blocks: int | None = None
     # Directory for the KV-event sockets (ipc://), private to the worker; None publishes none.
     kv_events_dir: str | None = None
-    # "cuda" or "cpu": what the launcher found (gaas.runtime.devices); "" checks nothing.
+    # "cuda" or "cpu": what the launcher found (gaas.host.devices); "" checks nothing.
     device: str = ""
     # Tokens per streamed output (the first always goes at once).
     stream_interval: int = 1

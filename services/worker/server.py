@@ -16,10 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gaas.meter import Meter
+from gaas.metering.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.topology import OPENAI_SERVICE
+from gaas.ops.topology import OPENAI_SERVICE
 from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.direct import DirectServicer
@@ -63,8 +63,8 @@ ENGINE_DIED_EXIT = 3
 def device_monitor(engine: VllmEngine):
     """What reports the worker's device: its GPU through NVML (the memory and time of this worker's
     own processes where NVML can tell them), else its CPU cores and the RAM."""
-    from gaas.runtime.devices import CpuMonitor, GpuMonitor
-    from gaas.runtime.placement import descendants, parse_cpu_list
+    from gaas.host.devices import CpuMonitor, GpuMonitor
+    from gaas.host.placement import descendants, parse_cpu_list
 
     if engine.gpu_uuid is not None:
         me = os.getpid()

@@ -6,9 +6,9 @@ import asyncio
 import logging
 import time
 
-from gaas import errors, genrequest
+from gaas.contracts import errors, genrequest
 from gaas.runtime.context import current_tenant
-from gaas.runtime.devices import CpuMonitor, DeviceSample, GpuMonitor
+from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.engine import ABORT, ERROR, LENGTH, STOP, Delta, Engine, GenerationRequest
 from services.worker.kvevents import KVEventRelay

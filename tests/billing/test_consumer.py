@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from gaas import admission, metering
-from gaas.metering import GROUP, STREAM, UsageEvent
+from gaas.contracts import usage
+from gaas.metering import admission
+from gaas.contracts.usage import GROUP, STREAM, UsageEvent
 from gaas.runtime import redisconn
 from services.billing.budgets import Budgets
 from services.billing.consumer import UsageConsumer
@@ -19,7 +20,7 @@ _ids = itertools.count()
 
 def event(rid: str, tenant: str, completion=5) -> UsageEvent:
     return UsageEvent(rid, tenant, "key_1", "gold", "m", "1", 10, 4, completion, 6, 1, 2 * completion, "finished",
-                      "worker-0", metering.now_ms())
+                      "worker-0", usage.now_ms())
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ async def test_budgets_reach_redis_and_a_lost_spend_counter_is_rebuilt_from_the_
     await ledger.record([event(f"{t}-{i}", t) for i in range(3)])
     budgets = Budgets(ledger, redis)
     await budgets.set(t, 5_000_000)
-    month = metering.month_of(metering.now_ms())
+    month = usage.month_of(usage.now_ms())
     assert int(await redis.get(admission.budget_key(t))) == 5_000_000
     spent = (await ledger.totals(t)).cost_micros
     assert int(await redis.get(admission.spend_key(t, month))) == spent

@@ -3,7 +3,7 @@ however often its event arrives, sums per group, budgets, dead letters."""
 
 import pytest
 
-from gaas.metering import UsageEvent
+from gaas.contracts.usage import UsageEvent
 from gaas.runtime.sql import Database
 from services.billing.ledger import MIGRATIONS, Ledger
 from tests.sqlurls import database_urls, make_url

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gaas.metering import UsageEvent
+from gaas.contracts.usage import UsageEvent
 from services.billing.stripe_sync import KINDS, StripeMeterSender, StripeSync
 from tests.stripefake import FakeStripe
 

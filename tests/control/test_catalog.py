@@ -1,6 +1,6 @@
 import pytest
 
-from gaas.deployspec import parse
+from gaas.settings.deployspec import parse
 from gaas.runtime.sql import Database
 from services.control.catalog import ModelCatalog
 from tests.sqlurls import database_urls, make_url

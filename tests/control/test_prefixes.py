@@ -2,7 +2,7 @@
 
 import pytest
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.runtime.sql import Database
 from services.control.prefixes import PrefixStore, prefix_id
 from tests.sqlurls import database_urls, make_url

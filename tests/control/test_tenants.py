@@ -72,7 +72,7 @@ async def test_keys_need_a_tenant_and_list_by_tenant(store):
 
 
 async def test_a_tenants_own_quotas_override_its_tiers_until_reset(store):
-    from gaas import qos
+    from gaas.contracts import qos
     from services.control.servicer import tenant_to_pb
 
     await store.create_tenant("acme", "bronze")

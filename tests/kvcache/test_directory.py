@@ -5,7 +5,7 @@ match each other's blocks; provisions count at once and lapse unless confirmed; 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gaas import kvhash
+from gaas.contracts import kvhash
 from services.kvcache.directory import BlockDirectory, Stored, WorkerId
 
 BS = 2

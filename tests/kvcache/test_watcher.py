@@ -3,7 +3,7 @@ starts the watch over, and a worker that leaves the registry takes its blocks wi
 
 import asyncio
 
-from gaas import kvhash
+from gaas.contracts import kvhash
 from gaas.v1 import kvcache_pb2 as pb
 from services.kvcache.directory import BlockDirectory, WorkerId
 from services.kvcache.watcher import WatchedWorker, WorkerWatcher

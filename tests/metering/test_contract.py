@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import errors, metering, pricing
-from gaas.metering import UsageEvent
+from gaas.contracts import errors, pricing, usage as metering
+from gaas.contracts.usage import UsageEvent
 
 prices = st.builds(
     pricing.Price,

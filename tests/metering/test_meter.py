@@ -9,12 +9,13 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from gaas import admission, errors, metering, pricing
+from gaas.contracts import errors, pricing, usage as metering
+from gaas.metering import admission
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
-from gaas.principal import Principal
-from gaas.meter import LocalQuotas, Meter
-from gaas.meter import metered
+from gaas.contracts.principal import Principal
+from gaas.metering.meter import LocalQuotas, Meter
+from gaas.metering.meter import metered
 
 PRICE = pricing.Price(input=1.0, cached_input=0.1, output=2.0)  # micro-dollars per token
 _ids = itertools.count()

@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from gaas import admission, errors, pricing
-from gaas.qos import Limits
+from gaas.contracts import errors, pricing
+from gaas.metering import admission
+from gaas.contracts.qos import Limits
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
-from gaas.principal import Principal
-from gaas.meter import Meter
-from gaas.meter import metered
+from gaas.contracts.principal import Principal
+from gaas.metering.meter import Meter
+from gaas.metering.meter import metered
 
 _ids = itertools.count()
 T0 = 1_800_000_000_000  # a Unix-ms moment on a whole minute
@@ -169,7 +170,7 @@ async def test_an_older_routers_entries_count_one_sequence_each(redis, tmp_path)
 async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_before_anything_else(redis, tmp_path):
     """Meter.precheck, before the body is parsed: over its sequences at once by this router's own
     count, or refused by Redis on its requests a minute until the refusal's retry time."""
-    from gaas.meter import LocalQuotas
+    from gaas.metering.meter import LocalQuotas
 
     clock = Clock()
     local_clock = Clock(0)
@@ -201,7 +202,7 @@ async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_befo
 async def test_while_redis_is_away_admission_is_bounded_by_the_routers_own_count(tmp_path):
     """Never unlimited for everyone: a tenant's own quotas, or the degraded defaults where its own
     are unlimited, counted by this router; the spend Redis last reported bounds a budget."""
-    from gaas.meter import DEGRADED_CONCURRENCY, LocalQuotas
+    from gaas.metering.meter import DEGRADED_CONCURRENCY, LocalQuotas
 
     down = redisconn.connect("redis://127.0.0.1:1/0", timeout=0.2)
     meter = Meter(down, tmp_path, local=LocalQuotas())

@@ -1,6 +1,6 @@
 import pytest
 
-from gaas.errors import Unauthenticated
+from gaas.contracts.errors import Unauthenticated
 from services.router.auth import Authenticator, Principal, bearer_key
 
 ACME = Principal("acme", "gold", "key_1", "salt")
@@ -74,7 +74,7 @@ async def test_control_failures_propagate():
 
 
 async def test_while_control_is_unreachable_keys_verified_within_the_bound_still_work():
-    from gaas.errors import Unavailable
+    from gaas.contracts.errors import Unavailable
 
     down = False
 
@@ -101,7 +101,7 @@ async def test_while_control_is_unreachable_keys_verified_within_the_bound_still
 
 
 async def test_while_control_is_unreachable_only_one_request_a_second_waits_for_it():
-    from gaas.errors import Unavailable
+    from gaas.contracts.errors import Unavailable
 
     calls = []
 

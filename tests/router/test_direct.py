@@ -7,8 +7,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gaas import direct
-from gaas.principal import Principal
+from gaas.metering import direct
+from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Authenticator
 from services.router.directory import MeshDirectory, ModelEntry

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from gaas import errors
+from gaas.contracts import errors
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.scheduling import Candidate, WorkerId
 

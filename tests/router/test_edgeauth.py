@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gaas import edge, errors
+from gaas.contracts import edge, errors
 from gaas.v1 import ext_authz_pb2 as az
 from services.router.auth import Authenticator, FailedAuthLimiter
 from services.router.edgeauth import EdgeAuthorizer

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gaas import errors, qos
+from gaas.contracts import errors, qos
 from gaas.v1 import common_pb2
 from services.router.breakers import CLOSED, HALF_OPEN, OPEN, Breakers
 from services.router.flow import Flow, FlowSettings

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gaas import errors
+from gaas.contracts import errors
 from gaas.v1 import common_pb2
-from gaas import jsonbody, openai_api
-from gaas.openai_api import Formatter, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from gaas.contracts import jsonbody
+from gaas.openai import api as openai_api
+from gaas.openai.api import Formatter, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 
 
 def completion(**kw):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gaas import errors
+from gaas.contracts import errors
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
 from services.router.scheduling.filters.context_fit import ContextFitFilter
 from services.router.scheduling.filters.breaker import BreakerFilter
@@ -136,7 +136,7 @@ def test_every_plugin_reports_its_time():
 
 
 def test_no_room_in_any_window_is_a_wait_not_a_refusal():
-    from gaas import errors
+    from gaas.contracts import errors
     from services.router.scheduling.types import NoCapacity
 
     s = make_scheduler("kv_aware")

@@ -12,7 +12,7 @@ from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, WorkerId, make_scheduler
 from services.router.servicer import InferenceServicer
-from gaas.tokenizer import ChatMessage
+from gaas.model.tokenizer import ChatMessage
 
 KEYS = {"key-acme": Principal("acme", "gold", "key_1", "salt-acme")}
 AUTH = (("authorization", "Bearer key-acme"),)
@@ -252,7 +252,7 @@ def test_a_public_prefix_replaces_the_tenants_salt_only_for_prompts_that_begin_w
 
 
 async def test_the_engine_gets_the_tiers_band_whatever_priority_the_client_asks_for():
-    from gaas import qos
+    from gaas.contracts import qos
 
     KEYS["key-cheap"] = Principal("cheap", "bronze", "key_2", "salt-cheap")
     rt, fake = await serve({"w0": OK, "w1": OK})

@@ -1,4 +1,4 @@
-"""Sessions (gaas/sessions.py, services/router/sessions.py) against a real Redis, with the router's
+"""Sessions (gaas/contracts/sessions.py, services/router/sessions.py) against a real Redis, with the router's
 real dispatcher and the workers faked: a turn gets the stored context before its new part, the
 version compare-and-set under turns racing through two router replicas, a concurrent turn refused,
 a lapsed hold, TTL expiry, the truncation policy, tenant isolation, a replica's stale copy reloaded,
@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gaas import errors, sessions
+from gaas.contracts import errors, sessions
 from gaas.runtime import redisconn
-from gaas.sessions import Context, SessionPolicy, Turn
+from gaas.contracts.sessions import Context, SessionPolicy, Turn
 from gaas.v1 import common_pb2, inference_pb2
-from gaas.principal import Principal
+from gaas.contracts.principal import Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
@@ -382,7 +382,7 @@ def test_the_session_policy_is_read_from_the_deployment_file():
 def test_a_turn_chunk_says_what_it_did_to_its_session():
     c = common_pb2.GenerateChunk()
     c.session.CopyFrom(common_pb2.SessionTurn(session_id="s", version=3, dropped_turns=1))
-    from gaas.openai_stream import session_json
+    from gaas.openai.stream import session_json
 
     assert session_json(c.session, "drop_oldest_turns") == {
         "id": "s", "version": 3, "turns": 0, "context_tokens": 0, "created": False,
@@ -393,8 +393,8 @@ def test_a_turn_chunk_says_what_it_did_to_its_session():
 @pytest.mark.parametrize("session_id", ["trip\n", "trip\r", "", "x" * 129, "a b", "trip\u00b2"])
 def test_a_session_id_outside_its_pattern_is_refused_whole(session_id):
     """A pattern ending in "$" would let "trip\\n" through: ids are matched whole."""
-    from gaas import errors
-    from gaas.sessions import check_id
+    from gaas.contracts import errors
+    from gaas.contracts.sessions import check_id
 
     with pytest.raises(errors.InvalidArgument) as info:
         check_id(session_id)

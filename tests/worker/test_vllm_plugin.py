@@ -1,6 +1,6 @@
 """GaaS's vLLM plugin: a fresh CPU engine whose first batch is a prompt of a few tokens must not
 die of SIGILL (vLLM's AMX attention runs before anything asked Linux for the tile registers; see
-gaas/vllm_plugin.py)."""
+gaas/model/vllm_plugin.py)."""
 
 import subprocess
 import sys
@@ -24,7 +24,7 @@ FIRST_BATCH = textwrap.dedent("""
 
 
 def test_the_plugin_is_registered_with_vllm():
-    assert any(e.value == "gaas.vllm_plugin:register" for e in entry_points(group="vllm.general_plugins"))
+    assert any(e.value == "gaas.model.vllm_plugin:register" for e in entry_points(group="vllm.general_plugins"))
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="the failure needs a CPU with AMX tiles")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gaas import errors
+from gaas.contracts import errors
 from services.router.scheduling.types import (
     Candidate, Filter, NoCapacity, Picker, RequestContext, Scorer, WorkerId, clamp,
 )

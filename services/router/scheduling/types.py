@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
-from gaas import errors
+from gaas.contracts import errors
 
 WorkerId = NewType("WorkerId", str)
 
@@ -57,9 +57,9 @@ class RequestContext:
     tier: str = ""
     prompt_tokens: int = 0
     max_tokens: int = 0
-    # GaaS's hashes of the prompt's full blocks (gaas/kvhash.py), tenant-salted.
+    # GaaS's hashes of the prompt's full blocks (gaas/contracts/kvhash.py), tenant-salted.
     block_hashes: Sequence[int] = ()
-    # The request's priority band (gaas.qos: 0 gold, 1 silver, 2 bronze).
+    # The request's priority band (gaas.contracts.qos: 0 gold, 1 silver, 2 bronze).
     band: int = 0
     # Workers that already failed this request, and workers whose circuit breaker is open.
     tried: frozenset[WorkerId] = frozenset()

@@ -1,0 +1,23 @@
+"""Who a request is for, as the router authenticated it: what the router decides with, and what a
+worker meters a request the router sent it straight from the ingress under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gaas.contracts.qos import Limits
+from gaas.runtime.context import TenantId
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    tenant: TenantId
+    # bronze, silver or gold.
+    tier: str
+    # Public id of the key used.
+    key_id: str
+    # The tenant's prefix-cache salt, set on every engine request.
+    cache_salt: str
+    # Its quotas (its own, else its tier's, as control resolved them).
+    limits: Limits = Limits()
+

@@ -1,0 +1,1 @@
+"""Envoy configs for the ingress and every sidecar, from the topology."""

@@ -1,0 +1,1 @@
+"""The machine under a service: its devices and where each process computes."""

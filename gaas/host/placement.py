@@ -1,0 +1,152 @@
+"""Placement, in one place for the launcher (gaas/launcher/mesh.py), the worker (services/worker/engine.py)
+and the benchmarks. On a CPU host: which core each worker's engine computes on, where the rest of
+its processes go, and moving processes there (Linux). On a GPU host: which GPU each worker gets and
+what share of its memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+# The share of a GPU's memory vLLM may take, split between the workers that share the GPU.
+GPU_MEMORY_BUDGET = 0.85
+
+
+class PlacementError(ValueError):
+    """The workers do not fit the devices; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSlot:
+    # The GPU's UUID (GPU-... or MIG-...): the worker's CUDA_VISIBLE_DEVICES.
+    uuid: str
+    # How many workers share this GPU (1: it has it alone).
+    shared_by: int
+    # vLLM's gpu_memory_utilization for this worker: its share of the budget.
+    memory_fraction: float
+
+
+def worker_gpus(gpus, workers: int, *, budget: float = GPU_MEMORY_BUDGET, kv_cache_bytes: int = 0) -> list[GpuSlot]:
+    """One slot per worker: worker i on GPU i mod len(gpus) (one worker per GPU when the counts
+    match). Workers that share a GPU split its memory budget, so that none asks vLLM for memory
+    another holds; PlacementError when a share cannot hold the KV cache a worker is given."""
+    if not gpus:
+        raise PlacementError("no GPU to place workers on")
+    if not 0 < budget <= 1:
+        raise PlacementError(f"the GPU memory budget must be in (0, 1], got {budget}")
+    on = [gpus[i % len(gpus)] for i in range(workers)]
+    slots = []
+    for gpu in on:
+        shared_by = sum(1 for g in on if g.uuid == gpu.uuid)
+        fraction = math.floor(budget / shared_by * 10_000) / 10_000  # never above the budget
+        if kv_cache_bytes and kv_cache_bytes >= fraction * gpu.memory_total:
+            raise PlacementError(
+                f"{shared_by} workers share {gpu.name} {gpu.uuid} ({gpu.memory_total / 2**30:.0f} GiB): each may use "
+                f"{fraction:.2f} of it ({fraction * gpu.memory_total / 2**30:.1f} GiB), less than the KV cache each is "
+                f"given ({kv_cache_bytes / 2**30:.1f} GiB) before the model's weights: run fewer workers (--workers; "
+                "one per GPU by default) or give each a smaller kv_cache_gib"
+            )
+        slots.append(GpuSlot(gpu.uuid, shared_by, fraction))
+    return slots
+
+
+def set_process_affinity(pid: int, cpus: set[int]) -> int:
+    """Set the CPU affinity of every thread of process pid (sched_setaffinity is per thread);
+    returns how many threads were moved."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0  # gone
+    moved = 0
+    for task in tasks:
+        try:
+            os.sched_setaffinity(int(task), cpus)
+            moved += 1
+        except OSError:
+            pass  # a thread that just ended
+    return moved
+
+
+def worker_cpus(index: int, workers: int) -> tuple[int, set[int] | None]:
+    """(core the worker's engine computes on, CPUs for the rest of its processes; None: any).
+
+    The engine's model runner is pinned to one core (one worker per core). Its front end (gRPC,
+    tokenizing, streaming) keeps to the cores no engine computes on, when there are any: sharing
+    its engine's core delays every streamed token by tens of milliseconds. With an engine on every
+    core it is left unpinned: pinned to another worker's engine core, a process was measured
+    getting no CPU at all for minutes (Linux 6.18 never picked it while the runner was busy) -- a
+    restarted worker that never started, a killed one that took minutes to be reaped.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    engines = {cores[i % len(cores)] for i in range(max(workers, index + 1))}
+    free = set(cores) - engines
+    return core, free or None
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """'0', '0-3' or '0,2,4-5' -> CPU numbers; empty for anything else ('auto', 'nobind')."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return set()
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_descendants(root: int, cpus: set[int]) -> int:
+    """Set the CPU affinity of every thread of every process below root; returns threads moved."""
+    return sum(set_process_affinity(child, cpus) for child in descendants(root))
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes of every thread of pid, recursively (Linux /proc)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for c in children:
+            out.append(c)
+            out.extend(descendants(c))
+    return out
+
+
+# Where a worker's model runs, vLLM's names: "uni", in the engine core's own process (one Python
+# process less per worker, ~400 MB, and no hand-off between processes at every engine step); "mp",
+# a process of its own (what vLLM's CPU platform otherwise insists on).
+EXECUTORS = ("uni", "mp")
+# vLLM's in-process executor named by its class: vLLM's CPU platform turns the name "uni" into "mp"
+# ("OMP requires the MP executor"), because an engine core would start one OpenMP thread per core
+# of the host; engine_executor gives it one per core it computes on instead.
+IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+
+
+def engine_executor(executor: str, on_gpu: bool, bind: str = "") -> tuple[str | None, dict[str, str]]:
+    """(vLLM's distributed_executor_backend for a one-device worker, None for vLLM's own choice;
+    what the engine's environment needs for it).
+
+    On a GPU vLLM already runs a single device's model in process. On the CPU in process the
+    engine core's OpenMP threads compute, so exactly one per core of bind (vLLM's
+    VLLM_CPU_OMP_THREADS_BIND): with more threads than cores they take turns at every parallel
+    region (measured: 100 ms to the first token instead of 4). With bind "auto" vLLM picks the
+    cores itself, too late for that, so the model runner keeps a process of its own."""
+    if executor not in EXECUTORS:
+        raise PlacementError(f"the executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "mp":
+        return "mp", {}
+    if on_gpu:
+        return None, {}
+    cpus = parse_cpu_list(bind)
+    if not cpus:
+        return "mp", {}
+    return IN_PROCESS_EXECUTOR, {"OMP_NUM_THREADS": str(len(cpus))}

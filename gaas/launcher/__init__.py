@@ -1,0 +1,1 @@
+"""Running a whole mesh on one machine (`gaas up`)."""

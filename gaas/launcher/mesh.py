@@ -1,0 +1,744 @@
+"""Running the whole mesh on one machine: Redis (when none answers), every service instance of
+the topology, an Envoy sidecar per instance and the ingress Envoy. What `gaas up` does.
+
+Each child runs in its own process group and gets SIGTERM when this process dies (Linux's
+parent-death signal), so nothing is left behind even if `gaas up` itself is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from gaas.envoy import config as envoyconf
+from gaas.ops import pki, probe, promconf, protogen, redisacl
+from gaas.settings import deployspec
+from gaas.model.build import build_model, is_built
+from gaas.host import placement
+from gaas.host.devices import visible_gpus
+from gaas.ops.topology import Instance, LocalSockets, Topology, sockets_root
+from gaas.ops.traces import TRACES_FILE, TraceTarget
+
+ROOT = Path(__file__).resolve().parents[2]
+STATE_FILE = "mesh.json"
+# Held (flock) by the `gaas up` that runs from a run directory, for its whole life; the kernel
+# releases it however that process ends, kill -9 included.
+LOCK_FILE = "up.lock"
+# How long a start waits for what a `gaas up` that died (kill -9) left stopping, before killing it.
+LEFTOVER_GRACE_SECONDS = 20.0
+
+# Start order of the services (control first: the others register with or read it).
+SERVICE_MODULES = {
+    "control": "services.control.server",
+    "kvcache": "services.kvcache.server",
+    "billing": "services.billing.server",
+    "worker": "services.worker.server",
+    "router": "services.router.server",
+}
+
+
+class MeshError(RuntimeError):
+    """The mesh could not start; the message says which piece and where its log is."""
+
+
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    """What the child runs before exec: get SIGTERM when the parent dies (Linux's parent-death
+    signal), and keep to the given CPUs."""
+
+    def setup() -> None:
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+# Restart backoff of a child that exits on its own: 1, 2, 4 ... 30 s; reset once it has run this long.
+RESTART_BACKOFF_MAX = 30.0
+RESTART_STABLE_SECONDS = 60.0
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    # "redis", "envoy" or a service kind.
+    kind: str
+    proc: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+    # How to start it again.
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: set[int] | None = None
+    # Times it was restarted after exiting on its own; when the next restart is due.
+    restarts: int = 0
+    backoff: float = 0.0
+    restart_at: float = 0.0
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+def redis_server_command(
+    host: str, port: int, data_dir: Path, durable: bool = False, config: Path | None = None,
+) -> list[str]:
+    """The command line of a local Redis; MeshError when none is installed. durable: an append-only
+    file fsynced every second in data_dir (usage events waiting for billing survive a restart);
+    otherwise nothing is saved. config: a file read first (where a password stays off the command
+    line)."""
+    binary = shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None
+    )
+    if binary is None:
+        raise MeshError(
+            "redis-server is not installed: `apt-get install redis-server` (make install does), "
+            "or set GAAS_REDIS_URL to a running Redis"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if durable else ["--appendonly", "no"]
+    first = [str(config)] if config else []
+    return [binary, *first, "--port", str(port), "--bind", host, "--save", "", *persistence, "--dir", str(data_dir)]
+
+
+def private_secret(path: Path) -> str:
+    """The secret kept in path (readable by its owner only), made at first use."""
+    import secrets
+
+    if path.exists():
+        return path.read_text().strip()
+    secret = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
+def with_password(url: str, password: str) -> str:
+    u = urlparse(url)
+    return u._replace(netloc=f":{password}@{u.hostname}:{u.port or 6379}").geturl()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000) -> int:
+    """A port base with `span` free ports above it (for tests and side-by-side meshes)."""
+    for base in range(start, 60000, span):
+        if not any(port_in_use(host, p) for p in range(base, base + span, 1)):
+            return base
+    raise MeshError(f"no free block of {span} ports found between {start} and 60000; stop what holds them "
+                    "(ss -ltnp shows which process)")
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Take run_dir for this process (the returned descriptor holds it until the process ends);
+    MeshError naming the `gaas up` that holds it already. Two starts racing in one run directory
+    cannot both pass, as they could by reading the state file (written only once a start is done)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise MeshError(f"a mesh is already running from {run_dir} (gaas up, pid {holder}): `gaas status` shows it, "
+                        f"`kill {holder}` stops it; or start another with --run-dir DIR and other ports "
+                        "(--port-base, --ingress-port)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process pid started (clock ticks since boot, /proc/PID/stat), or None when there is
+    none: with its pid, what tells a process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _group_members(pgid: int, not_before: int | None) -> list[int]:
+    """The processes of process group pgid (each child of `gaas up` leads its own) that started no
+    earlier than not_before (None: any)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z" and (not_before is None or int(fields[19]) >= not_before):
+            out.append(int(entry))
+    return out
+
+
+def leftovers(state: dict) -> dict[str, list[int]]:
+    """What a `gaas up` that is gone left running, from its state file: child name -> the live
+    processes of its group (a service, its vLLM engine processes, an Envoy, the Redis it started)."""
+    started = state.get("started") or {}
+    out = {}
+    for name, pid in (state.get("children") or {}).items():
+        members = _group_members(int(pid), started.get(name))
+        if members:
+            out[name] = members
+    return out
+
+
+def stop_leftovers(run_dir: Path, progress: Callable[[str], None], grace: float = LEFTOVER_GRACE_SECONDS) -> None:
+    """Before a start: a `gaas up` that died without stopping the mesh (kill -9) left a state file;
+    its children got SIGTERM when it died and may still be draining, holding ports and sockets.
+    Wait for them (SIGTERM again), then kill what is left after grace seconds."""
+    path = run_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    left = leftovers(state)
+    if left:
+        names = ", ".join(sorted(left))
+        progress(f"the previous gaas up (pid {state.get('pid', '?')}) ended without stopping the mesh; waiting up to "
+                 f"{grace:.0f} s for what it left running to stop ({names})")
+        for name in left:
+            _signal_group(int(state["children"][name]), signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = leftovers(state)
+        if left:
+            progress(f"killing what did not stop in time: {', '.join(sorted(left))}")
+            for name, members in left.items():
+                _signal_group(int(state["children"][name]), signal.SIGKILL)
+                for pid in members:
+                    _signal_pid(pid, signal.SIGKILL)
+    path.unlink(missing_ok=True)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# Variables holding secrets (or where they live): each goes to the services that need it and to
+# no other process (an Envoy, Redis, the trace collector get none of them).
+SECRETS = {
+    "GAAS_STRIPE_API_KEY": ("billing",),
+    "GAAS_DATABASE_URL": ("control",),
+    "GAAS_BILLING_DATABASE_URL": ("billing",),
+    # (each service that uses Redis gets a URL of its own: its ACL user, gaas.ops.redisacl)
+    "GAAS_REDIS_URL": (),
+    # (the gaas CLI's, never a service's)
+    "GAAS_API_KEY": (),
+}
+# Services that use Redis.
+REDIS_CLIENTS = ("control", "router", "worker", "billing")
+# What the environment of an Envoy or Redis holds (they read their config files; an Envoy its name
+# for the access log too).
+BARE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ")
+
+
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in SECRETS}
+
+
+# The password of the Redis `gaas up` starts, in the run directory.
+REDIS_PASSWORD_FILE = "redis-password"
+
+
+# How long stopping the mesh waits for requests in flight through the ingress.
+INGRESS_DRAIN_SECONDS = 20.0
+
+
+class Mesh:
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        run_dir: Path,
+        deploy_file: Path,
+        redis_url: str,
+        progress: Callable[[str], None] = lambda msg: None,
+        extra_env: dict[str, str] | None = None,
+        topology_file: Path | None = None,
+        ingress_tls: tuple[Path, Path] | None = None,
+        trace: TraceTarget | None = None,
+        trace_sink: bool = False,
+    ) -> None:
+        self.topo = topo
+        # Where every service and Envoy sends its spans (None: no tracing); trace_sink: run the
+        # local collector (gaas.ops.tracesink) there, writing traces_file.
+        self.trace = trace
+        self.trace_sink = trace_sink
+        # The certificate and key the ingress serves TLS with (None: plaintext).
+        self.ingress_tls = ingress_tls
+        self.run_dir = Path(run_dir).resolve()
+        self.deploy_file = Path(deploy_file).resolve()
+        self.redis_url = redis_url
+        self.progress = progress
+        self.extra_env = dict(extra_env or {})
+        # The file the topology came from (recorded, so `gaas status` describes this mesh).
+        self.topology_file = topology_file
+        self.children: list[Child] = []
+        # The ACL user of each service kind in the Redis gaas starts (none: a Redis run by the
+        # operator, used as given).
+        self.redis_users: dict[str, redisacl.ServiceUser] = {}
+        self.log_dir = self.run_dir / "logs"
+        self.sockets = sockets_root(self.run_dir)
+        self.spec = deployspec.load(self.deploy_file)
+        # The GPUs this host lets us use (gaas.host.devices): a worker on each, by UUID (workers
+        # beyond their number share, splitting the memory); none: CPU workers, one per core.
+        self.gpus = visible_gpus()
+        self.gpu_slots: list[placement.GpuSlot] = []
+        workers = self.topo.of("worker")
+        if self.gpus and workers:
+            budget = float(os.environ.get("GAAS_GPU_MEMORY_UTILIZATION") or placement.GPU_MEMORY_BUDGET)
+            kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
+            try:
+                self.gpu_slots = placement.worker_gpus(self.gpus, len(workers), budget=budget, kv_cache_bytes=kv_bytes)
+            except placement.PlacementError as exc:
+                raise MeshError(str(exc)) from None
+            if any(slot.shared_by > 1 for slot in self.gpu_slots):
+                progress(f"{len(workers)} workers on {len(self.gpus)} GPU(s): workers sharing a GPU split its memory")
+        self._stopping = False
+
+    # ----------------------------------------------------------------- start
+
+    def start(self) -> None:
+        # Everything the mesh writes (databases, keys, the Redis password, logs) is its owner's alone.
+        os.umask(0o077)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        stop_leftovers(self.run_dir, self.progress)
+        self._raise_open_files()
+        ports = self.topo.tcp_ports() + ([self.topo.trace_port] if self.trace_sink else [])
+        busy = [p for p in ports if port_in_use(self.topo.host, p)]
+        if busy:
+            raise MeshError(
+                f"port(s) {', '.join(map(str, busy[:5]))} on {self.topo.host} are in use: is another mesh running"
+                " (`gaas status`)? Stop it, or pick other ports with --port-base / --ingress-port"
+            )
+        protogen.generate()
+        self._ensure_models()
+        self._ensure_redis()
+        for name in ("ingress-0", *(i.name for i in self.topo.instances)):
+            d = LocalSockets.of(self.sockets, name).dir
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+        os.chmod(self.sockets, 0o700)
+        authority = pki.Authority(self.run_dir)
+        envoyconf.issue_certificates(self.topo, authority)
+        configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
+                                   authority, self.ingress_tls, self.sockets, self.trace)
+        promconf.write(self.topo, self.run_dir / "prometheus.yml")
+        if self.trace_sink and self.trace is not None:
+            self._spawn("tracesink", "tracesink", [
+                sys.executable, "-m", "gaas.ops.tracesink", "--listen", f"{self.trace.host}:{self.trace.port}",
+                "--out", str(self.traces_file),
+            ], {**without_secrets(dict(os.environ)), "PYTHONUNBUFFERED": "1"})
+        for inst in self.topo.instances:
+            self._spawn_service(inst)
+        for name, path in configs.items():
+            self._spawn_envoy(name, path)
+        self._write_state()
+
+    def _raise_open_files(self) -> None:
+        """Every connection the ingress holds is a file descriptor, and a shell's soft limit is often
+        1,024: raised, for what gaas starts, to what the ingress may hold (gaas.contracts.edge.MAX_CONNECTIONS,
+        its upstream connections too) where the hard limit allows; said when it does not."""
+        import resource
+
+        from gaas.contracts import edge
+
+        want = 2 * edge.MAX_CONNECTIONS + 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft >= want:
+            return
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < 8 * 1024:  # (a few thousand connections are enough not to mention it)
+            self.progress(f"open files are limited to {target} (ulimit -Hn): the ingress holds at most about "
+                          f"{target // 2} client connections (raise the hard limit for {edge.MAX_CONNECTIONS})")
+
+    @property
+    def served_models(self) -> list[str]:
+        """The models the workers serve, the deployment's default first when it is among them."""
+        names = sorted({str(w.options["model"]) for w in self.topo.of("worker")})
+        default = self.spec.default_model.name
+        return sorted(names, key=lambda n: n != default)
+
+    @property
+    def traces_file(self) -> Path:
+        return self.run_dir / TRACES_FILE
+
+    def _ensure_models(self) -> None:
+        for name in sorted({str(w.options["model"]) for w in self.topo.of("worker")}):
+            m = self.spec.model(name)
+            if m.preset:
+                if not is_built(Path(m.source)):
+                    self.progress(f"building model {m.name} ({m.preset} preset) into {m.source}")
+                    build_model(m.preset, Path(m.source), progress=lambda msg: self.progress(f"  {msg}"))
+            elif m.source.startswith("/") and not Path(m.source).exists():
+                raise MeshError(f"model {m.name}: {m.source} does not exist and no preset is given to build it")
+
+    def _ensure_redis(self) -> None:
+        if redis_answers(self.redis_url):
+            self.progress(f"using Redis at {self.redis_url}")
+            return
+        u = urlparse(self.redis_url)
+        host, port = u.hostname or "127.0.0.1", u.port or 6379
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise MeshError(f"Redis at {self.redis_url} does not answer, and it is not local, so gaas cannot start it")
+        self.progress(f"starting Redis on {host}:{port} (nothing answered at {self.redis_url})")
+        # The Redis gaas starts asks for a password (made at first start, kept in the run directory).
+        data = self.run_dir / "redis"
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        password = private_secret(self.run_dir / REDIS_PASSWORD_FILE)
+        # The default user (that password) is the operator's; each service gets a user of its own.
+        self.redis_users = redisacl.users()
+        conf = data / "redis.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join([f"requirepass {password}", *redisacl.config_lines(self.redis_users)]) + "\n")
+        cmd = redis_server_command(host, port, data, durable=True, config=conf)
+        self.redis_url = with_password(self.redis_url, password)
+        self._spawn("redis", "redis", cmd, {k: os.environ[k] for k in BARE_ENV if k in os.environ})
+        deadline = time.monotonic() + 10
+        while not redis_answers(self.redis_url):
+            if time.monotonic() > deadline or self.children[-1].proc.poll() is not None:
+                raise MeshError(f"Redis did not start; see {self.children[-1].log}:\n{self.children[-1].tail()}")
+            time.sleep(0.1)
+
+    def _spawn(self, name: str, kind: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> Child:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: signalled as a whole at the end
+                preexec_fn=_child_setup(cpus),
+            )
+        child = Child(name, kind, proc, log, cmd=cmd, env=env, cpus=cpus)
+        self.children.append(child)
+        return child
+
+    def _respawn(self, child: Child) -> None:
+        """Start an exited child again in its place (same command, environment and log)."""
+        _signal_group(child.proc.pid, signal.SIGKILL)  # what the dead leader left behind (an engine's processes)
+        with open(child.log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
+            child.proc = subprocess.Popen(
+                child.cmd, cwd=ROOT, env=child.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_child_setup(child.cpus),
+            )
+        child.started = time.monotonic()
+        child.restarts += 1
+        child.restart_at = 0.0
+
+    def service_env(self, inst: Instance) -> dict[str, str]:
+        """What a service process gets: this environment without the secrets (each secret only
+        where its service needs it: SECRETS), its own Redis user, and its settings."""
+        env = {
+            **without_secrets(dict(os.environ)),
+            "PYTHONUNBUFFERED": "1",
+            "GAAS_INSTANCE": inst.name,
+            "GAAS_HOST": inst.host,
+            "GAAS_PORT": str(inst.port),
+            "GAAS_METRICS_PORT": str(inst.metrics_port),
+            "GAAS_ADVERTISE": inst.inbound,
+            # Service and sidecar meet on Unix sockets only the mesh's owner can reach.
+            "GAAS_LISTEN": f"unix:{LocalSockets.of(self.sockets, inst.name).service}",
+            "GAAS_OUTBOUND": f"unix:{LocalSockets.of(self.sockets, inst.name).outbound}",
+            "GAAS_SPOOL_DIR": str(self.run_dir / "spool"),
+        }
+        for name, services in SECRETS.items():
+            if inst.service in services and name in os.environ:
+                env[name] = os.environ[name]
+        if inst.service in REDIS_CLIENTS:
+            user = self.redis_users.get(inst.service)
+            env["GAAS_REDIS_URL"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
+        if self.trace is not None:
+            # gaas.runtime.telemetry exports there; the W3C context comes from the sidecars.
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.trace.endpoint
+            env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+            # Follow the caller's decision; never start a trace of their own (background calls).
+            env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
+        if inst.service == "control":
+            env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
+        if inst.service == "billing":
+            env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
+        if inst.service in ("control", "billing", "router"):
+            env["GAAS_DEPLOY_FILE"] = str(self.deploy_file)
+        if inst.service == "worker":
+            m = self.spec.model(str(inst.options["model"]))
+            env.update(
+                GAAS_MODEL=m.name,
+                GAAS_MODEL_PATH=m.source,
+                GAAS_MODEL_VERSION=m.version,
+                GAAS_MAX_MODEL_LEN=str(m.max_model_len),
+                GAAS_BLOCK_SIZE=str(inst.options["block_size"]),
+                GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
+                GAAS_KV_CACHE_BLOCKS=str(inst.options["kv_cache_blocks"]),
+                GAAS_ENFORCE_EAGER=str(inst.options["enforce_eager"]).lower(),
+                GAAS_MAX_NUM_SEQS=str(inst.options["max_num_seqs"]),
+                GAAS_MAX_NUM_BATCHED_TOKENS=str(inst.options["max_num_batched_tokens"]),
+                GAAS_MAX_WAITING=str(inst.options["max_waiting"]),
+                GAAS_STREAM_INTERVAL=str(inst.options["stream_interval"]),
+                GAAS_EXECUTOR=str(inst.options["executor"]),
+            )
+            if self.gpu_slots:
+                slot = self.gpu_slots[inst.index]
+                env.update(
+                    GAAS_DEVICE="cuda",
+                    # By UUID: the same GPU whatever order CUDA numbers them in; and CUDA's order is
+                    # NVML's for anything else that counts them.
+                    CUDA_VISIBLE_DEVICES=slot.uuid,
+                    CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                    GAAS_GPU_MEMORY_UTILIZATION=str(slot.memory_fraction),
+                )
+            else:
+                env["GAAS_DEVICE"] = "cpu"
+                # One worker per core: its engine computes there (see placement.worker_cpus).
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement.worker_cpus(inst.index, len(self.topo.of("worker")))[0])
+        env.update(self.extra_env)
+        return env
+
+    def _spawn_service(self, inst: Instance) -> None:
+        cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]
+        cpus = placement.worker_cpus(inst.index, len(self.topo.of("worker")))[1] if inst.service == "worker" and not self.gpus else None
+        self._spawn(inst.name, inst.service, cmd, self.service_env(inst), cpus)
+
+    def _spawn_envoy(self, name: str, config: Path) -> None:
+        cmd = [
+            envoyconf.envoy_binary(),
+            "-c", str(config),
+            "--concurrency", "1",
+            "--disable-hot-restart",
+            "--log-level", os.environ.get("GAAS_ENVOY_LOG_LEVEL", "warn"),
+            "--service-node", name,
+        ]
+        env = {k: os.environ[k] for k in BARE_ENV if k in os.environ}
+        self._spawn(name, "envoy", cmd, {**env, "GAAS_ENVOY_NAME": name})
+
+    def _write_state(self) -> None:
+        state = {
+            "pid": os.getpid(),
+            "host": self.topo.host,
+            "port_base": self.topo.port_base,
+            "ingress_port": self.topo.ingress_port,
+            "ingress_path": self.topo.ingress_path,
+            "workers": len(self.topo.of("worker")),
+            "topology": str(Path(self.topology_file).resolve()) if self.topology_file else None,
+            "redis_url": self.redis_url,
+            "ingress_tls_cert": str(self.ingress_tls[0]) if self.ingress_tls else None,
+            "trace_endpoint": self.trace.endpoint if self.trace else None,
+            "traces_file": str(self.traces_file) if self.trace_sink else None,
+            # The models the workers serve (what `gaas generate` asks for by default).
+            "models": self.served_models,
+            "children": {c.name: c.proc.pid for c in self.children},
+            # When each started (with its pid, what tells it from a later process of that pid).
+            "started": {c.name: start_ticks(c.proc.pid) for c in self.children},
+            "restarts": {c.name: c.restarts for c in self.children if c.restarts},
+        }
+        # Readers (`gaas status`, `gaas restart`) must never see half a file: write, then rename.
+        tmp = self.run_dir / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / STATE_FILE)
+
+    # ----------------------------------------------------------------- ready
+
+    def wait_ready(self, timeout: float = 240.0) -> probe.MeshHealth:
+        """Until every instance is SERVING through its sidecar, every Envoy is ready and every
+        worker is registered; raises MeshError naming what is missing (and its log)."""
+        started = time.monotonic()
+        deadline = started + timeout
+        last_note = 0.0
+        want_workers = len(self.topo.of("worker"))
+        # This mesh's workers: a registration left by another topology's (a worker that was removed,
+        # or moved to another port) is not one of them, whatever its lease says.
+        ours = {(w.name, w.inbound) for w in self.topo.of("worker")}
+        while True:
+            self._check_children()
+            health = probe.probe(self.topo, self.run_dir, timeout=1.0)
+            registered = [w for w in health.workers
+                          if w["state"] == "SERVING" and (w["worker_id"], w["address"]) in ours]
+            if health.healthy and len(registered) >= want_workers:
+                return health
+            waiting = [i.name for i in health.instances if i.health != "SERVING" or not i.sidecar_ready]
+            if not health.ingress_ready:
+                waiting.append("ingress-0")
+            if not waiting and len(registered) < want_workers:
+                waiting.append(f"worker registration ({len(registered)}/{want_workers})")
+            now = time.monotonic()
+            if now > deadline:
+                names = [i.name for i in self.topo.instances if i.name in waiting] or [w.name for w in self.topo.of("worker")]
+                logs = ", ".join(str(self.log_dir / f"{n}.log") for n in names[:3])
+                raise MeshError(f"not ready after {timeout:.0f} s: waiting for {', '.join(waiting)}; see {logs}")
+            if now - last_note >= 5:
+                hint = ""
+                if any("worker" in w for w in waiting):
+                    hint = (" (vLLM loads the model, compiles it and captures CUDA graphs: a minute or two on a GPU)"
+                            if self.gpu_slots else " (vLLM loads the model: ~20-40 s per worker on a CPU)")
+                self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
+                last_note = now
+            time.sleep(0.5)
+
+    def interrupt(self) -> None:
+        """Give up starting: children exiting from now on are expected (stop() follows)."""
+        self._stopping = True
+
+    def _check_children(self) -> None:
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is not None and not self._stopping:
+                raise MeshError(f"{c.name} exited with code {rc} while starting; its log {c.log} ends:\n{c.tail()}")
+
+    def exited(self) -> list[Child]:
+        """Children that have exited (for `gaas up`'s watch loop)."""
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def supervise(self, report: Callable[[str], None]) -> None:
+        """Restart children that exited on their own, with backoff (1, 2, 4 ... 30 s; reset after a
+        minute of running), saying so through report. Called every second by `gaas up`."""
+        if self._stopping:
+            return
+        now = time.monotonic()
+        changed = False
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is None:
+                continue
+            if not c.restart_at:
+                ran = now - c.started
+                c.backoff = 1.0 if ran >= RESTART_STABLE_SECONDS else min(RESTART_BACKOFF_MAX, max(1.0, c.backoff * 2))
+                c.restart_at = now + c.backoff
+                report(f"{c.name} exited with code {rc} after {ran:.0f} s; restarting it in {c.backoff:.0f} s "
+                       f"(restart {c.restarts + 1}); its log {c.log} ends:\n{c.tail(8)}")
+            elif now >= c.restart_at:
+                self._respawn(c)
+                changed = True
+                report(f"{c.name} restarted (pid {c.proc.pid}, restart {c.restarts})")
+        if changed:
+            self._write_state()
+
+    # ----------------------------------------------------------------- stop
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ingress first (no new requests), then the services (they drain, workers deregister),
+        then the sidecars, then Redis; whatever is left after timeout is killed with its group."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        self._drain_ingress(min(timeout / 2, INGRESS_DRAIN_SECONDS))
+        order = [
+            [c for c in self.children if c.name == "ingress-0"],
+            [c for c in self.children if c.kind in SERVICE_MODULES],
+            [c for c in self.children if c.kind == "envoy" and c.name != "ingress-0"],
+            [c for c in self.children if c.kind in ("redis", "tracesink")],
+        ]
+        for group in order:
+            for c in group:
+                if c.proc.poll() is None:
+                    try:
+                        c.proc.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.progress(f"{c.name} did not stop in time; killing it")
+        for c in self.children:
+            # The leader may be gone while its own children (vLLM's engine processes) linger.
+            _signal_group(c.proc.pid, signal.SIGKILL)
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        state = self.run_dir / STATE_FILE
+        if state.exists():
+            state.unlink()
+        shutil.rmtree(self.sockets, ignore_errors=True)
+
+    def _drain_ingress(self, seconds: float) -> None:
+        """Close the ingress's listener (no new connections) and wait, up to seconds, for the
+        requests in flight through it to finish."""
+        ingress = next((c for c in self.children if c.name == "ingress-0" and c.proc.poll() is None), None)
+        if ingress is None:
+            return
+        admin = LocalSockets.of(self.sockets, "ingress-0").admin
+        try:
+            probe.envoy_admin(admin, "/drain_listeners", method="POST")
+        except OSError:
+            return
+        deadline = time.monotonic() + seconds
+        said = False
+        while time.monotonic() < deadline:
+            try:
+                _, body = probe.envoy_admin(admin, "/stats?filter=^http.ingress.downstream_rq_active$")
+                active = int(body.decode().rsplit(":", 1)[-1].strip() or 0)
+            except (OSError, ValueError):
+                return
+            if active == 0:
+                return
+            if not said:
+                self.progress(f"the ingress takes no new connections; waiting up to {seconds:.0f} s for {active} "
+                              "request(s) in flight to finish")
+                said = True
+            time.sleep(0.2)
+        self.progress("requests still in flight through the ingress are cut")
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+

@@ -1,0 +1,189 @@
+"""Admission in Redis, shared by every router replica (one figure per tenant whichever replica a
+request reaches): a tenant's quotas (requests and tokens per minute, sequences at once) and its
+monthly budget, checked and reserved in one atomic script before a request starts (ADMIT), and
+settled in the same script that appends the request's usage event when it ends (RECORD).
+
+Keys (a tenant's share a Redis Cluster hash slot, {tenant}):
+  gaas:inflight:{t}        request id -> "cost tokens second sequences": what a request in flight
+                           may still cost (micro-dollars), the tokens reserved for it, when it was
+                           admitted, and the sequences it runs (n choices of each of its prompts:
+                           what the concurrency quota counts; an entry without one is one)
+  gaas:inflight-exp:{t}    request id -> when that entry lapses (a router that died mid-request)
+  gaas:rpm:{t}, gaas:tpm:{t}  second -> requests / tokens admitted in it (the last 60 s count)
+  gaas:budget:{t}          the monthly budget, micro-dollars (absent: none)
+  gaas:spend:{t}:YYYYMM    what the tenant's requests cost this month
+A request's tokens (prompt + the most it may generate) are reserved at admission and settled to
+what it used when its event is appended; a request that produced nothing gets them back.
+Minute windows are sliding, in one-second buckets. Billing rebuilds a lost spend counter from the
+ledger.
+"""
+
+from __future__ import annotations
+
+from gaas.contracts import usage as metering
+from gaas.contracts.usage import UsageEvent
+
+# Spend counters outlive their month by this much (billing reads last month's at the turn).
+SPEND_TTL_SECONDS = 40 * 86400
+WINDOW_SECONDS = 60
+
+# ADMIT's answers (its first value).
+ADMITTED, OVER_CONCURRENCY, OVER_RPM, OVER_TPM, TOO_LARGE_FOR_TPM, OVER_BUDGET, TOO_MANY_SEQUENCES = 1, 2, 3, 4, 5, 6, 7
+
+
+def budget_key(tenant: str) -> str:
+    return f"gaas:budget:{{{tenant}}}"
+
+
+def spend_key(tenant: str, month: str) -> str:
+    return f"gaas:spend:{{{tenant}}}:{month}"
+
+
+def inflight_key(tenant: str) -> str:
+    return f"gaas:inflight:{{{tenant}}}"
+
+
+def inflight_exp_key(tenant: str) -> str:
+    return f"gaas:inflight-exp:{{{tenant}}}"
+
+
+def rpm_key(tenant: str) -> str:
+    return f"gaas:rpm:{{{tenant}}}"
+
+
+def tpm_key(tenant: str) -> str:
+    return f"gaas:tpm:{{{tenant}}}"
+
+
+def admit_keys(tenant: str, month: str) -> list[str]:
+    return [budget_key(tenant), spend_key(tenant, month), inflight_key(tenant), inflight_exp_key(tenant),
+            rpm_key(tenant), tpm_key(tenant)]
+
+
+# KEYS: budget, spend, inflight, inflight-exp, rpm, tpm.
+# ARGV: request id, cost estimate (micro-$), tokens estimate, now ms, expiry ms, rpm, tpm, concurrency
+# limits (0: none), sequences. -> {answer, a, b, c, retry ms}: ADMITTED with the budget (-1: none),
+# spend and what requests in flight hold; otherwise which limit refused, with its figures (see
+# Meter.admit).
+ADMIT = """
+local now = tonumber(ARGV[4])
+local now_s = math.floor(now / 1000)
+local window = %(window)d
+local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
+if #stale > 0 then
+  redis.call('HDEL', KEYS[3], unpack(stale))
+  redis.call('ZREM', KEYS[4], unpack(stale))
+end
+local concurrency, sequences = tonumber(ARGV[8]), tonumber(ARGV[9] or '1')
+if concurrency > 0 then
+  if sequences > concurrency then return {%(too_many)d, sequences, concurrency, 0, 0} end
+  local n = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do n = n + tonumber(string.match(v, '^%%S+ %%S+ %%S+ (%%d+)$') or '1') end
+  if n + sequences > concurrency then return {%(concurrency)d, n, concurrency, 0, 1000} end
+end
+-- What the last minute used of a limit, and when enough of it frees for `want` more (ms).
+local function used(key, limit, want)
+  local flat = redis.call('HGETALL', key)
+  local total, buckets = 0, {}
+  for i = 1, #flat, 2 do
+    local s, v = tonumber(flat[i]), tonumber(flat[i + 1])
+    if s <= now_s - window then
+      redis.call('HDEL', key, flat[i])
+    else
+      total = total + v
+      buckets[#buckets + 1] = {s, v}
+    end
+  end
+  if total + want <= limit then return total, 0 end
+  table.sort(buckets, function(x, y) return x[1] < y[1] end)
+  local need, freed = total + want - limit, 0
+  for _, b in ipairs(buckets) do
+    freed = freed + b[2]
+    if freed >= need then return total, math.max(100, (b[1] + window) * 1000 - now) end
+  end
+  return total, window * 1000
+end
+local rpm, tpm, tokens = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[3])
+if rpm > 0 then
+  local n, retry = used(KEYS[5], rpm, 1)
+  if retry > 0 then return {%(rpm)d, n, rpm, 0, retry} end
+end
+if tpm > 0 then
+  if tokens > tpm then return {%(too_large)d, tokens, tpm, 0, 0} end
+  local n, retry = used(KEYS[6], tpm, tokens)
+  if retry > 0 then return {%(tpm)d, n, tpm, 0, retry} end
+end
+local budget = redis.call('GET', KEYS[1])
+local spend, held = 0, 0
+if budget then
+  budget = tonumber(budget)
+  spend = tonumber(redis.call('GET', KEYS[2]) or '0')
+  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do held = held + tonumber(string.match(v, '^(%%-?%%d+)')) end
+  if spend + held + tonumber(ARGV[2]) > budget then return {%(budget)d, budget, spend, held, 0} end
+else
+  budget = -1
+end
+if rpm > 0 then
+  redis.call('HINCRBY', KEYS[5], now_s, 1)
+  redis.call('EXPIRE', KEYS[5], 2 * window)
+end
+local reserved = 0
+if tpm > 0 then
+  reserved = tokens
+  redis.call('HINCRBY', KEYS[6], now_s, tokens)
+  redis.call('EXPIRE', KEYS[6], 2 * window)
+end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. ' ' .. reserved .. ' ' .. now_s .. ' ' .. sequences)
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+return {%(admitted)d, budget, spend, held, 0}
+""" % {"window": WINDOW_SECONDS, "concurrency": OVER_CONCURRENCY, "rpm": OVER_RPM, "tpm": OVER_TPM,
+       "too_large": TOO_LARGE_FOR_TPM, "budget": OVER_BUDGET, "admitted": ADMITTED, "too_many": TOO_MANY_SEQUENCES}
+
+# Give back what a request in flight holds: its place, and its reserved tokens less `used`.
+_SETTLE = """
+local function settle(inflight, inflight_exp, tpm, id, used)
+  local held = redis.call('HGET', inflight, id)
+  if not held then return end
+  local _, reserved, second = string.match(held, '^(%-?%d+) (%d+) (%d+)')
+  reserved = tonumber(reserved)
+  if reserved and reserved > 0 and redis.call('HEXISTS', tpm, second) == 1 then
+    redis.call('HINCRBY', tpm, second, used - reserved)
+  end
+  redis.call('HDEL', inflight, id)
+  redis.call('ZREM', inflight_exp, id)
+end
+"""
+
+# KEYS: stream, spend, inflight, inflight-exp, tpm. ARGV: request id, cost, spend ttl, tokens used,
+# then the event's field/value pairs. Appends the event, adds its cost, settles its admission: all
+# or nothing.
+RECORD = _SETTLE + """
+settle(KEYS[3], KEYS[4], KEYS[5], ARGV[1], tonumber(ARGV[4]))
+local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
+redis.call('INCRBY', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return entry
+"""
+
+# KEYS: inflight, inflight-exp, tpm. ARGV: request id, tokens used (absent: none). A request that
+# ends without a usage event: having produced nothing, or a /tokenize (its tokens count a minute).
+RELEASE = _SETTLE + """
+settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2] or '0'))
+return 1
+"""
+
+
+def record_args(event: UsageEvent) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of RECORD for an event."""
+    flat: list[str] = []
+    for k, v in event.to_fields().items():
+        flat += [k, v]
+    t = event.tenant
+    keys = [metering.STREAM, spend_key(t, metering.month_of(event.finished_ms)), inflight_key(t), inflight_exp_key(t),
+            tpm_key(t)]
+    used = event.prompt_tokens + event.completion_tokens
+    return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), str(used), *flat]
+
+
+def release_keys(tenant: str) -> list[str]:
+    return [inflight_key(tenant), inflight_exp_key(tenant), tpm_key(tenant)]

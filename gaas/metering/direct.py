@@ -1,0 +1,90 @@
+"""The direct path's contract (topology: ingress.path: direct), one definition for both ends: the
+router decides a generation at the ingress (services/router/extproc.py) and the ingress sends a
+gaas.v1.DirectGenerate straight to the chosen worker (services/worker/direct.py), which formats
+and meters the answer and reports its end to that router (report_channel)."""
+
+from __future__ import annotations
+
+import base64
+
+from google.protobuf.message import DecodeError
+
+from gaas.contracts import latency, pricing
+from gaas.metering.meter import Metered
+from gaas.contracts.principal import Principal
+from gaas.v1 import common_pb2, worker_pb2
+
+# The content type of the HttpBody that carries a DirectGenerate.
+CONTENT_TYPE = "application/x-gaas-direct"
+# How a direct generation's end reaches the router that decided it, which sees no chunk of the
+# stream: the worker publishes its final chunk without the text (usage, finish reason, the latency
+# decomposition; final_summary) on the router's Redis channel as soon as the usage event is
+# written, and the router records the request as it records its own (metrics, windows, breakers).
+# (Not in the response's trailers: a client that has read [DONE] may close its connection before
+# the trailers reach the ingress, and the router would never hear of them.) A report the router
+# does not get within REPORT_GRACE_SECONDS of the stream's end: the request ends unknown.
+REPORT_GRACE_SECONDS = 5.0
+
+
+def report_channel(router: str) -> str:
+    """The Redis channel of the router instance's reports."""
+    return f"gaas:direct:{router}:ended"
+
+
+def router_ms(d: worker_pb2.DirectGenerate) -> float:
+    """Everything before the router's answer: the ingress's hop to it, the tenant's admission, the
+    router's own work and its queue."""
+    return d.ingress_ms + d.tenant_ms + d.router_ms + d.router_queue_ms
+
+
+def metered(d: worker_pb2.DirectGenerate, arrived: float) -> Metered:
+    """The usage record of a direct generation, as the router admitted it. arrived: the
+    request's arrival at the ingress, on this process's perf_counter clock."""
+    m = d.metering
+    principal = Principal(tenant=m.tenant, tier=m.tier, key_id=m.key_id, cache_salt=d.generate.cache_salt)
+    price = pricing.Price(input=m.price_input, cached_input=m.price_cached_input, output=m.price_output)
+    out = Metered(d.generate.request_id, principal, m.model, m.model_version, price, 1, m.client_request_id, arrived,
+                  prompt_tokens=m.prompt_tokens)
+    out.admitted = m.admitted
+    return out
+
+
+def arrived_at(d: worker_pb2.DirectGenerate, worker_arrived: float, worker_arrived_unix: float) -> float:
+    """The request's arrival at the ingress on this process's perf_counter clock."""
+    return worker_arrived - router_ms(d) / 1000 - in_flight_s(d, worker_arrived_unix)
+
+
+def in_flight_s(d: worker_pb2.DirectGenerate, worker_arrived_unix: float) -> float:
+    """From the router's answer to the worker's arrival (the ingress and both Envoys on the way)."""
+    return max(0.0, worker_arrived_unix - d.decided_unix) if d.decided_unix else 0.0
+
+
+def complete(t: common_pb2.Timings, d: worker_pb2.DirectGenerate, worker_arrived_unix: float) -> None:
+    """The latency decomposition of a direct generation (gaas.contracts.latency's parts): the router's parts
+    as it measured them, the worker's own (t: queue_ms, ttft_ms and engine_ms as the engine
+    measured them), and the network: the ingress's hop to the router and from the router's answer
+    to the worker. (The way back to the ingress is not measured here.)"""
+    latency.worker_parts(t, d.router_queue_ms)
+    t.tenant_ms = d.tenant_ms
+    t.router_ms = d.router_ms
+    t.ingress_ms = d.ingress_ms
+    t.net_ms = d.ingress_ms + in_flight_s(d, worker_arrived_unix) * 1000
+    t.total_ms = sum(latency.part_ms(t, p) for p in latency.PARTS)
+
+
+def final_summary(chunk: common_pb2.GenerateChunk) -> str:
+    """A report of a request's final chunk (base64: Redis clients here decode text)."""
+    out = common_pb2.GenerateChunk()
+    out.CopyFrom(chunk)
+    for name in ("text", "token_ids", "logprobs"):
+        out.ClearField(name)
+    return base64.b64encode(out.SerializeToString()).decode()
+
+
+def read_final(value: str) -> common_pb2.GenerateChunk | None:
+    """The final chunk of a report; None if unreadable."""
+    try:
+        raw = base64.b64decode(value + "=" * (-len(value) % 4))
+        return common_pb2.GenerateChunk.FromString(raw)
+    except (ValueError, DecodeError):
+        return None

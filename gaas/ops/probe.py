@@ -1,0 +1,165 @@
+"""Probing a running mesh from outside: each instance's health through its sidecar, each Envoy's
+readiness, and the workers registered with control. Used by `gaas status` and `gaas up`."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gaas.ops import pki
+from gaas.ops.topology import LocalSockets, Topology, sockets_root
+from gaas.v1 import control_pb2, control_pb2_grpc
+
+
+@dataclass(slots=True)
+class InstanceHealth:
+    name: str
+    service: str
+    # Where peers reach it (its sidecar's inbound listener).
+    address: str
+    # SERVING, NOT_SERVING, UNREACHABLE or UNKNOWN.
+    health: str
+    # Whether its Envoy sidecar answers ready on the admin port.
+    sidecar_ready: bool
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class MeshHealth:
+    ingress: str
+    ingress_ready: bool
+    instances: list[InstanceHealth]
+    # Workers with a live lease, as control lists them (empty when control is unreachable).
+    workers: list[dict] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.ingress_ready and all(i.health == "SERVING" and i.sidecar_ready for i in self.instances)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "healthy": self.healthy}
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to a Unix socket (Envoy's admin interface listens on one)."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def envoy_admin(admin: Path, path: str, method: str = "GET", timeout: float = 2.0) -> tuple[int, bytes]:
+    """(status, body) of one call to an Envoy's admin interface at the Unix socket admin."""
+    conn = _UnixHTTPConnection(admin, timeout)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def envoy_ready(admin: Path, timeout: float = 1.0) -> bool:
+    try:
+        return envoy_admin(admin, "/ready", timeout=timeout)[0] == 200
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def grpc_health(address: str, timeout: float = 1.0, run_dir: Path | None = None) -> tuple[str, str]:
+    """(status, detail) of the standard health service at address (a sidecar, reached as the
+    operator of run_dir's mesh; default $GAAS_HOME)."""
+    with pki.operator_channel(address, run_dir) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return "UNREACHABLE", exc.details() or code.name
+            return "UNKNOWN", f"{code.name}: {exc.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status), ""
+
+
+def list_workers(control_address: str, timeout: float = 1.0, run_dir: Path | None = None) -> list[dict]:
+    with pki.operator_channel(control_address, run_dir) as channel:
+        try:
+            resp = control_pb2_grpc.ControlStub(channel).ListWorkers(control_pb2.ListWorkersRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return []
+    return [
+        {
+            "worker_id": w.worker_id,
+            "address": w.address,
+            "model": w.model,
+            "model_version": w.model_version,
+            "backend": w.backend,
+            "device": w.device,
+            "state": control_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
+            "load": {
+                "running": w.load.running_requests,
+                "waiting": w.load.waiting_requests,
+                "kv_cache_usage": round(w.load.kv_cache_usage, 4),
+                "kv_cache_blocks": w.load.kv_cache_blocks,
+                "device_memory_used": w.load.device_memory_used,
+                "device_memory_total": w.load.device_memory_total,
+                "device_utilization": round(w.load.device_utilization, 3),
+                "reported_unix_ms": w.load.reported_unix_ms,
+            },
+        }
+        for w in resp.workers
+    ]
+
+
+def kv_stats(kvcache_address: str, timeout: float = 1.0, run_dir: Path | None = None) -> dict | None:
+    """The KV directory's figures (gaas.v1.DirectoryStats as JSON), None when it does not answer."""
+    from google.protobuf import json_format
+
+    from gaas.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+    with pki.operator_channel(kvcache_address, run_dir) as channel:
+        try:
+            stats = kvcache_pb2_grpc.KVCacheStub(channel).GetStats(kvcache_pb2.GetStatsRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def probe(topo: Topology, run_dir: Path, timeout: float = 1.0) -> MeshHealth:
+    """Everything at once (in parallel, so a dead mesh answers within about one timeout), as the
+    operator of the mesh run from run_dir (its certificate; its Envoys' admin sockets)."""
+    sockets = sockets_root(run_dir)
+
+    def one(inst) -> InstanceHealth:
+        status, detail = grpc_health(inst.inbound, timeout, run_dir)
+        return InstanceHealth(
+            name=inst.name,
+            service=inst.service,
+            address=inst.inbound,
+            health=status,
+            sidecar_ready=envoy_ready(LocalSockets.of(sockets, inst.name).admin, timeout),
+            detail=detail,
+        )
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ingress_f = pool.submit(envoy_ready, LocalSockets.of(sockets, "ingress-0").admin, timeout)
+        controls = topo.of("control")
+        workers_f = pool.submit(list_workers, controls[0].inbound, timeout, run_dir) if controls else None
+        kvs = topo.of("kvcache")
+        kv_f = pool.submit(kv_stats, kvs[0].inbound, timeout, run_dir) if kvs else None
+        instances = list(pool.map(one, topo.instances))
+        workers = workers_f.result() if workers_f else []
+        cached = {w["worker_id"]: w for w in ((kv_f.result() if kv_f else None) or {}).get("per_worker", [])}
+        for w in workers:
+            w["cached_blocks"] = int(cached.get(w["worker_id"], {}).get("blocks", 0))
+        return MeshHealth(ingress=topo.ingress, ingress_ready=ingress_f.result(), instances=instances, workers=workers)

@@ -1,0 +1,353 @@
+"""The mesh topology (deploy/topology.yaml): services, replicas and the ports every instance and
+its Envoy sidecar listen on. The Envoy configs and `gaas up` are both derived from it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from gaas.host.placement import EXECUTORS
+
+# Start order; also the order `gaas status` lists them.
+SERVICES = ("control", "kvcache", "billing", "worker", "router")
+
+# The gRPC service each kind serves (what its sidecar's peers route on).
+GRPC_SERVICE = {
+    "control": "gaas.v1.Control",
+    "kvcache": "gaas.v1.KVCache",
+    "billing": "gaas.v1.Billing",
+    "worker": "gaas.v1.Worker",
+    "router": "gaas.v1.Inference",
+}
+
+# The router's second public API: OpenAI's HTTP API over HttpBody methods.
+OPENAI_SERVICE = "gaas.v1.OpenAI"
+# Its generation methods, which a worker serves too when the ingress sends them there straight
+# (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
+OPENAI_GENERATION = ("Completions", "ChatCompletions")
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The router's key check for the ingress, on each request's headers (Envoy's external authorization).
+AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
+# How a generation reaches its worker: through the router ("router", the default), or from the
+# ingress straight to the worker the router picked there ("direct").
+INGRESS_PATHS = ("router", "direct")
+
+# Whom each kind calls, through its sidecar's outbound listener (DESIGN.md's "talks to").
+TALKS_TO = {
+    "control": (),
+    "kvcache": ("control", "worker"),
+    "billing": ("control",),
+    "worker": ("control",),
+    "router": ("control", "kvcache", "worker", "billing"),
+}
+
+# Who may call which method, by the caller's identity kind ("operator": the `gaas` CLI; "ingress":
+# the edge Envoy). Each inbound sidecar's RBAC is generated from this (gaas/envoy/config.py). A method
+# of a service's own API not named here is the operator's alone; health checks are open to every
+# identity of the mesh.
+ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "control": {
+        "RegisterWorker": ("worker",), "RenewLease": ("worker",), "DeregisterWorker": ("worker",),
+        "ListWorkers": ("router", "kvcache", "operator"),
+        "ListModels": ("router", "operator"),
+        # The operator's too: `gaas up` checks the demo key it saved at an earlier start.
+        "Authenticate": ("router", "operator"),
+        "ListPublicPrefixes": ("router", "operator"),
+        "ListTenants": ("billing", "operator"),
+    },
+    "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
+    "billing": {"GetUsage": ("router", "operator")},
+    "worker": {"Generate": ("router",), "WatchKVEvents": ("kvcache",)},
+    # The router's public APIs (and server reflection) are the ingress's; gaas.v1.Router (flow
+    # status) is the operator's.
+    "router": {"*": ("ingress",)},
+}
+
+PORTS_PER_INSTANCE = 10
+SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
+# An Envoy's statistics for Prometheus (its admin's /stats/prometheus, nothing else of the admin).
+ENVOY_STATS_OFFSET = 5
+# In the ingress's block: where `gaas up --trace` receives spans over OTLP/gRPC (gaas.ops.tracesink).
+TRACE_OFFSET = 6
+
+WORKER_DEFAULTS = {
+    # enforce_eager "auto": eager on the CPU (start time), CUDA graphs and torch.compile on GPUs.
+    "model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": "auto",
+    # vLLM's batch limits (0: its default tokens per step) and the bound on requests waiting.
+    "max_num_seqs": 64, "max_num_batched_tokens": 0, "max_waiting": 128,
+    # Tokens per streamed message (vLLM's stream_interval; the first token always goes at once).
+    "stream_interval": 1,
+    # Where the model runs (gaas.host.placement.EXECUTORS): "uni" in the engine core's process,
+    # "mp" in a process of its own.
+    "executor": "uni",
+}
+
+
+class TopologyError(ValueError):
+    """The topology file is malformed; the message says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    # Service kind, one of SERVICES.
+    service: str
+    # Replica name, e.g. "worker-0".
+    name: str
+    # Replica index within its service.
+    index: int
+    host: str
+    # First port of this instance's block.
+    base: int
+    # Service-specific settings (the worker's model, cache size...).
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        return self.base + SERVICE_OFFSET
+
+    @property
+    def inbound_port(self) -> int:
+        return self.base + INBOUND_OFFSET
+
+    @property
+    def outbound_port(self) -> int:
+        return self.base + OUTBOUND_OFFSET
+
+    @property
+    def admin_port(self) -> int:
+        return self.base + ADMIN_OFFSET
+
+    @property
+    def metrics_port(self) -> int:
+        return self.base + METRICS_OFFSET
+
+    @property
+    def envoy_stats_port(self) -> int:
+        return self.base + ENVOY_STATS_OFFSET
+
+    @property
+    def address(self) -> str:
+        """The service's own port: only its sidecar connects here."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def inbound(self) -> str:
+        """Where peers (through their sidecars) reach this instance."""
+        return f"{self.host}:{self.inbound_port}"
+
+    @property
+    def outbound(self) -> str:
+        """Where this instance reaches its peers."""
+        return f"{self.host}:{self.outbound_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSockets:
+    """Where a service and its sidecar meet when they share a host: Unix sockets in a directory
+    only the mesh's owner may enter (0700), so no other local user or process reaches a service
+    around its sidecar (loopback TCP is open to all of them)."""
+
+    # The directory of this instance's two sockets.
+    dir: Path
+    # The service listens here; its sidecar's inbound listener forwards here.
+    service: Path
+    # The sidecar's outbound listener: where the service reaches its peers.
+    outbound: Path
+    # The Envoy's admin interface (readiness, draining, stats), never on a TCP port.
+    admin: Path
+
+    @classmethod
+    def of(cls, root: Path, name: str) -> "LocalSockets":
+        """Of an instance ("worker-0"), or of the ingress ("ingress-0": only its admin is used)."""
+        d = root / name
+        return cls(d, d / "service.sock", d / "outbound.sock", d / "admin.sock")
+
+
+# A Unix socket's path must fit in 108 bytes: a run directory deeper than this keeps its sockets
+# under the temporary directory instead.
+_MAX_SOCKETS_ROOT = 80
+
+
+def sockets_root(run_dir: Path) -> Path:
+    """Where the mesh of run_dir keeps its services' Unix sockets (one 0700 directory each)."""
+    root = Path(run_dir) / "sockets"
+    if len(str(root)) <= _MAX_SOCKETS_ROOT:
+        return root
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"gaas-{os.getuid()}-{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    host: str
+    port_base: int
+    ingress_port: int
+    instances: tuple[Instance, ...]
+    # How generations reach their worker (INGRESS_PATHS): through the router, or from the ingress
+    # straight to the worker the router picked at the ingress.
+    ingress_path: str = "router"
+
+    @property
+    def ingress_admin_port(self) -> int:
+        return self.port_base + ADMIN_OFFSET
+
+    @property
+    def ingress_stats_port(self) -> int:
+        return self.port_base + ENVOY_STATS_OFFSET
+
+    @property
+    def trace_port(self) -> int:
+        return self.port_base + TRACE_OFFSET
+
+    @property
+    def ingress(self) -> str:
+        return f"{self.host}:{self.ingress_port}"
+
+    def envoy_stats(self) -> dict[str, str]:
+        """Each Envoy of the mesh (ingress-0, sidecar-<instance>) -> host:port of its statistics."""
+        return {"ingress-0": f"{self.host}:{self.ingress_stats_port}",
+                **{f"sidecar-{i.name}": f"{i.host}:{i.envoy_stats_port}" for i in self.instances}}
+
+    def of(self, service: str) -> list[Instance]:
+        return [i for i in self.instances if i.service == service]
+
+    def instance(self, name: str) -> Instance:
+        for i in self.instances:
+            if i.name == name:
+                return i
+        raise KeyError(f"no instance named {name!r} in the topology")
+
+    def all_ports(self) -> list[int]:
+        ports = [self.ingress_port, self.ingress_admin_port, self.ingress_stats_port, self.trace_port]
+        for i in self.instances:
+            ports += [i.port, i.inbound_port, i.outbound_port, i.admin_port, i.metrics_port, i.envoy_stats_port]
+        return ports
+
+    def tcp_ports(self) -> list[int]:
+        """The ports a mesh started by `gaas up` listens on (its services, outbound listeners and
+        Envoy admin interfaces are Unix sockets): the ingress, each sidecar's inbound listener and
+        each service's /metrics and each Envoy's statistics (and trace_port under `gaas up --trace`)."""
+        return [self.ingress_port, self.ingress_stats_port,
+                *(p for i in self.instances for p in (i.inbound_port, i.metrics_port, i.envoy_stats_port))]
+
+
+def _int(value: object, what: str, minimum: int = 0) -> int:
+    try:
+        n = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TopologyError(f"{what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise TopologyError(f"{what} must be at least {minimum}, got {n}")
+    return n
+
+
+def build(
+    doc: Mapping[str, object],
+    *,
+    host: str | None = None,
+    port_base: int | None = None,
+    ingress_port: int | None = None,
+    ingress_path: str | None = None,
+    workers: int | str | None = None,
+    auto_workers: int = 1,
+) -> Topology:
+    """Derive every instance and port from the parsed YAML; keyword arguments override it.
+    Worker replicas "auto" (the default) become auto_workers: the launcher passes one per GPU on a
+    GPU host (gaas.host.devices), 1 on a CPU host."""
+    if not isinstance(doc, Mapping):
+        raise TopologyError("the topology must be a mapping with host, port_base, ingress, services")
+    services = doc.get("services") or {}
+    if not isinstance(services, Mapping):
+        raise TopologyError("'services' must map service names to their settings")
+    unknown = set(services) - set(SERVICES)
+    if unknown:
+        raise TopologyError(f"unknown service(s) {', '.join(sorted(unknown))}; known: {', '.join(SERVICES)}")
+    missing = set(SERVICES) - set(services)
+    if missing:
+        raise TopologyError(f"the mesh needs every service; missing: {', '.join(sorted(missing))}")
+
+    host = host or str(doc.get("host", "127.0.0.1"))
+    base = port_base if port_base is not None else _int(doc.get("port_base", 20000), "port_base", 1024)
+    ingress = doc.get("ingress") or {}
+    ingress_port = ingress_port if ingress_port is not None else _int(ingress.get("port", 8080), "ingress.port", 1)
+    ingress_path = ingress_path or str(ingress.get("path", "router"))
+    if ingress_path not in INGRESS_PATHS:
+        raise TopologyError(f"ingress.path must be one of {', '.join(INGRESS_PATHS)}, got {ingress_path!r}")
+
+    instances: list[Instance] = []
+    block = 1  # block 0 is the ingress's
+    for service in SERVICES:
+        settings = dict(services[service] or {})
+        replicas = settings.pop("replicas", "auto" if service == "worker" else 1)
+        if service == "worker" and workers is not None:
+            replicas = workers
+        if service == "worker" and replicas == "auto":
+            replicas = auto_workers
+        what = "workers" if service == "worker" and workers is not None else f"services.{service}.replicas"
+        replicas = _int(replicas, f"{what} (a number or auto)" if service == "worker" else what, 1)
+        options: dict[str, object] = {}
+        if service == "worker":
+            unknown_opts = set(settings) - set(WORKER_DEFAULTS)
+            if unknown_opts:
+                raise TopologyError(f"services.worker: unknown setting(s) {', '.join(sorted(unknown_opts))}")
+            options = {**WORKER_DEFAULTS, **settings}
+            if not options["model"]:
+                raise TopologyError("services.worker.model is required (a model name from deploy/gaas.yaml)")
+            if _int(options["block_size"], "services.worker.block_size", 16) % 16:
+                raise TopologyError("services.worker.block_size must be a multiple of 16")
+            _int(options["stream_interval"], "services.worker.stream_interval", 1)
+            if options["executor"] not in EXECUTORS:
+                raise TopologyError(f"services.worker.executor must be one of {', '.join(EXECUTORS)}")
+            if options["enforce_eager"] not in (True, False, "auto"):
+                raise TopologyError("services.worker.enforce_eager must be true, false or auto")
+        elif settings:
+            raise TopologyError(f"services.{service}: unknown setting(s) {', '.join(sorted(settings))}")
+        for idx in range(replicas):
+            instances.append(
+                Instance(service, f"{service}-{idx}", idx, host, base + block * PORTS_PER_INSTANCE, options)
+            )
+            block += 1
+    if base + block * PORTS_PER_INSTANCE > 65535:
+        raise TopologyError(f"port_base {base} leaves too few ports for {block} port blocks")
+    topo = Topology(host=host, port_base=base, ingress_port=ingress_port, instances=tuple(instances),
+                    ingress_path=ingress_path)
+    if ingress_port in topo.all_ports()[1:]:
+        raise TopologyError(f"ingress port {ingress_port} collides with a port derived from port_base {base}")
+    return topo
+
+
+def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topology:
+    """Read the topology file, applying GAAS_HOST / GAAS_PORT_BASE / GAAS_INGRESS_PORT /
+    GAAS_INGRESS_PATH / GAAS_WORKERS from env, then explicit keyword overrides (those that are not None)."""
+    env = os.environ if env is None else env
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise TopologyError(f"cannot read topology file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path} is not valid YAML: {exc}") from exc
+    from_env = {
+        "host": env.get("GAAS_HOST") or None,
+        "port_base": _int(env["GAAS_PORT_BASE"], "GAAS_PORT_BASE", 1024) if env.get("GAAS_PORT_BASE") else None,
+        "ingress_port": _int(env["GAAS_INGRESS_PORT"], "GAAS_INGRESS_PORT", 1) if env.get("GAAS_INGRESS_PORT") else None,
+        "ingress_path": env.get("GAAS_INGRESS_PATH") or None,
+        "workers": (env["GAAS_WORKERS"] if env.get("GAAS_WORKERS") == "auto"
+                    else _int(env["GAAS_WORKERS"], "GAAS_WORKERS (a number or auto)", 1)) if env.get("GAAS_WORKERS") else None,
+    }
+    merged = {k: v for k, v in from_env.items() if v is not None}
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return build(doc or {}, **merged)
+
+
+def with_worker_options(topo: Topology, **options: object) -> Topology:
+    """A copy whose workers carry extra options (used by tests to shrink the cache)."""
+    instances = tuple(
+        replace(i, options={**i.options, **options}) if i.service == "worker" else i for i in topo.instances
+    )
+    return replace(topo, instances=instances)

@@ -1,0 +1,1 @@
+"""Clients of a running mesh: streaming generation, and the operator's calls."""
