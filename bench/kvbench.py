@@ -22,7 +22,8 @@ from pathlib import Path
 
 from bench.workload import multi_tenant_chat
 from gaas.contracts import kvhash
-from services.kvcache.directory import BlockDirectory, Stored, WorkerId
+from gaas.contracts.ids import WorkerId
+from services.kvcache.directory import BlockDirectory, Stored
 from services.router.scheduling import Candidate, Load, RequestContext, make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent

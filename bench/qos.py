@@ -31,11 +31,12 @@ import httpx
 
 from bench import footprint
 from bench.kvbench import pct
+from gaas.contracts.tenancy import TIERS_BY_PRIORITY
 from gaas.ops.topology import INGRESS_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
-TIERS = ("gold", "silver", "bronze")
+TIERS = TIERS_BY_PRIORITY  # gold, silver, bronze: the order the load generator draws them in
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega river stone cloud window garden paper signal engine market thread").split()
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from gaas.contracts.tenancy import TIERS
+from gaas.contracts.tenancy import DEFAULT_TIER, TIERS, TIERS_BY_PRIORITY
 from gaas.v1 import common_pb2
 
 # Lower bands are served first.
-BANDS = {"gold": 0, "silver": 1, "bronze": 2}
-BAND_NAMES = tuple(sorted(BANDS, key=BANDS.get))
+BANDS = {tier: band for band, tier in enumerate(TIERS_BY_PRIORITY)}
+BAND_NAMES = TIERS_BY_PRIORITY
 # A client's priority within its band: vLLM serves lower values first.
 _WITHIN_BAND = {
     common_pb2.PRIORITY_HIGH: 0,
@@ -30,7 +30,7 @@ PER_BAND = 3
 
 
 def band(tier: str) -> int:
-    return BANDS.get(tier, BANDS["bronze"])
+    return BANDS.get(tier, BANDS[DEFAULT_TIER])
 
 
 def engine_priority(tier: str, client_priority: int) -> int:

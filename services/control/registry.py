@@ -13,15 +13,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import NewType
 
 import redis.asyncio as aioredis
 
 from gaas.contracts import errors
+from gaas.contracts.ids import WorkerId
 
 log = logging.getLogger(__name__)
-
-WorkerId = NewType("WorkerId", str)
 
 SERVING = "serving"
 DRAINING = "draining"

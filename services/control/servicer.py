@@ -10,13 +10,14 @@ from google.protobuf import json_format
 from gaas.contracts import errors, qos
 from gaas.ops import pki
 from gaas.contracts.jsonbody import is_digits
-from gaas.contracts.tenancy import TIER_FROM_PB, TIER_TO_PB
+from gaas.contracts.tenancy import DEFAULT_TIER, TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
+from gaas.contracts.ids import WorkerId
 from services.control.catalog import ModelCatalog
 from services.control.prefixes import PrefixStore, PublicPrefix
-from services.control.registry import DRAINING, SERVING, WorkerId, WorkerRecord, WorkerRegistry
+from services.control.registry import DRAINING, SERVING, WorkerRecord, WorkerRegistry
 from services.control.tenants import LIMIT_NAMES, ApiKey, Tenant, TenantStore
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         )
 
     async def CreateTenant(self, request: pb.CreateTenantRequest, context) -> pb.Tenant:
-        tier = TIER_FROM_PB.get(request.tier, "bronze")
+        tier = TIER_FROM_PB.get(request.tier, DEFAULT_TIER)
         tenant = await self._tenants.create_tenant(request.name, tier)
         log.info("created tenant %s (%s)", tenant.name, tenant.tier)
         return self._tenant_pb(tenant)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from gaas.contracts import kvhash
+from gaas.contracts.ids import WorkerId
 from gaas.contracts.kvhash import BlockHash
 
 log = logging.getLogger(__name__)
 
-WorkerId = NewType("WorkerId", str)
 EngineHash = NewType("EngineHash", int)
 
 UNKNOWN_TENANT = ""

@@ -13,8 +13,9 @@ import asyncio
 from gaas.runtime.context import WORKER_HEADER
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.v1 import control_pb2, control_pb2_grpc, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from gaas.contracts.ids import WorkerId
 from services.kvcache.config import KVCacheConfig
-from services.kvcache.directory import BlockDirectory, WorkerId
+from services.kvcache.directory import BlockDirectory
 from services.kvcache.servicer import KVCacheServicer
 from services.kvcache.watcher import WatchedWorker, WorkerWatcher
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from gaas.contracts import errors
 from gaas.v1 import kvcache_pb2 as pb
 from gaas.v1 import kvcache_pb2_grpc
-from services.kvcache.directory import BlockDirectory, WorkerId
+from gaas.contracts.ids import WorkerId
+from services.kvcache.directory import BlockDirectory
 
 # Longest lookup accepted: a 1M-token prompt in blocks of 16.
 MAX_BLOCKS = 1 << 16

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from gaas.v1 import kvcache_pb2 as pb
-from services.kvcache.directory import BlockDirectory, Stored, WorkerId
+from gaas.contracts.ids import WorkerId
+from services.kvcache.directory import BlockDirectory, Stored
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gaas.runtime.metrics import nearest_rank
-from services.router.scheduling import WorkerId
+from gaas.contracts.ids import WorkerId
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 # Prompt tokens to compute that make one more unit of a first token's work.

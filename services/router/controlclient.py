@@ -13,11 +13,12 @@ from gaas.contracts.pricing import Price
 from gaas.contracts.qos import Limits
 
 from gaas.runtime.context import TenantId
-from gaas.contracts.tenancy import TIER_FROM_PB
+from gaas.contracts.tenancy import DEFAULT_TIER, TIER_FROM_PB
 from gaas.v1 import control_pb2, control_pb2_grpc
 from gaas.contracts.principal import Principal
+from gaas.contracts.ids import WorkerId
 from services.router.directory import ModelEntry
-from services.router.scheduling.types import Candidate, Load, WorkerId
+from services.router.scheduling.types import Candidate, Load
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
         models = [
             ModelEntry(
                 m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())),
-                {TIER_FROM_PB.get(p.tier, "bronze"): Price(p.input, p.cached_input, p.output) for p in m.prices},
+                {TIER_FROM_PB.get(p.tier, DEFAULT_TIER): Price(p.input, p.cached_input, p.output) for p in m.prices},
             )
             for m in models_resp.models
         ]
@@ -82,7 +83,7 @@ def key_lookup(stub: control_pb2_grpc.ControlStub):
             raise errors.Unavailable("cannot check the API key right now; retry shortly") from None
         return Principal(
             tenant=TenantId(resp.tenant.name),
-            tier=TIER_FROM_PB.get(resp.tenant.tier, "bronze"),
+            tier=TIER_FROM_PB.get(resp.tenant.tier, DEFAULT_TIER),
             key_id=resp.key_id,
             cache_salt=resp.cache_salt,
             limits=Limits(rpm=resp.tenant.limits.rpm, tpm=resp.tenant.limits.tpm,

@@ -22,8 +22,10 @@ import grpc
 
 from gaas.contracts import qos
 from gaas.contracts.qos import BAND_NAMES, TierPolicy
+from gaas.contracts.tenancy import DEFAULT_TIER
+from gaas.contracts.ids import WorkerId
 from services.router.breakers import Breakers
-from services.router.scheduling import Candidate, Decision, RequestContext, Scheduler, WorkerId
+from services.router.scheduling import Candidate, Decision, RequestContext, Scheduler
 from services.router.scheduling.types import NoCapacity
 from services.router.waitqueue import WaitQueue
 from services.router.windows import Windows
@@ -64,7 +66,7 @@ class Flow:
         self.queue = WaitQueue(settings.max_waiting, clock=clock)
 
     def policy(self, tier: str) -> TierPolicy:
-        return self._policies.get(tier) or qos.DEFAULT_POLICIES.get(tier) or qos.DEFAULT_POLICIES["bronze"]
+        return self._policies.get(tier) or qos.DEFAULT_POLICIES.get(tier) or qos.DEFAULT_POLICIES[DEFAULT_TIER]
 
     def engine_priority(self, tier: str, client_priority: int) -> int | None:
         """vLLM priority for the request (None with QoS off: the client's own)."""

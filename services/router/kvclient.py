@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from gaas.v1 import kvcache_pb2, kvcache_pb2_grpc
-from services.router.scheduling.types import WorkerId
+from gaas.contracts.ids import WorkerId
 
 log = logging.getLogger(__name__)
 

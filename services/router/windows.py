@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gaas.runtime.metrics import nearest_rank
-from services.router.scheduling import WorkerId
+from gaas.contracts.ids import WorkerId
 
 # Share of a worker's window each band may fill (gold, silver, bronze): gold past it.
 BAND_SHARE = (2.0, 0.75, 0.5)

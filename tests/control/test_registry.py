@@ -2,7 +2,8 @@ import asyncio
 
 import pytest
 
-from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerId, WorkerRecord, WorkerRegistry
+from gaas.contracts.ids import WorkerId
+from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerRecord, WorkerRegistry
 
 
 def record(worker_id="worker-0", model="gaas-tiny", address="127.0.0.1:20041"):

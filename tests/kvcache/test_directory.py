@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gaas.contracts import kvhash
-from services.kvcache.directory import BlockDirectory, Stored, WorkerId
+from gaas.contracts.ids import WorkerId
+from services.kvcache.directory import BlockDirectory, Stored
 
 BS = 2
 A, B = WorkerId("worker-a"), WorkerId("worker-b")

@@ -5,7 +5,8 @@ import asyncio
 
 from gaas.contracts import kvhash
 from gaas.v1 import kvcache_pb2 as pb
-from services.kvcache.directory import BlockDirectory, WorkerId
+from gaas.contracts.ids import WorkerId
+from services.kvcache.directory import BlockDirectory
 from services.kvcache.watcher import WatchedWorker, WorkerWatcher
 
 W = WatchedWorker(WorkerId("worker-0"), "127.0.0.1:1", 2)

@@ -6,11 +6,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
 
 from gaas.contracts import errors
-
-WorkerId = NewType("WorkerId", str)
+from gaas.contracts.ids import WorkerId
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,9 @@
+"""Ids that cross process boundaries and must not be mixed with other strings. Pure: no I/O."""
+
+from __future__ import annotations
+
+from typing import NewType
+
+# A worker's id: what it registers with control under, what the KV directory files its blocks under,
+# and what a router schedules, breaks and counts by.
+WorkerId = NewType("WorkerId", str)
