@@ -14,14 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from gaas.contracts import errors, genrequest
+from gaas.contracts import errors, finish, genrequest
 from gaas.host import devices, placement
 from gaas.model.tokenizer import ChatMessage, Tokenizer
 
 log = logging.getLogger(__name__)
 
-# Finish reasons, as the engine reports them.
-STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
 
 
 # How long a request whose caller left before its first output still runs to get it (past this
@@ -98,7 +96,7 @@ class Delta:
     token_ids: list[int]
     # The choice (0 to n-1) this delta extends.
     index: int = 0
-    # None until the choice's last delta.
+    # None until the choice's last delta, then one of gaas.contracts.finish's reasons.
     finish_reason: str | None = None
     # The stop string that matched, if any.
     stop_reason: str = ""
@@ -222,12 +220,6 @@ def _vllm_errors() -> tuple[type, type, type]:
 
     return (getattr(ve, "VLLMClientError", ValueError), getattr(ve, "GracefulHTTPError", _NeverRaised),
             getattr(ve, "VLLMServerError", _NeverRaised))
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    if reason is None:
-        return None
-    return {"stop": STOP, "length": LENGTH, "abort": ABORT}.get(reason, ERROR)
 
 
 class VllmEngine(Engine):
@@ -433,7 +425,7 @@ class VllmEngine(Engine):
             counted[0] += len(c.token_ids)
             delta = Delta(
                 text=c.text, token_ids=list(c.token_ids), index=c.index, completion_tokens=counted[0],
-                finish_reason=_finish_reason(c.finish_reason),
+                finish_reason=finish.from_engine(c.finish_reason),
             )
             if r.logprobs is not None and c.logprobs:
                 delta.logprobs = _logprobs(c.token_ids, c.logprobs)

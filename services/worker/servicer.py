@@ -6,25 +6,17 @@ import asyncio
 import logging
 import time
 
-from gaas.contracts import errors, genrequest
+from gaas.contracts import errors, finish, genrequest
 from gaas.runtime.context import current_tenant
 from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.engine import ABORT, ERROR, LENGTH, STOP, Delta, Engine, GenerationRequest
+from services.worker.engine import Delta, Engine, GenerationRequest
 from services.worker.kvevents import KVEventRelay
 
 log = logging.getLogger(__name__)
 
 # Most tokens a streamed chunk may gather (a caller asking for more gets this).
 MAX_STREAM_INTERVAL = 64
-
-FINISH_TO_PB = {
-    STOP: common_pb2.FINISH_REASON_STOP,
-    LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    ABORT: common_pb2.FINISH_REASON_ABORT,
-    ERROR: common_pb2.FINISH_REASON_ERROR,
-}
-
 
 def _capped(cached: int, cap: int | None) -> int:
     return cached if cap is None else min(cached, cap)
@@ -140,7 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if d.first:
             chunk.prefill.prompt_tokens, chunk.prefill.cached_tokens = d.prompt_tokens, _capped(d.cached_tokens, cap)
         if d.finish_reason is not None:
-            chunk.finish_reason = FINISH_TO_PB[d.finish_reason]
+            chunk.finish_reason = finish.TO_PB[d.finish_reason]
             chunk.stop_reason = d.stop_reason
         for lp in d.logprobs:
             entry = chunk.logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob)

@@ -8,8 +8,8 @@ import pytest
 
 from gaas.runtime.server import ServerOptions, ServiceRuntime
 from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from gaas.contracts.finish import LENGTH
 from services.worker.engine import (
-    LENGTH,
     Delta,
     Engine,
     EngineBusy,
