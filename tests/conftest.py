@@ -76,6 +76,30 @@ def redis_url(tmp_path_factory):
     proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A PostgreSQL database for the session: the one GAAS_TEST_POSTGRES_URL names, else a throw-away
+    server started here (tests/postgres.py), never one the machine happens to run."""
+    if url := os.environ.get("GAAS_TEST_POSTGRES_URL"):
+        yield url
+        return
+    from tests.postgres import HOW_TO_INSTALL, ThrowAwayPostgres, find_binaries
+
+    if (bindir := find_binaries()) is None:
+        pytest.skip(HOW_TO_INSTALL)
+    with ThrowAwayPostgres(bindir) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    """Each database the SQL layer supports, for tests of SQL-backed stores: a fresh SQLite file, and
+    the session's PostgreSQL (shared: a test drops the tables it made)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'test.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
 @pytest.fixture
 async def redis(redis_url):
     """A client of the session's throw-away Redis, emptied first."""

@@ -6,16 +6,13 @@ import pytest
 
 from gaas.contracts import errors
 from gaas.runtime.sql import Database
-from tests.sqlurls import POSTGRES_URL, database_urls
-
-pytestmark = pytest.mark.parametrize("kind", [p for p in database_urls() if p.id == "postgresql"])
 
 
-def test_a_lost_connection_is_replaced_at_the_next_call(kind):
-    db = Database(POSTGRES_URL)
+def test_a_lost_connection_is_replaced_at_the_next_call(postgres_url):
+    db = Database(postgres_url)
     try:
         (pid,), = db.execute_sync("SELECT pg_backend_pid()")
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))  # as a server restart would
         with pytest.raises(errors.Unavailable, match="the database did not answer"):
             db.execute_sync("SELECT 1")
@@ -26,8 +23,8 @@ def test_a_lost_connection_is_replaced_at_the_next_call(kind):
         db.close()
 
 
-def test_statements_are_bounded_in_time(kind):
-    db = Database(POSTGRES_URL, statement_timeout_seconds=0.2)
+def test_statements_are_bounded_in_time(postgres_url):
+    db = Database(postgres_url, statement_timeout_seconds=0.2)
     try:
         with pytest.raises(errors.Unavailable):
             db.execute_sync("SELECT pg_sleep(2)")

@@ -6,7 +6,6 @@ import pytest
 from gaas.contracts.usage import UsageEvent
 from gaas.runtime.sql import Database
 from services.billing.ledger import MIGRATIONS, Ledger
-from tests.sqlurls import database_urls, make_url
 
 TABLES = ("usage_ledger", "budgets", "dead_letters", "stripe_outbox", "schema_migrations")
 
@@ -16,9 +15,9 @@ def event(rid, tenant="acme", ms=1000, prompt=10, cached=4, completion=5, model=
                       cached, 20 * completion, "finished", "worker-0", ms, session_id=session)
 
 
-@pytest.fixture(params=database_urls())
-async def db(request, tmp_path):
-    d = Database(make_url(request.param, tmp_path))
+@pytest.fixture
+async def db(database_url):
+    d = Database(database_url)
     for t in TABLES:
         d.execute_sync(f"DROP TABLE IF EXISTS {t}")
     yield d

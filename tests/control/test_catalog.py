@@ -3,12 +3,11 @@ import pytest
 from gaas.settings.deployspec import parse
 from gaas.runtime.sql import Database
 from services.control.catalog import ModelCatalog
-from tests.sqlurls import database_urls, make_url
 
 
-@pytest.fixture(params=database_urls())
-async def catalog(request, tmp_path):
-    db = Database(make_url(request.param, tmp_path))
+@pytest.fixture
+async def catalog(database_url):
+    db = Database(database_url)
     db.execute_sync("DROP TABLE IF EXISTS models")
     cat = ModelCatalog(db)
     await cat.init_schema()

@@ -1,16 +1,15 @@
-"""Public prefixes in SQL (SQLite and, where one runs, PostgreSQL)."""
+"""Public prefixes in SQL (SQLite and PostgreSQL)."""
 
 import pytest
 
 from gaas.contracts import errors
 from gaas.runtime.sql import Database
 from services.control.prefixes import PrefixStore, prefix_id
-from tests.sqlurls import database_urls, make_url
 
 
-@pytest.fixture(params=database_urls())
-async def store(request, tmp_path):
-    db = Database(make_url(request.param, tmp_path))
+@pytest.fixture
+async def store(database_url):
+    db = Database(database_url)
     db.execute_sync("DROP TABLE IF EXISTS public_prefixes")
     s = PrefixStore(db)
     await s.init_schema()

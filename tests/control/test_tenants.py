@@ -2,12 +2,11 @@ import pytest
 
 from gaas.runtime.sql import Database
 from services.control.tenants import TABLES, AlreadyExists, NotFound, TenantError, TenantStore, hash_key
-from tests.sqlurls import database_urls, make_url
 
 
-@pytest.fixture(params=database_urls())
-async def store(request, tmp_path):
-    db = Database(make_url(request.param, tmp_path))
+@pytest.fixture
+async def store(database_url):
+    db = Database(database_url)
     for table in TABLES:
         db.execute_sync(f"DROP TABLE IF EXISTS {table}")
     s = TenantStore(db)
