@@ -106,7 +106,7 @@ async def ingest(redis, ledger: Ledger, n: int) -> dict:
     """Drain a stream of n events into the ledger: events/s."""
     await redis.delete(STREAM)
     consumer = UsageConsumer(redis, ledger, "bench-0")
-    await consumer._ensure_group()
+    await consumer.ensure_group()
     await fill(redis, [event(i, "ingest", metering.now_ms()) for i in range(n)])
     started = time.perf_counter()
     while await consumer.step(block_ms=10):
@@ -145,7 +145,7 @@ async def lag(redis, ledger: Ledger, rate: int, seconds: float) -> dict:
 
     await redis.delete(STREAM)
     consumer = UsageConsumer(redis, ledger, "bench-lag")
-    await consumer._ensure_group()
+    await consumer.ensure_group()
     task = asyncio.create_task(consumer.run())
     ctx = multiprocessing.get_context("spawn")
     sent = ctx.Value("q", 0)

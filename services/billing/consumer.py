@@ -39,7 +39,9 @@ class UsageConsumer:
         self.recorded = 0
         self.duplicates = 0
 
-    async def _ensure_group(self) -> None:
+    async def ensure_group(self) -> None:
+        """Create the usage stream and its consumer group unless they exist (run() does it first, and again
+        after Redis lost them); idempotent."""
         try:
             await self._redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
         except ResponseError as exc:
@@ -111,7 +113,7 @@ class UsageConsumer:
         while True:
             try:
                 if not ready:
-                    await self._ensure_group()
+                    await self.ensure_group()
                     ready = True
                 if time.monotonic() - last_claim > claim_every_seconds:
                     last_claim = time.monotonic()

@@ -48,7 +48,7 @@ async def drain(consumer: UsageConsumer) -> None:
 async def test_every_event_is_recorded_once_and_then_leaves_the_stream(redis, ledger):
     t = tenant()
     consumer = UsageConsumer(redis, ledger, "billing-0", batch=7)
-    await consumer._ensure_group()
+    await consumer.ensure_group()
     # A request spooled while Redis was away and appended twice is still one request.
     await append(redis, *(event(f"{t}-{i}", t) for i in range(30)), event(f"{t}-3", t))
     await drain(consumer)
@@ -61,7 +61,7 @@ async def test_every_event_is_recorded_once_and_then_leaves_the_stream(redis, le
 
 async def test_events_a_dead_consumer_held_are_claimed_by_another(redis, ledger):
     t = tenant()
-    await UsageConsumer(redis, ledger, "billing-0")._ensure_group()
+    await UsageConsumer(redis, ledger, "billing-0").ensure_group()
     await append(redis, *(event(f"{t}-{i}", t) for i in range(5)))
     # billing-0 reads them, then dies before writing the ledger.
     await redis.xreadgroup(GROUP, "billing-0", {STREAM: ">"}, count=100)
@@ -74,7 +74,7 @@ async def test_events_a_dead_consumer_held_are_claimed_by_another(redis, ledger)
 
 async def test_a_restarted_consumer_first_finishes_what_it_had_read(redis, ledger):
     t = tenant()
-    await UsageConsumer(redis, ledger, "billing-0")._ensure_group()
+    await UsageConsumer(redis, ledger, "billing-0").ensure_group()
     await append(redis, *(event(f"{t}-{i}", t) for i in range(4)))
     await redis.xreadgroup(GROUP, "billing-0", {STREAM: ">"}, count=100)  # read, then killed
     again = UsageConsumer(redis, ledger, "billing-0")
@@ -85,7 +85,7 @@ async def test_a_restarted_consumer_first_finishes_what_it_had_read(redis, ledge
 async def test_an_entry_that_is_not_a_usage_event_is_kept_aside_and_does_not_block(redis, ledger):
     t = tenant()
     consumer = UsageConsumer(redis, ledger, "billing-0")
-    await consumer._ensure_group()
+    await consumer.ensure_group()
     await redis.xadd(STREAM, {"request_id": "junk", "tenant": t})
     await append(redis, event(f"{t}-ok", t))
     await drain(consumer)
