@@ -20,6 +20,7 @@ from gaas.envoy import config as envoyconf
 from gaas.ops import traces
 from gaas.ops.traces import TraceError, TraceTarget
 from services.router.activity import TenantActivity
+from tests.fakeclock import FakeClock
 from tests.meshutil import gaas, generate
 
 # ------------------------------------------------------------------ where spans go
@@ -194,21 +195,21 @@ def test_a_traces_file_with_torn_or_foreign_lines_is_read_without_failing(tmp_pa
 
 
 def test_tenant_activity_counts_in_flight_and_the_last_minute_then_forgets():
-    now = [0.0]
-    a = TenantActivity(clock=lambda: now[0], window=60)
+    clock = FakeClock()
+    a = TenantActivity(clock=clock, window=60)
     a.started("acme", "gold")
     a.started("acme", "gold")
     a.started("zed", "bronze")
     a.finished("acme", 100)
-    now[0] = 30
+    clock.now = 30
     a.finished("zed", 10)
     snap = a.snapshot()
     assert [(t.tenant, t.in_flight, t.requests, t.tokens) for t in snap] == [("acme", 1, 1, 100), ("zed", 0, 1, 10)]
-    now[0] = 61
+    clock.now = 61
     a.finished("acme", 5)
     # acme's first request left the minute; busiest first.
     assert [(t.tenant, t.in_flight, t.requests, t.tokens) for t in a.snapshot()] == [("zed", 0, 1, 10), ("acme", 0, 1, 5)]
-    now[0] = 200
+    clock.now = 200
     assert a.snapshot() == []
     a.finished("ghost", 1)  # never started: ignored
     assert a.snapshot() == []

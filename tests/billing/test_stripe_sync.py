@@ -9,6 +9,7 @@ import pytest
 
 from gaas.contracts.usage import UsageEvent
 from services.billing.stripe_sync import KINDS, StripeMeterSender, StripeSync
+from tests.fakeclock import FakeClock
 from tests.stripefake import FakeStripe
 
 METERS = {"input": "gaas_input_tokens", "cached_input": "gaas_cached_input_tokens", "output": "gaas_output_tokens"}
@@ -16,21 +17,17 @@ HOUR = 3_600_000
 
 
 @pytest.fixture
+def clock():
+    """The sync's clock, started at the real time: the local Stripe, like Stripe, refuses meter events
+    stamped too far from it."""
+    return FakeClock(time.time())
+
+
+@pytest.fixture
 def stripe():
     fake = FakeStripe("sk_test_sync", meters=tuple(METERS.values())).start()
     yield fake
     fake.stop()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def sync_for(ledger, stripe, clock, customers=None, key="sk_test_sync") -> StripeSync:
@@ -58,8 +55,7 @@ def stripe_has(stripe, customer) -> dict[str, int]:
     return {kind: totals.get((customer, METERS[kind]), 0) for kind in KINDS}
 
 
-async def test_closed_windows_reach_stripe_once_per_tenant_meter_and_window(ledger, stripe):
-    clock = Clock()
+async def test_closed_windows_reach_stripe_once_per_tenant_meter_and_window(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("a1"), event("a2", ago_ms=2 * HOUR), event("g1", tenant="globex"),
                          event("n1", tenant="nocustomer"), event("open", ago_ms=1000)])
@@ -78,8 +74,7 @@ async def test_closed_windows_reach_stripe_once_per_tenant_meter_and_window(ledg
     assert stripe.duplicates == 0
 
 
-async def test_a_retry_after_a_lost_answer_is_not_counted_twice(ledger, stripe):
-    clock = Clock()
+async def test_a_retry_after_a_lost_answer_is_not_counted_twice(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("a1")])
     await sync.collect()
@@ -91,8 +86,7 @@ async def test_a_retry_after_a_lost_answer_is_not_counted_twice(ledger, stripe):
     assert stripe_has(stripe, "cus_acme") == await expected(ledger, "acme")
 
 
-async def test_stripe_down_for_an_hour_loses_nothing_and_catches_up_after(ledger, stripe):
-    clock = Clock()
+async def test_stripe_down_for_an_hour_loses_nothing_and_catches_up_after(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event(f"a{i}", ago_ms=(i % 5 + 2) * HOUR) for i in range(40)])
     await sync.collect()
@@ -111,8 +105,7 @@ async def test_stripe_down_for_an_hour_loses_nothing_and_catches_up_after(ledger
     assert (counts.pending, counts.sent, counts.failed) == (0, 15, 0)
 
 
-async def test_rate_limits_are_respected_and_retried(ledger, stripe):
-    clock = Clock()
+async def test_rate_limits_are_respected_and_retried(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("a1")])
     await sync.collect()
@@ -123,8 +116,7 @@ async def test_rate_limits_are_respected_and_retried(ledger, stripe):
     assert stripe_has(stripe, "cus_acme") == await expected(ledger, "acme")
 
 
-async def test_an_event_stripe_refuses_is_kept_visible_as_failed(ledger, stripe):
-    clock = Clock()
+async def test_an_event_stripe_refuses_is_kept_visible_as_failed(ledger, stripe, clock):
     stripe.meters = {METERS["input"], METERS["output"]}  # no cached-input meter configured at Stripe
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("a1")])
@@ -135,8 +127,7 @@ async def test_an_event_stripe_refuses_is_kept_visible_as_failed(ledger, stripe)
     assert "No active meter" in sync.last_error
 
 
-async def test_a_wrong_key_is_retried_not_dropped(ledger, stripe):
-    clock = Clock()
+async def test_a_wrong_key_is_retried_not_dropped(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock, key="sk_test_wrong")
     await ledger.record([event("a1")])
     await sync.collect()
@@ -144,8 +135,7 @@ async def test_a_wrong_key_is_retried_not_dropped(ledger, stripe):
     assert (await sync.counts()).pending == 3 and "AuthenticationError" in sync.last_error
 
 
-async def test_windows_older_than_stripe_accepts_are_marked_expired(ledger, stripe):
-    clock = Clock()
+async def test_windows_older_than_stripe_accepts_are_marked_expired(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("old", ago_ms=36 * 24 * HOUR)])
     await sync.collect()
@@ -163,8 +153,7 @@ async def unconfirmed_for_a_day(sync, stripe, clock) -> None:
     assert (await sync.counts()).reconcile == 3
 
 
-async def test_an_event_stripe_took_but_never_confirmed_is_confirmed_by_the_summaries(ledger, stripe):
-    clock = Clock()
+async def test_an_event_stripe_took_but_never_confirmed_is_confirmed_by_the_summaries(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("a1", ago_ms=2 * HOUR)])
     await sync.collect()
@@ -180,8 +169,7 @@ async def test_an_event_stripe_took_but_never_confirmed_is_confirmed_by_the_summ
     assert stripe_has(stripe, "cus_acme") == await expected(ledger, "acme")
 
 
-async def test_an_event_that_never_reached_stripe_is_sent_again_once_reconciled(ledger, stripe):
-    clock = Clock()
+async def test_an_event_that_never_reached_stripe_is_sent_again_once_reconciled(ledger, stripe, clock):
     sync = sync_for(ledger, stripe, clock)
     await ledger.record([event("a1", ago_ms=2 * HOUR)])
     await sync.collect()

@@ -16,17 +16,10 @@ from gaas.v1 import common_pb2
 from gaas.contracts.principal import Principal
 from gaas.metering.meter import Meter
 from gaas.metering.meter import metered
+from tests.fakeclock import FakeClock
 
 _ids = itertools.count()
-T0 = 1_800_000_000_000  # a Unix-ms moment on a whole minute
-
-
-class Clock:
-    def __init__(self, ms: int = T0) -> None:
-        self.ms = ms
-
-    def __call__(self) -> int:
-        return self.ms
+T0 = 1_800_000_000  # a Unix moment (s) on a whole minute
 
 
 def tenant() -> str:
@@ -67,7 +60,7 @@ async def finish(meter, m, completion: int, prompt: int = 10) -> None:
     ({}, 50, 50, None),                   # 0: unlimited
 ])
 async def test_quota_arithmetic(redis, tmp_path, limits, requests, admitted, refused_by):
-    meter = Meter(redis, tmp_path, clock=Clock())
+    meter = Meter(redis, tmp_path, clock=FakeClock(T0).millis)
     p = who(tenant(), **limits)
     results = [await admit(meter, p) for _ in range(requests)]
     refusals = [r for r in results if isinstance(r, errors.ResourceExhausted)]
@@ -79,23 +72,23 @@ async def test_quota_arithmetic(redis, tmp_path, limits, requests, admitted, ref
 
 
 async def test_the_minute_slides_and_says_when_to_come_back(redis, tmp_path):
-    clock = Clock()
-    meter = Meter(redis, tmp_path, clock=clock)
+    clock = FakeClock(T0)
+    meter = Meter(redis, tmp_path, clock=clock.millis)
     p = who(tenant(), rpm=2)
     assert not isinstance(await admit(meter, p), Exception)
-    clock.ms += 30_000
+    clock.advance(30)
     assert not isinstance(await admit(meter, p), Exception)
-    clock.ms += 10_000
+    clock.advance(10)
     refused = await admit(meter, p)
     assert isinstance(refused, errors.ResourceExhausted) and refused.retry_after == pytest.approx(20, abs=1)
     assert "made 2 requests in the last minute" in refused.message
-    clock.ms += 20_000  # the first request's second has left the minute
+    clock.advance(20)  # the first request's second has left the minute
     assert not isinstance(await admit(meter, p), Exception)
     assert isinstance(await admit(meter, p), errors.ResourceExhausted)
 
 
 async def test_tokens_are_reserved_at_admission_and_settled_from_usage(redis, tmp_path):
-    meter = Meter(redis, tmp_path, clock=Clock())
+    meter = Meter(redis, tmp_path, clock=FakeClock(T0).millis)
     p = who(tenant(), tpm=1000)
     first = await admit(meter, p, prompt=100, max_tokens=400)  # reserves 500
     second = await admit(meter, p, prompt=100, max_tokens=400)  # 1000
@@ -107,14 +100,14 @@ async def test_tokens_are_reserved_at_admission_and_settled_from_usage(redis, tm
 
 
 async def test_a_request_larger_than_the_token_quota_is_told_so(redis, tmp_path):
-    meter = Meter(redis, tmp_path, clock=Clock())
+    meter = Meter(redis, tmp_path, clock=FakeClock(T0).millis)
     refused = await admit(meter, who(tenant(), tpm=100), prompt=50, max_tokens=500)
     assert isinstance(refused, errors.ResourceExhausted) and refused.param == "max_tokens"
     assert refused.retry_after is None and "more than tenant" in refused.message
 
 
 async def test_a_finished_request_frees_its_place(redis, tmp_path):
-    meter = Meter(redis, tmp_path, clock=Clock())
+    meter = Meter(redis, tmp_path, clock=FakeClock(T0).millis)
     p = who(tenant(), concurrency=1)
     m = await admit(meter, p)
     assert isinstance(await admit(meter, p), errors.ResourceExhausted)
@@ -123,19 +116,19 @@ async def test_a_finished_request_frees_its_place(redis, tmp_path):
 
 
 async def test_the_place_of_a_router_that_died_lapses(redis, tmp_path):
-    clock = Clock()
-    meter = Meter(redis, tmp_path, clock=clock)
+    clock = FakeClock(T0)
+    meter = Meter(redis, tmp_path, clock=clock.millis)
     p = who(tenant(), concurrency=1)
     await admit(meter, p)  # its router dies: never finished, never released
     assert isinstance(await admit(meter, p), errors.ResourceExhausted)
-    clock.ms += 16 * 60_000
+    clock.advance(16 * 60)
     assert not isinstance(await admit(meter, p), Exception)
 
 
 async def test_two_routers_sharing_one_redis_admit_exactly_the_quota(redis_url, tmp_path):
     a, b = redisconn.connect(redis_url), redisconn.connect(redis_url)
-    clock = Clock()
-    routers = [Meter(a, tmp_path / "a", clock=clock), Meter(b, tmp_path / "b", clock=clock)]
+    clock = FakeClock(T0)
+    routers = [Meter(a, tmp_path / "a", clock=clock.millis), Meter(b, tmp_path / "b", clock=clock.millis)]
     p = who(tenant(), rpm=50)
     results = await asyncio.gather(*(admit(routers[i % 2], p) for i in range(200)))
     await a.aclose()
@@ -146,7 +139,7 @@ async def test_two_routers_sharing_one_redis_admit_exactly_the_quota(redis_url, 
 async def test_concurrency_counts_sequences_not_requests(redis, tmp_path):
     """n choices (or a list of prompts) run that many sequences at once in the engine: a tenant
     limited to 8 at once gets two requests with n=4, not eight."""
-    meter = Meter(redis, tmp_path, clock=Clock())
+    meter = Meter(redis, tmp_path, clock=FakeClock(T0).millis)
     p = who(tenant(), concurrency=8)
     first, second = await admit(meter, p, sequences=4), await admit(meter, p, sequences=4)
     refused = await admit(meter, p, sequences=1)
@@ -159,10 +152,10 @@ async def test_concurrency_counts_sequences_not_requests(redis, tmp_path):
 
 async def test_an_older_routers_entries_count_one_sequence_each(redis, tmp_path):
     """Entries written before sequences were kept ("cost tokens second") count as one."""
-    meter = Meter(redis, tmp_path, clock=Clock())
+    meter = Meter(redis, tmp_path, clock=FakeClock(T0).millis)
     p = who(tenant(), concurrency=2)
     await redis.hset(admission.inflight_key(p.tenant), "old-request", "0 0 1800000000")
-    await redis.zadd(admission.inflight_exp_key(p.tenant), {"old-request": T0 + 10**9})
+    await redis.zadd(admission.inflight_exp_key(p.tenant), {"old-request": T0 * 1000 + 10**9})
     assert not isinstance(await admit(meter, p), Exception)
     assert isinstance(await admit(meter, p), errors.ResourceExhausted)
 
@@ -172,9 +165,9 @@ async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_befo
     count, or refused by Redis on its requests a minute until the refusal's retry time."""
     from gaas.metering.meter import LocalQuotas
 
-    clock = Clock()
-    local_clock = Clock(0)
-    meter = Meter(redis, tmp_path, clock=clock, local=LocalQuotas(clock=lambda: local_clock.ms / 1000))
+    clock = FakeClock(T0)
+    local_clock = FakeClock()
+    meter = Meter(redis, tmp_path, clock=clock.millis, local=LocalQuotas(clock=local_clock))
     busy = who(tenant(), concurrency=1)
     meter.precheck(busy)  # nothing known yet
     m = await admit(meter, busy)
@@ -187,14 +180,14 @@ async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_befo
     with pytest.raises(errors.ResourceExhausted, match="requests per minute"):
         meter.precheck(limited)  # this router's own count: 1 of 1 this minute
     # Another router has admitted none of them: Redis refuses it there, which it then remembers.
-    other = Meter(redis, tmp_path / "other", clock=clock, local=LocalQuotas(clock=lambda: local_clock.ms / 1000))
+    other = Meter(redis, tmp_path / "other", clock=clock.millis, local=LocalQuotas(clock=local_clock))
     other.precheck(limited)
     assert isinstance(await admit(other, limited), errors.ResourceExhausted)
     with pytest.raises(errors.ResourceExhausted, match="requests per minute") as info:
         other.precheck(limited)
     assert info.value.retry_after >= 1
-    local_clock.ms += 61_000
-    clock.ms += 61_000
+    local_clock.advance(61)
+    clock.advance(61)
     meter.precheck(limited)
     other.precheck(limited)
 

@@ -2,15 +2,9 @@ import pytest
 
 from gaas.contracts.errors import Unauthenticated
 from services.router.auth import Authenticator, Principal, bearer_key
+from tests.fakeclock import FakeClock
 
 ACME = Principal("acme", "gold", "key_1", "salt")
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.mark.parametrize(
@@ -39,7 +33,7 @@ async def test_cache_and_revocation_within_ttl():
         calls.append(key)
         return keys.get(key)
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(lookup, ttl_seconds=2, negative_ttl_seconds=1, clock=clock)
     assert await auth.authenticate("Bearer good") == ACME
     assert await auth.authenticate("Bearer good") == ACME
@@ -83,7 +77,7 @@ async def test_while_control_is_unreachable_keys_verified_within_the_bound_still
             raise Unavailable("the control plane does not answer")
         return ACME if key == "good" else None
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(lookup, ttl_seconds=2, clock=clock, stale_seconds=60)
     assert await auth.authenticate("Bearer good") == ACME
     down = True
@@ -111,7 +105,7 @@ async def test_while_control_is_unreachable_only_one_request_a_second_waits_for_
             raise Unavailable("the control plane does not answer")
         return ACME
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(lookup, ttl_seconds=2, clock=clock, stale_seconds=60)
     await auth.authenticate("Bearer good")
     clock.now = 3.0

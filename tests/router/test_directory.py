@@ -5,17 +5,10 @@ import pytest
 from gaas.contracts import errors
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.scheduling import Candidate, WorkerId
+from tests.fakeclock import FakeClock
 
 MODELS = [ModelEntry("tiny", "1", 2048, True), ModelEntry("small", "1", 4096, False)]
 WORKERS = [Candidate(WorkerId(f"worker-{i}"), f"127.0.0.1:{i}", "tiny", "1", 2048) for i in range(2)]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture
@@ -29,7 +22,7 @@ def setup():
         return MODELS, WORKERS
 
     fetch.fail = None
-    clock = Clock()
+    clock = FakeClock()
     return MeshDirectory(fetch, refresh_seconds=0.01, max_stale_seconds=10.0, clock=clock), clock, calls, fetch
 
 
@@ -78,7 +71,7 @@ async def test_a_miss_looks_again_unless_the_view_is_brand_new():
     """Right after `gaas up` says ready, a worker may not be in the router's view yet: a request
     for its model fetches a fresh view instead of answering 503."""
     views = [(MODELS, []), (MODELS, WORKERS)]
-    clock = Clock()
+    clock = FakeClock()
 
     async def fetch():
         return views.pop(0) if len(views) > 1 else views[0]
@@ -93,7 +86,7 @@ async def test_a_miss_looks_again_unless_the_view_is_brand_new():
 
 async def test_with_control_unreachable_requests_route_on_the_last_view_until_it_is_too_old():
     up = True
-    clock = Clock()
+    clock = FakeClock()
 
     async def fetch():
         if not up:
@@ -127,7 +120,7 @@ async def test_the_view_is_exported_at_each_scrape_without_fetching():
         calls.append(1)
         return MODELS, busy
 
-    clock = Clock()
+    clock = FakeClock()
     d = MeshDirectory(fetch, refresh_seconds=1.0, clock=clock)
     registry = CollectorRegistry()
     registry.register(DirectoryCollector(d, clock=clock))

@@ -11,7 +11,8 @@ from gaas.contracts import edge, errors
 from gaas.v1 import ext_authz_pb2 as az
 from services.router.auth import Authenticator, FailedAuthLimiter
 from services.router.edgeauth import EdgeAuthorizer
-from tests.router.test_auth import ACME, Clock
+from tests.fakeclock import FakeClock
+from tests.router.test_auth import ACME
 
 
 def check(path: str, key: str = "", client: str = "203.0.113.7", grpc_client: bool = False) -> az.CheckRequest:
@@ -33,7 +34,7 @@ def setup():
         calls.append(key)
         return keys.get(key)
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(lookup, ttl_seconds=2, negative_ttl_seconds=1, clock=clock)
     return EdgeAuthorizer(auth), calls, clock, keys
 
@@ -79,10 +80,10 @@ async def test_an_address_sending_unknown_keys_is_slowed_and_its_keys_no_longer_
     assert (await authz.Check(check("/v1/completions", "made-up-x", client="198.51.100.1"), None)
             ).denied_response.status.code == 401
     assert (await authz.Check(check("/v1/completions", "good", client="198.51.100.1"), None)).status.code == 0
-    clock.now += 5  # past the cache's TTL: looked up again, from the slowed address too
+    clock.advance(5)  # past the cache's TTL: looked up again, from the slowed address too
     assert (await authz.Check(check("/v1/completions", "good"), None)).status.code == 0
     # The bucket refills.
-    clock.now += 1 / edge.FAILED_AUTH_PER_SECOND
+    clock.advance(1 / edge.FAILED_AUTH_PER_SECOND)
     assert (await authz.Check(check("/v1/completions", "made-up-later"), None)).denied_response.status.code == 401
 
 
@@ -94,7 +95,7 @@ async def test_a_flood_of_unknown_keys_never_evicts_the_verified_ones():
             raise errors.Unavailable("control down")
         return ACME if key == "good" else None
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(lookup, ttl_seconds=2, clock=clock, max_entries=10, max_unknown=10,
                          limiter=FailedAuthLimiter(burst=10**9))
     assert await auth.authenticate("Bearer good") == ACME
@@ -102,7 +103,7 @@ async def test_a_flood_of_unknown_keys_never_evicts_the_verified_ones():
         with pytest.raises(errors.Unauthenticated):
             await auth.authenticate(f"Bearer made-up-{i}", "203.0.113.7")
     down = True
-    clock.now += 10  # past the TTL, control away: the verified key is still served
+    clock.advance(10)  # past the TTL, control away: the verified key is still served
     assert await auth.authenticate("Bearer good") == ACME
 
 
@@ -114,15 +115,15 @@ async def test_a_revoked_key_is_not_accepted_while_control_is_away():
             raise errors.Unavailable("control down")
         return state["keys"].get(key)
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(lookup, ttl_seconds=2, negative_ttl_seconds=1, clock=clock)
     await auth.authenticate("Bearer good")
     del state["keys"]["good"]
-    clock.now += 3
+    clock.advance(3)
     with pytest.raises(errors.Unauthenticated):
         await auth.authenticate("Bearer good")
     state["down"] = True
-    clock.now += 3
+    clock.advance(3)
     with pytest.raises(errors.Unavailable):
         await auth.authenticate("Bearer good")
 

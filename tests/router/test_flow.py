@@ -3,6 +3,7 @@ tenants within a band, deadlines, shedding the lowest band first), the batching 
 controller, and the circuit breaker's state machine."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -16,14 +17,7 @@ from services.router.flow import Flow, FlowSettings
 from services.router.scheduling import Candidate, RequestContext, WorkerId, make_scheduler
 from services.router.waitqueue import WaitQueue
 from services.router.windows import Windows
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakeclock import FakeClock
 
 
 # ------------------------------------------------------------------ bands
@@ -97,8 +91,7 @@ async def test_tenants_of_a_band_take_turns():
 
 async def test_a_request_that_waits_past_its_deadline_gets_deadline_exceeded():
     q, room = WaitQueue(), Room()
-    loop = asyncio.get_running_loop()
-    task = asyncio.create_task(q.wait(2, "t", "m", loop.time() * 0 + __import__("time").monotonic() + 0.05,
+    task = asyncio.create_task(q.wait(2, "t", "m", time.monotonic() + 0.05,
                                       room.placer("x"), "the bronze tier's queue timeout is 0.05 s",
                                       abandon=lambda r: None))
     with pytest.raises(errors.DeadlineExceeded, match="queue timeout"):
@@ -141,33 +134,33 @@ async def test_a_caller_that_leaves_after_being_placed_gives_its_room_back():
 
 
 def test_the_window_halves_when_a_tier_misses_its_target_and_grows_when_well_under():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     w = Windows({"gold": 100.0, "bronze": 1000.0}, initial=8, minimum=2, maximum=16, clock=clock)
     worker = WorkerId("w0")
     for _ in range(8):
         w.acquire(worker)  # full
     for _ in range(10):
-        clock.now += 0.2
+        clock.advance(0.2)
         w.observe(worker, "gold", 30.0)
     assert w.state()[worker].limit > 8, "well under target while full: grows"
     grown = w.state()[worker].limit
     for _ in range(10):
-        clock.now += 0.2
+        clock.advance(0.2)
         w.observe(worker, "gold", 150.0)  # gold's p95 past its 100 ms
     assert w.state()[worker].limit <= grown / 2
     for _ in range(40):
-        clock.now += 0.5
+        clock.advance(0.5)
         w.observe(worker, "gold", 500.0)
     assert w.state()[worker].limit == 2, "never below the floor"
 
 
 def test_a_window_that_turns_gold_away_grows_while_every_tier_meets_its_target():
     """Not well under target (no ordinary growth), but gold is waiting in the router: make room."""
-    clock = Clock()
+    clock = FakeClock(1000.0)
     w = Windows({"gold": 100.0}, initial=4, minimum=2, maximum=16, clock=clock)
     worker = WorkerId("w0")
     for _ in range(10):
-        clock.now += 0.2
+        clock.advance(0.2)
         while w.room([worker], qos.band("gold"))[worker]:  # gold takes every place, and one more is turned away
             w.acquire(worker)
         w.observe(worker, "gold", 90.0)
@@ -175,7 +168,7 @@ def test_a_window_that_turns_gold_away_grows_while_every_tier_meets_its_target()
     # Past the target, gold waiting or not: the batch is what makes it late, so it shrinks.
     grown = w.state()[worker].limit
     for _ in range(20):
-        clock.now += 0.2
+        clock.advance(0.2)
         w.room([worker], qos.band("gold"))
         w.observe(worker, "gold", 150.0)
     assert w.state()[worker].limit < grown and w.state()[worker].shrinks >= 1
@@ -195,7 +188,7 @@ def test_bronze_fills_half_a_window_silver_three_quarters_and_gold_goes_past_it(
 
 
 def test_the_breakers_state_machine():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     changes = []
     b = Breakers(clock=clock, on_change=lambda w, s, why: changes.append(s))
     w = WorkerId("w0")
@@ -204,13 +197,13 @@ def test_the_breakers_state_machine():
     assert w not in b.blocked(), "four failures are not yet a burst"
     b.failure(w, "INTERNAL")
     assert w in b.blocked() and b.state()[w].state == OPEN
-    clock.now += 5.1
+    clock.advance(5.1)
     assert w not in b.blocked(), "after the cooldown one probe may go"
     b.started(w)
     assert b.state()[w].state == HALF_OPEN and w in b.blocked(), "only one probe at a time"
     b.failure(w, "INTERNAL")
     assert b.state()[w].state == OPEN and b.state()[w].cooldown == 10.0, "a failed probe doubles the cooldown"
-    clock.now += 10.1
+    clock.advance(10.1)
     b.started(w)
     b.success(w, 20.0)
     assert b.state()[w].state == CLOSED and w not in b.blocked()
@@ -218,7 +211,7 @@ def test_the_breakers_state_machine():
 
 
 def test_successes_between_failures_keep_the_breaker_closed():
-    b = Breakers(clock=Clock())
+    b = Breakers(clock=FakeClock(1000.0))
     w = WorkerId("w0")
     for _ in range(20):
         b.failure(w, "x")
@@ -227,13 +220,13 @@ def test_successes_between_failures_keep_the_breaker_closed():
 
 
 def test_an_unreachable_worker_opens_at_once():
-    b = Breakers(clock=Clock())
+    b = Breakers(clock=FakeClock(1000.0))
     b.failure(WorkerId("w0"), "connect failed", immediate=True)
     assert WorkerId("w0") in b.blocked()
 
 
 def test_the_slowness_threshold_follows_the_workers_own_p99_within_bounds():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = Breakers(clock=clock)
     w = WorkerId("w0")
     assert b.threshold_ms(w) == 12_000, "no history yet: the ceiling"
@@ -251,7 +244,7 @@ def test_a_burst_of_long_prompts_is_slow_without_opening_the_breaker_and_a_slow_
     of work and scaled by the request's own (breakers.prompt_work)."""
     from services.router.breakers import WORK_TOKENS, prompt_work
 
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = Breakers(clock=clock)
     w = WorkerId("w0")
     for _ in range(50):
@@ -312,11 +305,11 @@ def test_a_busy_worker_shrinks_its_window_and_a_failing_one_trips_its_breaker():
 
 
 def test_a_probe_that_ends_without_a_verdict_lets_another_probe():
-    clock = Clock()
+    clock = FakeClock(1000.0)
     b = Breakers(clock=clock)
     w = WorkerId("w0")
     b.failure(w, "UNAVAILABLE", immediate=True)
-    clock.now += 5.1
+    clock.advance(5.1)
     b.started(w)
     assert w in b.blocked()
     b.ended(w)  # the probe's client went away: no success, no failure

@@ -21,6 +21,7 @@ from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
 from services.router.sessions import SessionStore, committing, plan_turn
+from tests.fakeclock import FakeClock
 from tests.router.test_servicer import FakeTokenizer, FakeWorkers, chunk
 
 ACME = Principal("acme", "gold", "key_1", "salt-acme")
@@ -208,14 +209,15 @@ async def test_a_replica_whose_copy_is_older_reloads_it(redis_url, redis):
 
 
 async def test_a_hold_whose_router_died_lapses_and_its_late_commit_is_refused(redis):
-    store = SessionStore(redis, SessionPolicy(lease_seconds=1))
+    clock = FakeClock(1_800_000_000)
+    store = SessionStore(redis, SessionPolicy(lease_seconds=1), clock=clock.millis)
     disp, _ = dispatcher()
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     lost = await store.begin("acme", "s", "req-lost")
     lost.renewing.cancel()  # the router died: nobody renews it
     with pytest.raises(errors.Aborted):
         await store.begin("acme", "s", "req-next")
-    await asyncio.sleep(1.1)
+    clock.advance(1.1)  # the hold's lease is kept by the clock the store is given
     chunks = await turn(store, disp, session_id="s", messages=chat(("user", "two")), max_tokens=2)
     assert chunks[-1].session.version == 2
     with pytest.raises(errors.Aborted, match="not added"):
@@ -246,6 +248,7 @@ async def test_a_turn_that_ends_without_a_reply_leaves_the_session_as_it_was(red
 
 
 async def test_a_session_expires_its_ttl_after_its_last_turn(redis):
+    # Real time: a session's TTL is its key's expiry in Redis (PEXPIRE), which no fake clock moves.
     store, (disp, _) = SessionStore(redis, SessionPolicy(ttl_seconds=1)), dispatcher()
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     await asyncio.sleep(0.6)
