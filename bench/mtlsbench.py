@@ -30,6 +30,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gaas.runtime.metrics import nearest_rank
 from gaas.envoy import config as envoyconf
+from gaas.envoy.bootstrap import bootstrap
+from gaas.envoy.clusters import static_cluster
+from gaas.envoy.listeners import hcm, listener, pipe_address
+from gaas.envoy.routes import grpc_route
+from gaas.envoy.tls import client_tls, server_tls
 from gaas.ops import pki
 from gaas.launcher.mesh import free_port_base
 
@@ -65,21 +70,21 @@ def _configs(tmp: Path, port: int, tls: bool) -> tuple[dict, dict]:
     if tls:  # the worker sidecar's inbound as the mesh renders it
         inbound_hcm = envoyconf.inbound_hcm("inbound", "worker", tmp / "access.log")
     else:
-        inbound_hcm = envoyconf._hcm(
+        inbound_hcm = hcm(
             "inbound", [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"}}], [],
             tmp / "access.log")
     service = envoyconf.pipe_cluster("local_service", tmp / "service.sock")
-    callee_cfg = envoyconf._bootstrap(
-        "sidecar-callee", envoyconf._pipe(tmp / "callee-admin.sock"),
-        [envoyconf._listener("inbound", "127.0.0.1", port, inbound_hcm, envoyconf._server_tls(callee) if tls else None)],
+    callee_cfg = bootstrap(
+        "sidecar-callee", pipe_address(tmp / "callee-admin.sock"),
+        [listener("inbound", "127.0.0.1", port, inbound_hcm, server_tls(callee) if tls else None)],
         [service],
     )
-    outbound_hcm = envoyconf._hcm("outbound", [envoyconf._grpc_route("/", "peer")], [], tmp / "access.log")
-    peer = envoyconf._static_cluster("peer", [("127.0.0.1", port)], health_check=False,
-                                     tls=envoyconf._client_tls(caller, "worker") if tls else None)
-    caller_cfg = envoyconf._bootstrap(
-        "sidecar-caller", envoyconf._pipe(tmp / "caller-admin.sock"),
-        [envoyconf._listener("outbound", "", 0, outbound_hcm, pipe=tmp / "outbound.sock")], [peer],
+    outbound_hcm = hcm("outbound", [grpc_route("/", "peer")], [], tmp / "access.log")
+    peer = static_cluster("peer", [("127.0.0.1", port)], health_check=False,
+                          tls=client_tls(caller, "worker") if tls else None)
+    caller_cfg = bootstrap(
+        "sidecar-caller", pipe_address(tmp / "caller-admin.sock"),
+        [listener("outbound", "", 0, outbound_hcm, pipe=tmp / "outbound.sock")], [peer],
     )
     return caller_cfg, callee_cfg
 

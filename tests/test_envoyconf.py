@@ -8,6 +8,7 @@ import yaml
 
 from gaas.contracts import edge
 from gaas.envoy import config as envoyconf
+from gaas.envoy.clusters import static_cluster
 from gaas.ops import pki, protogen, topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _render(out, ingress_path: str):
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": ingress_path}, workers=2)
     authority = pki.Authority(out)
-    envoyconf.issue_certificates(topo, authority)
+    pki.issue_certificates(topo, authority)
     files = envoyconf.render(topo, out, protogen.DESCRIPTOR_SET, out / "logs", authority, sockets=out / "sockets")
     return topo, {name: yaml.safe_load(path.read_text()) for name, path in files.items()}, files
 
@@ -141,7 +142,7 @@ def test_peer_clusters_eject_failing_replicas(rendered):
     # With several replicas, one that cannot be reached at all is ejected at its first such failure;
     # a lone replica is left to its health checks.
     assert "consecutive_local_origin_failure" not in ingress["router"]["outlier_detection"]
-    two = envoyconf._static_cluster("router", [("127.0.0.1", 1), ("127.0.0.1", 2)], health_check=True)
+    two = static_cluster("router", [("127.0.0.1", 1), ("127.0.0.1", 2)], health_check=True)
     assert two["outlier_detection"]["consecutive_local_origin_failure"] == 1
     assert two["outlier_detection"]["enforcing_consecutive_5xx"] == 100, "of two, one answering errors is ejected"
 
@@ -154,7 +155,7 @@ def test_no_replica_is_ejected_for_its_answers_where_that_would_leave_none_or_un
     assert lone["outlier_detection"]["enforcing_consecutive_5xx"] == 0
     assert lone["outlier_detection"]["enforcing_consecutive_gateway_failure"] == 0
     routers = [("127.0.0.1", 1), ("127.0.0.1", 2)]
-    at_ingress = envoyconf._static_cluster("router", routers, health_check=True, eject_on_answers=False)
+    at_ingress = static_cluster("router", routers, health_check=True, eject_on_answers=False)
     assert at_ingress["outlier_detection"]["enforcing_consecutive_5xx"] == 0
     assert at_ingress["outlier_detection"]["enforcing_consecutive_local_origin_failure"] == 100, "unreachable: ejected"
 
@@ -405,3 +406,17 @@ def test_every_envoy_lets_a_stream_be_silent_longer_than_a_generation_may_run(re
             if hcm.get("stat_prefix") == "envoy_stats":
                 continue
             assert int(hcm["stream_idle_timeout"].rstrip("s")) > edge.MAX_STREAM_SECONDS, (name, listener["name"])
+
+
+def test_the_access_table_names_only_methods_its_services_have():
+    from google.protobuf import descriptor_pool
+
+    from gaas.ops import access
+
+    access.method_paths("worker")  # fills the descriptor pool
+    for kind, methods in access.ALLOWED_CALLERS.items():
+        if kind == "router":
+            assert set(methods) == {"*"}, "the router's public APIs are open whole, to the ingress"
+            continue
+        service = descriptor_pool.Default().FindServiceByName(topology.GRPC_SERVICE[kind])
+        assert set(methods) <= {m.name for m in service.methods}, kind

@@ -17,7 +17,11 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
+
+if TYPE_CHECKING:
+    from gaas.ops.topology import Topology
 
 TRUST_DOMAIN = "gaas.local"
 SERVER_NAME = TRUST_DOMAIN
@@ -142,6 +146,16 @@ class Authority:
                                                     serialization.NoEncryption()))
         creds.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         return creds
+
+
+def issue_certificates(topo: Topology, authority: Authority) -> None:
+    """The CA (kept) and a fresh certificate for every identity the mesh's Envoy configs name: each
+    instance (a worker's names its sidecar's address), the ingress and the operator."""
+    authority.ensure()
+    for inst in topo.instances:
+        authority.issue(inst.service, inst.name, sidecar=inst.inbound if inst.service == "worker" else "")
+    authority.issue(*INGRESS)
+    authority.issue(*OPERATOR)
 
 
 def _now() -> datetime.datetime:

@@ -47,27 +47,8 @@ TALKS_TO = {
     "router": ("control", "kvcache", "worker", "billing"),
 }
 
-# Who may call which method, by the caller's identity kind ("operator": the `gaas` CLI; "ingress":
-# the edge Envoy). Each inbound sidecar's RBAC is generated from this (gaas/envoy/config.py). A method
-# of a service's own API not named here is the operator's alone; health checks are open to every
-# identity of the mesh.
-ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
-    "control": {
-        "RegisterWorker": ("worker",), "RenewLease": ("worker",), "DeregisterWorker": ("worker",),
-        "ListWorkers": ("router", "kvcache", "operator"),
-        "ListModels": ("router", "operator"),
-        # The operator's too: `gaas up` checks the demo key it saved at an earlier start.
-        "Authenticate": ("router", "operator"),
-        "ListPublicPrefixes": ("router", "operator"),
-        "ListTenants": ("billing", "operator"),
-    },
-    "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
-    "billing": {"GetUsage": ("router", "operator")},
-    "worker": {"Generate": ("router",), "WatchKVEvents": ("kvcache",)},
-    # The router's public APIs (and server reflection) are the ingress's; gaas.v1.Router (flow
-    # status) is the operator's.
-    "router": {"*": ("ingress",)},
-}
+# Who may call which method (each inbound sidecar's RBAC) is gaas/ops/access.py's table, the one
+# definition of it.
 
 PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4

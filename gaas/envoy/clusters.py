@@ -1,0 +1,110 @@
+"""Clusters: a fixed set of endpoints over HTTP/2 (health-checked, with circuit breakers and outlier
+detection, for a service's replicas), one gRPC server on a Unix socket (a sidecar's own service),
+and one cluster per worker sidecar (what a caller names in x-gaas-worker)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gaas.envoy.listeners import socket_address
+from gaas.envoy.tls import client_tls
+from gaas.ops import pki
+from gaas.ops.topology import Topology
+
+HTTP2 = {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }
+}
+
+
+def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool, tls: dict | None = None,
+                   streams: int | None = None, eject_on_answers: bool = True) -> dict:
+    """A cluster of fixed endpoints (HTTP/2). streams: the most requests in flight to it at once,
+    and waiting for a connection (Envoy's circuit breakers; its default is 1,024 each).
+    eject_on_answers: a replica answering errors (5xx) in a row is ejected for a while; never for
+    a cluster of one (it was the only place to go: ejecting it turned one error into an outage of
+    "no healthy upstream"), nor for the routers at the ingress, whose 503s are load shed on
+    purpose (ejecting a router that sheds moves its load onto the others)."""
+    is_ip = all(h.replace(".", "").isdigit() or ":" in h for h, _ in endpoints)
+    cluster = {
+        "name": name,
+        "type": "STATIC" if is_ip else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": HTTP2,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(h, p)}} for h, p in endpoints]}],
+        },
+    }
+    if tls is not None:
+        cluster["transport_socket"] = tls
+    if health_check:
+        cluster["health_checks"] = [
+            {
+                "timeout": "1s",
+                "interval": "2s",
+                # Keep checking idle clusters often, so a dead peer is noticed before traffic needs it.
+                "no_traffic_interval": "2s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ]
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        # When a replica dies, every stream it held may be retried at once (Envoy's default allows
+        # 3 retries in flight per cluster and fails the rest): up to half the active requests,
+        # and at least 32, may be retries.
+        cluster["circuit_breakers"] = {"thresholds": [{
+            "priority": "DEFAULT",
+            "retry_budget": {"budget_percent": {"value": 50.0}, "min_retry_concurrency": 32},
+            **({"max_requests": streams, "max_pending_requests": streams} if streams else {}),
+        }]}
+        # Passive checks too (behind the routers' own circuit breakers): a replica answering 5xx
+        # (gRPC UNAVAILABLE / INTERNAL map there) or unreachable several times in a row is ejected
+        # for a while, at most half of a cluster at once.
+        answers = eject_on_answers and len(endpoints) > 1
+        cluster["outlier_detection"] = {
+            "consecutive_5xx": 5,
+            "enforcing_consecutive_5xx": 100 if answers else 0,
+            "consecutive_gateway_failure": 3,
+            "enforcing_consecutive_gateway_failure": 100 if answers else 0,
+            "interval": "2s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 50,
+        }
+        if len(endpoints) > 1:
+            # A replica that cannot be reached at all (connect failure, reset) is ejected at its
+            # first such failure, without waiting for the health checks' interval (with one
+            # replica there is nowhere else to go: it stays, and its health checks decide).
+            cluster["outlier_detection"].update({
+                "split_external_local_origin_errors": True,
+                "consecutive_local_origin_failure": 1,
+                "enforcing_consecutive_local_origin_failure": 100,
+            })
+    return cluster
+
+
+def pipe_cluster(name: str, path: Path) -> dict:
+    """A cluster of one gRPC server on a Unix socket."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": HTTP2,
+        "load_assignment": {"cluster_name": name, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": str(path)}}}}]}]},
+    }
+
+
+def worker_clusters(topo: Topology, creds: pki.Credentials) -> list[dict]:
+    """One cluster per worker sidecar of the topology, named by its address (what x-gaas-worker
+    carries): a caller can aim only at a worker of this mesh, never at an arbitrary host:port.
+    Not health-checked: the router's circuit breakers judge workers, and retries before the first
+    token go through the router."""
+    return [
+        static_cluster(w.inbound, [(w.host, w.inbound_port)], health_check=False, tls=client_tls(creds, "worker"))
+        for w in topo.of("worker")
+    ]

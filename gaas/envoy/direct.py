@@ -1,0 +1,112 @@
+"""The direct path (ingress.path: direct): the ingress asks a router where each generation goes
+(Envoy's external processing; services/router/extproc.py) and streams it from the worker the router
+named, the router out of the token stream. Session turns, prompt lists and the native gRPC API go
+through the router either way."""
+
+from __future__ import annotations
+
+from gaas.envoy.clusters import static_cluster
+from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, decorator, grpc_route
+from gaas.envoy.tls import client_tls
+from gaas.ops import pki
+from gaas.ops.topology import OPENAI_GENERATION, OPENAI_SERVICE, Topology
+from gaas.runtime.context import WORKER_HEADER
+
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+# How long the router may take to decide (a request may wait in its queue for a worker's room
+# that long; its tier's deadline ends the wait first).
+DECISION_TIMEOUT = "300s"
+
+
+def ext_proc() -> dict:
+    """The ingress asks a router where each generation goes (ingress.path: direct;
+    services/router/extproc.py): the request's headers and whole body go to the router, which
+    answers with the worker (x-gaas-worker) and the body to send it; the response's trailers go
+    to it too, so it learns how the worker did. The tokens themselves never pass through it."""
+    return {
+        "name": EXT_PROC_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "router"}},
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                # Headers and body go at once; the router answers both when the body is whole.
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",  # (Envoy requires it with full-duplex bodies)
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SEND",
+            },
+            "message_timeout": DECISION_TIMEOUT,
+            "failure_mode_allow": False,
+            # No router answered the decision call (none up, or it broke off): 503, which clients
+            # retry, not Envoy's default 500.
+            "status_on_error": {"code": "ServiceUnavailable"},
+        },
+    }
+
+
+def ext_proc_disabled() -> dict:
+    """A route's typed_per_filter_config that keeps the router's decision (ext_proc) off it."""
+    return {EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE, "disabled": True}}
+
+
+# On the direct path, a generation that never reached its worker (no connection, a refused or
+# reset stream before any answer, the worker's sidecar answering for a dead worker, the worker
+# refusing it as busy or unavailable) goes to the router's second choice, named after the first
+# in x-gaas-worker; never one that may have streamed a token (nothing has answered yet).
+RETRY_ON_FALLBACK = {
+    "retry_on": "connect-failure,refused-stream,reset,retriable-headers,unavailable,resource-exhausted",
+    "retriable_headers": [{"name": UNREACHED_HEADER, "present_match": True}],
+    "num_retries": 1,
+}
+# The request a retry resends is held until then (a larger one is not retried).
+DIRECT_RETRY_BUFFER = 16 << 20
+
+DIRECT_WORKERS = "workers"
+
+
+def direct_routes() -> list[dict]:
+    """Each generation method twice: to the workers the router named (x-gaas-worker, set by the
+    router's decision, whose answer makes Envoy route the request again: its pick, then its
+    second choice should the first not take it), and to the router (the decision passed it on:
+    a session turn, a batch of prompts)."""
+    out = []
+    for method in OPENAI_GENERATION:
+        out.append({
+            "match": {"path": f"/{OPENAI_SERVICE}/{method}", "grpc": {},
+                      "headers": [{"name": WORKER_HEADER, "present_match": True}]},
+            "route": {"cluster": DIRECT_WORKERS, "timeout": "0s", "retry_policy": RETRY_ON_FALLBACK},
+            "request_body_buffer_limit": DIRECT_RETRY_BUFFER,
+            **decorator("ingress to a worker"),
+        })
+    for method in OPENAI_GENERATION:
+        out.append(grpc_route(f"/{OPENAI_SERVICE}/{method}", "router", retry=RETRY_BEFORE_RESPONSE,
+                              operation="ingress"))
+    return out
+
+
+def direct_workers_cluster(topo: Topology, creds: pki.Credentials) -> dict:
+    """Every worker's sidecar in one cluster, as the ingress reaches them (mTLS, as the ingress):
+    Envoy's override-host policy sends a request to the addresses x-gaas-worker lists, in order
+    (the first, then the next on a retry), the way the Gateway API Inference Extension's endpoint
+    picker names its endpoints; only the mesh's own workers are there to be named."""
+    cluster = static_cluster(DIRECT_WORKERS, [(w.host, w.inbound_port) for w in topo.of("worker")],
+                             health_check=False, tls=client_tls(creds, "worker"))
+    del cluster["lb_policy"]
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"header": WORKER_HEADER}],
+            # Without a named worker of this mesh (never, from the router): any.
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+                },
+            }}]},
+        },
+    }}]}
+    return cluster

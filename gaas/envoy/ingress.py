@@ -1,0 +1,187 @@
+"""The ingress, the mesh's one edge Envoy: gRPC and HTTP/1.1 on one port, JSON transcoded to the
+router's gRPC APIs (the native one and the OpenAI-compatible one), each request's API key checked by
+a router before its body is read, and everything a client could abuse bounded. It reaches the
+routers (and, on the direct path, the workers) as the mesh's ingress identity.
+
+  client -> ingress -> router's sidecar inbound -> router
+  (direct path) client -> ingress -(the router's decision)-> worker's sidecar inbound -> worker
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gaas.contracts import edge
+from gaas.envoy.bootstrap import bootstrap
+from gaas.envoy.clusters import static_cluster
+from gaas.envoy.direct import direct_routes, direct_workers_cluster, ext_proc, ext_proc_disabled
+from gaas.envoy.errors import openai_errors_filter, router_unanswered_replies
+from gaas.envoy.listeners import hcm, listener, pipe_address, socket_address
+from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, grpc_route
+from gaas.envoy.tls import client_tls, downstream_tls
+from gaas.envoy.tracing import tracing
+from gaas.ops import pki
+from gaas.ops.topology import GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE, LocalSockets, Topology
+from gaas.ops.traces import TraceTarget
+from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
+
+# Services a generic gRPC client may reach at the ingress besides the router's two APIs: health
+# and server reflection (grpcurl's list/describe), both answered by the router, which serves
+# nothing internal.
+PUBLIC_GRPC_EXTRAS = edge.OPEN_GRPC_SERVICES
+
+# The routers as the ingress's key checks reach them: a cluster of their own, whose circuit
+# breakers are the checks' budget, apart from the streams of authenticated requests.
+AUTHZ_CLUSTER = "router_authz"
+
+
+def internal_headers_dropped() -> dict:
+    """Only the router may say who the tenant is, which worker serves, or what GaaS's own request
+    id is; never a client: the ingress drops what a client sent of them before anything else
+    (so that what the router says at the ingress, on the direct path, reaches the worker)."""
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in (TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER)]},
+        },
+    }
+
+
+def ext_authz() -> dict:
+    """The ingress checks each request's API key with a router on its headers alone, before it
+    reads the body (services/router/edgeauth.py); only the headers that check needs are sent. No
+    router answering is a 503 that clients retry (never a request let through unchecked)."""
+    return {
+        "name": "envoy.filters.http.ext_authz",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+            "grpc_service": {"envoy_grpc": {"cluster_name": AUTHZ_CLUSTER}, "timeout": f"{edge.AUTHZ_TIMEOUT_S}s"},
+            "transport_api_version": "V3",
+            "failure_mode_allow": False,
+            "status_on_error": {"code": "ServiceUnavailable"},
+            "allowed_headers": {"patterns": [{"exact": "authorization"}, {"exact": "content-type"}]},
+            "include_peer_certificate": False,
+        },
+    }
+
+
+def max_http_body() -> int:
+    """The largest HTTP body the ingress buffers for transcoding: the router's limit, and room for
+    the framing (a larger body is refused at the ingress with 413, unread)."""
+    return edge.max_body_bytes() + 16 * edge.KIB
+
+
+def transcoder(descriptor_set: Path) -> dict:
+    """The gRPC-JSON transcoder for the router's two APIs (HttpBody methods pass their body through
+    raw), with the service descriptors of descriptor_set."""
+    return {
+        "name": "envoy.filters.http.grpc_json_transcoder",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
+            "proto_descriptor": str(descriptor_set),
+            "services": [GRPC_SERVICE["router"], OPENAI_SERVICE],
+            "convert_grpc_status": True,
+            "max_request_body_size": max_http_body(),
+            # Per message of a response: a non-streamed answer comes in pieces (edge.ANSWER_PIECE_BYTES).
+            "max_response_body_size": edge.RESPONSE_MESSAGE_BYTES,
+            "print_options": {
+                "add_whitespace": False,
+                "always_print_primitive_fields": False,
+                "preserve_proto_field_names": True,
+                # One JSON object per line for server streams, so HTTP clients can read as they go.
+                "stream_newline_delimited": True,
+            },
+            "request_validation_options": {"reject_unknown_method": True},
+            # Clients add query parameters of their own (api-version=...); vLLM ignores them too.
+            "ignore_unknown_query_parameters": True,
+        },
+    }
+
+
+def edge_hcm_options() -> dict:
+    """What the ingress's connection manager adds for clients it cannot trust (Envoy's advice for
+    an edge proxy): the client's address is the connection's (x-forwarded-for and x-envoy-* headers
+    from clients are not believed), timeouts for headers, whole requests and idle connections,
+    bounded HTTP/2 streams and windows per connection, paths normalized before any check, and
+    header names with underscores refused (an upstream could read them as dashes)."""
+    return {
+        "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "request_headers_timeout": f"{edge.REQUEST_HEADERS_TIMEOUT_S}s",
+        "request_timeout": f"{edge.REQUEST_TIMEOUT_S}s",
+        "common_http_protocol_options": {
+            "idle_timeout": f"{edge.CONNECTION_IDLE_TIMEOUT_S}s",
+            "headers_with_underscores_action": "REJECT_REQUEST",
+        },
+        "http2_protocol_options": {
+            "max_concurrent_streams": edge.MAX_STREAMS_PER_CONNECTION,
+            "initial_stream_window_size": 65536,
+            "initial_connection_window_size": 1048576,
+        },
+    }
+
+
+def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
+                   tls: tuple[Path, Path] | None = None, sockets: Path | None = None,
+                   trace: TraceTarget | None = None) -> dict:
+    """The edge: gRPC and HTTP/1.1 on one port (TLS with the given certificate and key, when given);
+    JSON transcoded to the router's gRPC APIs (the native one and the OpenAI-compatible one), whose
+    errors get OpenAI's shape. It reaches the routers as the mesh's ingress identity."""
+    direct = topo.ingress_path == "direct"
+    routes = [
+        *(direct_routes() if direct else []),
+        grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
+        grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
+        *(grpc_route(f"/{name}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress")
+          for name in PUBLIC_GRPC_EXTRAS),
+        # After transcoding the path is the gRPC one; anything else is not ours.
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
+    ]
+    if direct:
+        # The router is asked about the generation routes only.
+        for route in routes[len(OPENAI_GENERATION) * 2:]:
+            route["typed_per_filter_config"] = ext_proc_disabled()
+    manager = hcm(
+        "ingress",
+        routes,
+        # On responses filters run in reverse: the transcoder's output reaches the Lua filter.
+        # The key check (ext_authz) comes before the transcoder, which reads the whole body. The
+        # router's decision (direct) comes after it: it reads and replaces the gRPC request, and
+        # reads the worker's gRPC trailers before they are transcoded.
+        [internal_headers_dropped(), openai_errors_filter(), ext_authz(), transcoder(descriptor_set),
+         *([ext_proc()] if direct else [])],
+        log_dir / "envoy-ingress-access.log",
+        vhost={"response_headers_to_remove": [UNREACHED_HEADER],
+               # The request's arrival here, where its latency decomposition starts (a client's
+               # own value is overwritten).
+               "request_headers_to_add": [{
+                   "header": {"key": INGRESS_START_HEADER, "value": "%START_TIME(%s.%6f)%"},
+                   "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+               }]},
+        # The client's x-request-id is kept (not replaced by Envoy's) and echoed in the response,
+        # as vLLM's server echoes it; GaaS keys everything internal on its own id.
+        preserve_external_request_id=True,
+        always_set_request_id_in_response=True,
+        local_reply_config=router_unanswered_replies(),
+        **edge_hcm_options(),
+        **tracing(trace, "ingress-0", edge=True),
+    )
+    edge_tls = downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
+    edge_listener = listener("ingress", topo.host, topo.ingress_port, manager, edge_tls)
+    edge_listener["per_connection_buffer_limit_bytes"] = edge.CONNECTION_BUFFER_BYTES
+    ingress_creds = authority.credentials(*pki.INGRESS)
+    routers = [(r.host, r.inbound_port) for r in topo.of("router")]
+    clusters = [
+        static_cluster("router", routers, health_check=True, tls=client_tls(ingress_creds, "router"),
+                       streams=edge.ROUTER_STREAMS, eject_on_answers=False),
+        static_cluster(AUTHZ_CLUSTER, routers, health_check=True, tls=client_tls(ingress_creds, "router"),
+                       streams=edge.AUTHZ_CHECKS, eject_on_answers=False),
+    ]
+    if direct:
+        clusters.append(direct_workers_cluster(topo, ingress_creds))
+    admin = (pipe_address(LocalSockets.of(sockets, "ingress-0").admin) if sockets
+             else socket_address(topo.host, topo.ingress_admin_port))
+    return bootstrap("ingress-0", admin, [edge_listener], clusters, stats=(topo.host, topo.ingress_stats_port),
+                     trace=trace, edge_proxy=True)

@@ -1,0 +1,63 @@
+"""Who may call what in the mesh: the one access table. Each inbound sidecar's RBAC filter
+(gaas/envoy/rbac.py) is generated from method_paths(), which reads ALLOWED_CALLERS and the
+router's public APIs below; nothing else in the mesh says who may call which method.
+
+Callers are identity kinds (spiffe://gaas.local/<kind>/..., gaas/ops/pki.py): the services'
+kinds, "operator" (the `gaas` CLI) and "ingress" (the edge Envoy). A method of a service's own API
+not named here is the operator's alone; health checks are open to every identity of the mesh
+(the RBAC filter adds that).
+"""
+
+from __future__ import annotations
+
+from gaas.ops.topology import AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
+
+# Per kind, who may call each method of its own gRPC service (GRPC_SERVICE).
+ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "control": {
+        "RegisterWorker": ("worker",), "RenewLease": ("worker",), "DeregisterWorker": ("worker",),
+        "ListWorkers": ("router", "kvcache", "operator"),
+        "ListModels": ("router", "operator"),
+        # The operator's too: `gaas up` checks the demo key it saved at an earlier start.
+        "Authenticate": ("router", "operator"),
+        "ListPublicPrefixes": ("router", "operator"),
+        "ListTenants": ("billing", "operator"),
+    },
+    "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
+    "billing": {"GetUsage": ("router", "operator")},
+    "worker": {"Generate": ("router",), "WatchKVEvents": ("kvcache",)},
+    # The router's public APIs (and server reflection) are the ingress's; gaas.v1.Router (flow
+    # status) is the operator's.
+    "router": {"*": ("ingress",)},
+}
+
+# The services a router serves to the ingress, whole (ALLOWED_CALLERS["router"]["*"]).
+ROUTER_PUBLIC = (GRPC_SERVICE["router"], OPENAI_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
+                 "grpc.reflection.v1.ServerReflection")
+# The router's flow status, the operator's alone.
+ROUTER_OPERATOR = "gaas.v1.Router"
+
+
+def method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]:
+    """gRPC path (or path prefix, ending in "/") -> the caller kinds allowed, for kind's inbound.
+    direct: the ingress sends generations to the workers itself (ingress.path: direct)."""
+    if kind == "router":
+        paths = {**{f"/{name}/": ALLOWED_CALLERS["router"]["*"] for name in ROUTER_PUBLIC},
+                 f"/{ROUTER_OPERATOR}/": ("operator",),
+                 # The ingress checks each request's key here, on its headers (services/router/edgeauth.py).
+                 f"/{AUTHZ_SERVICE}/Check": ("ingress",)}
+        if direct:
+            # The ingress asks the router where each generation goes (services/router/extproc.py).
+            paths[f"/{EXT_PROC_SERVICE}/Process"] = ("ingress",)
+        return paths
+    from google.protobuf import descriptor_pool
+
+    from gaas.v1 import billing_pb2, control_pb2, kvcache_pb2, worker_pb2  # noqa: F401 - fill the pool
+
+    service = descriptor_pool.Default().FindServiceByName(GRPC_SERVICE[kind])
+    allowed = ALLOWED_CALLERS.get(kind, {})
+    paths = {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
+    if kind == "worker" and direct:
+        # The generations the ingress sends a worker straight.
+        paths.update({f"/{OPENAI_SERVICE}/{m}": ("ingress",) for m in OPENAI_GENERATION})
+    return paths
