@@ -1,9 +1,10 @@
-import asyncio
-
 import pytest
 
 from gaas.contracts.ids import WorkerId
 from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerRecord, WorkerRegistry
+from tests.fakeclock import FakeClock
+
+T0 = 1_800_000_000  # a Unix moment (s)
 
 
 def record(worker_id="worker-0", model="gaas-tiny", address="127.0.0.1:20041"):
@@ -23,14 +24,15 @@ async def test_register_list_deregister(redis):
 
 
 async def test_lease_lapses_without_renewal(redis):
-    reg = WorkerRegistry(redis, ttl_seconds=1)
+    clock = FakeClock(T0)
+    reg = WorkerRegistry(redis, ttl_seconds=1, clock=clock.millis)
     await reg.register(record())
-    await asyncio.sleep(0.6)
+    clock.advance(0.6)
     renewed = await reg.renew(WorkerId("worker-0"))
-    await asyncio.sleep(0.6)
+    clock.advance(0.6)
     assert [w.worker_id for w in await reg.list()] == ["worker-0"]  # the renewal kept it
     assert renewed.state == SERVING
-    await asyncio.sleep(0.6)
+    clock.advance(0.6)
     assert await reg.list() == []
     with pytest.raises(LeaseExpired, match="register again"):
         await reg.renew(WorkerId("worker-0"))
@@ -53,30 +55,23 @@ async def test_two_registries_share_state(redis):
 
 
 async def test_reregistration_keeps_first_registration_time(redis):
-    reg = WorkerRegistry(redis, ttl_seconds=10)
+    clock = FakeClock(T0)
+    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock.millis)
     first = await reg.register(record())
-    await asyncio.sleep(0.01)
+    clock.advance(0.01)
     again = await reg.register(record())
     assert again.registered_ms == first.registered_ms
     assert again.lease_expires_ms >= first.lease_expires_ms
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.ms = 1_800_000_000_000
-
-    def __call__(self) -> int:
-        return self.ms
-
-
 async def test_a_gap_of_control_extends_the_leases_live_when_it_began(redis):
     """No control answered for 30 s (paused, restarting): leases that were live when it went quiet
     get one more TTL when it answers again; one that had lapsed before stays lapsed."""
-    clock = Clock()
-    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock)
+    clock = FakeClock(T0)
+    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock.millis)
     async def answering(seconds: int) -> None:  # control's heartbeat, once a second
         for _ in range(seconds):
-            clock.ms += 1_000
+            clock.advance(1)
             await reg.heartbeat()
 
     await reg.register(record("worker-0"))
@@ -84,9 +79,9 @@ async def test_a_gap_of_control_extends_the_leases_live_when_it_began(redis):
     await reg.register(record("worker-1", address="127.0.0.1:20051"))  # lease ends at +16 s
     await answering(9)  # worker-0 lapses at +10 s while control answers
     assert [w.worker_id for w in await reg.list()] == ["worker-1"]
-    clock.ms += 30_000  # control silent from +15 s to +45 s: worker-1's lease ran out meanwhile
+    clock.advance(30)  # control silent from +15 s to +45 s: worker-1's lease ran out meanwhile
     assert [w.worker_id for w in await reg.list()] == ["worker-1"]
-    assert (await reg.list())[0].lease_expires_ms == clock.ms + 10_000
+    assert (await reg.list())[0].lease_expires_ms == clock.millis() + 10_000
     renewed = await reg.renew(WorkerId("worker-1"))
     assert renewed.worker_id == "worker-1"
     with pytest.raises(LeaseExpired):
@@ -94,11 +89,11 @@ async def test_a_gap_of_control_extends_the_leases_live_when_it_began(redis):
 
 
 async def test_without_a_gap_a_lapsed_lease_is_not_extended(redis):
-    clock = Clock()
-    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock)
+    clock = FakeClock(T0)
+    reg = WorkerRegistry(redis, ttl_seconds=10, clock=clock.millis)
     await reg.register(record())
     for _ in range(12):  # control keeps answering (its heartbeat) while the worker is silent
-        clock.ms += 1_000
+        clock.advance(1)
         assert await reg.heartbeat() == 0
     assert await reg.list() == []
     with pytest.raises(LeaseExpired):

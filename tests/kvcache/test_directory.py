@@ -8,17 +8,10 @@ from hypothesis import strategies as st
 from gaas.contracts import kvhash
 from gaas.contracts.ids import WorkerId
 from services.kvcache.directory import BlockDirectory, Stored
+from tests.fakeclock import FakeClock
 
 BS = 2
 A, B = WorkerId("worker-a"), WorkerId("worker-b")
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def hashes(tokens, salt="s"):
@@ -103,7 +96,7 @@ def test_unchained_and_wrong_sized_blocks_are_not_indexed_but_counted():
 
 
 def test_provisions_count_at_once_then_are_confirmed_or_lapse():
-    clock = Clock()
+    clock = FakeClock()
     d = BlockDirectory(BS, provision_ttl_seconds=10, clock=clock)
     e = Engine(A)
     hs = hashes([1, 2, 3, 4])
