@@ -1,11 +1,16 @@
 """`gaas top`: a live terminal view of a running mesh. Each frame reads what `gaas status` reads
 (the workers' load from the control plane's registry, each router's flow control and tenant
-activity) and draws workers, queues and tenants; frame() is pure, so tests and --once print it."""
+activity) and draws workers, queues and tenants; frame() is pure, so tests and --once print it.
+cmd_top is the command: it reads (gaas.ops.probe, status.router_flows) and run() draws."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gaas.cli.common import add_mesh_args, fail, mesh_state, mesh_topology
+from gaas.cli.status import router_flows
 
 CLEAR = "\033[H\033[2J"
 
@@ -96,3 +101,35 @@ def run(read: Callable[[], tuple[dict, list[dict]]], interval: float, once: bool
         if once:
             return
         time.sleep(interval)
+
+
+def cmd_top(args) -> int:
+    from gaas.ops import probe
+
+    state = mesh_state(Path(args.run_dir))
+    topo = mesh_topology(args, state)
+    if args.interval <= 0:
+        return fail("--interval must be more than 0 seconds", 2)
+
+    def read() -> tuple[dict, list[dict]]:
+        health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout).to_dict()
+        return health, router_flows(topo)
+
+    try:
+        run(read, args.interval, args.once)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def register(sub) -> None:
+    """`gaas top`."""
+    tp = sub.add_parser("top", help="a live view of workers, queues, KV cache use and tenants",
+                        description="Redraw, every few seconds, each worker's load (running, waiting, KV cache use, "
+                        "its batching window and breaker, memory), the routers' queues by priority band, and the "
+                        "busiest tenants of the last minute. Ctrl-C quits.")
+    add_mesh_args(tp)
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between frames (2)")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.add_argument("--timeout", type=float, default=1.0, help="seconds per probe (1)")
+    tp.set_defaults(func=cmd_top)
