@@ -1,9 +1,10 @@
-"""Named scheduling profiles, and the weights their scorers get (overridable from config)."""
+"""The scheduler of each named profile (gaas/settings/router.py declares the profiles and their weights)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from gaas.settings.router import PROFILES, parse_weights
 from services.router.scheduling.filters.context_fit import ContextFitFilter
 from services.router.scheduling.filters.breaker import BreakerFilter
 from services.router.scheduling.filters.not_tried import NotTriedFilter
@@ -20,31 +21,11 @@ from services.router.scheduling.scorers.queue import QueueScorer
 from services.router.scheduling.scorers.session import SessionScorer
 
 SCORERS = {s.name: s for s in (PrefixScorer, QueueScorer, KVUsageScorer, DeviceMemoryScorer, SessionScorer)}
+# The profiles (profile -> scorer weights, picker), the scorers' names and the weights' parser are
+# gaas/settings/router.py's: what GAAS_ROUTER_POLICY and GAAS_ROUTER_WEIGHTS accept.
+# (tests/settings checks SCORER_NAMES names every scorer here.)
 
-# profile -> (scorer weights, picker). Every profile filters by model, failures, circuit breakers,
-# context and batching windows.
-PROFILES: dict[str, tuple[dict[str, float], str]] = {
-    "round_robin": ({}, "round_robin"),
-    "least_load": ({"queue": 2.0, "kv_usage": 1.0}, "max_score"),
-    # Where the prefix lives, unless load says otherwise: a full prefix outweighs a moderate queue
-    # (the engine skips that prefill), a long one does not, and saturated workers are filtered out.
-    # A session's turn also leans to the worker of its last turn (what the directory may not know yet).
-    "kv_aware": ({"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5, "device_memory": 0.25, "session": 1.0}, "max_score"),
-}
-
-
-def parse_weights(spec: str) -> dict[str, float]:
-    """'prefix=3,queue=2' -> {'prefix': 3.0, 'queue': 2.0}; ValueError naming what is wrong."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, value = part.partition("=")
-        if name not in SCORERS:
-            raise ValueError(f"unknown scorer {name!r} in the weights; scorers: {', '.join(SCORERS)}")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise ValueError(f"the weight of {name} must be a number, got {value!r}") from None
-    return out
+__all__ = ["PROFILES", "SCORERS", "make_scheduler", "parse_weights"]
 
 
 def make_scheduler(

@@ -1,0 +1,107 @@
+"""The worker's settings (services/worker), read once at start-up from GAAS_* variables: `gaas up`
+writes them from the topology (services.worker in deploy/topology.yaml) and the deployment file's
+model; the worker hands them to its vLLM engine (services/worker/engine.py maps them to vLLM's
+engine arguments)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gaas.settings import common
+from gaas.settings.env import BOOL, REQUIRED, Kind, Settings, setting, variables
+
+# Where a worker's model runs, vLLM's names: "uni", in the engine core's own process; "mp", a
+# process of its own (gaas.host.placement.engine_executor says what each means on each device).
+EXECUTORS = ("uni", "mp")
+# What the launcher found the host computes on (gaas.host.devices); "" when not launched by gaas up.
+DEVICES = ("", "cpu", "cuda")
+
+
+def _read_auto_bool(name: str, text: str) -> bool | None:
+    return None if text == "auto" else BOOL.read(name, text)
+
+
+# true, false, or auto (None): decided by the device.
+AUTO_BOOL = Kind(_read_auto_bool, lambda v: "auto" if v is None else BOOL.write(v))
+
+
+def _at_least_one_gib(gib: int) -> str | None:
+    return None if gib >= 1 else "must be at least 1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSettings(Settings):
+    instance: str = common.instance("worker-0")
+    host: str = common.host()
+    port: int = common.port(50061)
+    listen: str = common.listen()
+    metrics_port: int = setting("GAAS_METRICS_PORT", -1, "the /metrics port, with vLLM's own metrics (-1: none)")
+    grace_seconds: float = common.grace_seconds()
+    advertise: str = setting("GAAS_ADVERTISE", REQUIRED, "host:port peers reach it at: its sidecar's inbound "
+                             "listener", derived=lambda s: f"{s['host']}:{s['port']}",
+                             shown_default="GAAS_HOST:GAAS_PORT")
+    outbound: str = setting("GAAS_OUTBOUND", "", "host:port (or unix:/path) of its sidecar's outbound listener "
+                            "(control); empty: it runs standalone, unregistered")
+    model: str = setting("GAAS_MODEL", REQUIRED, "the served model's name")
+    model_path: str = setting("GAAS_MODEL_PATH", REQUIRED, "its weights: a directory or a hub id")
+    model_version: str = setting("GAAS_MODEL_VERSION", "0", "its version")
+    max_model_len: int = setting("GAAS_MAX_MODEL_LEN", 2048, "longest prompt and completion together, tokens")
+    block_size: int = setting("GAAS_BLOCK_SIZE", 32, "KV block size, tokens",
+                              check=lambda n: None if n % 16 == 0 else f"must be a multiple of 16 (32 on the CPU), got {n}")
+    kv_cache_gib: int = setting("GAAS_KV_CACHE_GIB", 1, "KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE on the CPU, "
+                                "kv_cache_memory_bytes on a GPU)", check=_at_least_one_gib)
+    gpu_memory_utilization: float = setting(
+        "GAAS_GPU_MEMORY_UTILIZATION", 0.85, "fraction of the GPU's memory vLLM may take (GPUs only; gaas up splits "
+        "it between workers sharing a GPU)",
+        check=lambda f: None if 0 < f <= 1 else f"must be in (0, 1], got {f}")
+    enforce_eager: bool | None = setting("GAAS_ENFORCE_EAGER", None, "skip torch.compile and CUDA graphs (faster "
+                                         "start, slower steps): true, false, or auto: on the CPU only", kind=AUTO_BOOL)
+    device: str = setting("GAAS_DEVICE", "", "cpu or cuda, as gaas up found the host; the worker refuses a vLLM "
+                          "build that computes elsewhere (empty: checks nothing)",
+                          check=lambda d: None if d in DEVICES else f"must be cpu or cuda, got {d!r}")
+    max_num_seqs: int = setting("GAAS_MAX_NUM_SEQS", 64, "most sequences batched together")
+    max_num_batched_tokens: int = setting("GAAS_MAX_NUM_BATCHED_TOKENS", 0, "most tokens in one engine step "
+                                          "(0: vLLM's default)")
+    max_waiting: int = setting("GAAS_MAX_WAITING", 128, "most requests waiting for their first token; more get "
+                               "RESOURCE_EXHAUSTED, which the router takes elsewhere (0: no bound)")
+    stream_interval: int = setting(
+        "GAAS_STREAM_INTERVAL", 1, "tokens per streamed message (vLLM's stream_interval; the first token always goes "
+        "at once)", check=lambda n: None if n >= 1 else f"must be at least 1 (tokens per message), got {n}")
+    executor: str = setting("GAAS_EXECUTOR", "uni", "where the model runs: uni, in vLLM's engine core process; mp, "
+                            "a process of its own (vLLM's CPU default)",
+                            check=lambda e: None if e in EXECUTORS else f"must be one of {', '.join(EXECUTORS)}, got {e!r}")
+    kv_cache_blocks: int = setting("GAAS_KV_CACHE_BLOCKS", 0, "KV-cache size in blocks (vLLM's "
+                                   "num_gpu_blocks_override; 0: sized by memory)")
+    kv_events: bool = setting("GAAS_KV_EVENTS", True, "publish the engine's KV events to the KV directories")
+    lease_renew_seconds: float = setting("GAAS_LEASE_RENEW_SECONDS", 0.5, "how often its lease is renewed, each "
+                                         "renewal with a load report (control decides how long a lease lasts)")
+    redis_url: str = setting("GAAS_REDIS_URL", "", "Redis, where the usage of generations the ingress sends here "
+                             "straight goes (ingress.path: direct); empty: not metered here")
+    spool_dir: str = setting("GAAS_SPOOL_DIR", ".gaas/spool", "where those usage events wait while Redis does not "
+                             "answer")
+
+
+# The worker settings a topology sets per worker (services.worker in deploy/topology.yaml), by the
+# same names; "model" there names a model of the deployment file instead.
+TOPOLOGY_OPTIONS = ("kv_cache_gib", "kv_cache_blocks", "block_size", "enforce_eager", "max_num_seqs",
+                    "max_num_batched_tokens", "max_waiting", "stream_interval", "executor")
+
+
+def topology_defaults() -> dict[str, Any]:
+    """The defaults of a topology's worker options, as the topology writes them (enforce_eager:
+    true, false or "auto")."""
+    defaults = {v.field: v.default for v in variables(WorkerSettings) if v.field in TOPOLOGY_OPTIONS}
+    if defaults["enforce_eager"] is None:
+        defaults["enforce_eager"] = "auto"
+    return {"model": "", **{f: defaults[f] for f in TOPOLOGY_OPTIONS}}
+
+
+def from_topology(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A topology worker's options (gaas.ops.topology.Instance.options) as WorkerSettings fields."""
+    values = {f: options[f] for f in TOPOLOGY_OPTIONS}
+    if values["enforce_eager"] == "auto":
+        values["enforce_eager"] = None
+    return values
+
