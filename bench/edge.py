@@ -29,21 +29,16 @@ import http.client
 import json
 import multiprocessing
 import resource
-import shutil
-import sys
 import threading
 import time
-from pathlib import Path
 
 from bench import footprint
-from bench.kvbench import pct
+from bench.common.output import RESULTS, progress, write_json
+from bench.common.stats import percentile
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
 
-
-def say(msg: str) -> None:
-    print(f"edge: {msg}", file=sys.stderr, flush=True)
+say = progress("edge")
 
 
 def _raise_open_files() -> None:
@@ -228,11 +223,11 @@ def _summary(records: list[dict]) -> dict:
     ok = [r for r in records if r["status"] == 200 and r["ttft_ms"] is not None]
     return {
         "requests": len(records), "failed": len(records) - len(ok),
-        "ttft_p50_ms": round(pct([r["ttft_ms"] for r in ok], 0.5), 1),
-        "ttft_p95_ms": round(pct([r["ttft_ms"] for r in ok], 0.95), 1),
+        "ttft_p50_ms": round(percentile([r["ttft_ms"] for r in ok], 0.5), 1),
+        "ttft_p95_ms": round(percentile([r["ttft_ms"] for r in ok], 0.95), 1),
         "ttft_max_ms": round(max((r["ttft_ms"] for r in ok), default=float("nan")), 1),
-        "total_p50_ms": round(pct([r["total_ms"] for r in ok], 0.5), 1),
-        "total_p95_ms": round(pct([r["total_ms"] for r in ok], 0.95), 1),
+        "total_p50_ms": round(percentile([r["total_ms"] for r in ok], 0.5), 1),
+        "total_p95_ms": round(percentile([r["total_ms"] for r in ok], 0.95), 1),
     }
 
 
@@ -333,30 +328,18 @@ def largest_answer(mesh, key: str) -> dict:
 
 
 def run(n: int, slow: int, trickle: int, attack_s: float, keep: bool = False) -> dict:
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
+    from bench.common.mesh import admin, bench_mesh, running, tenant_key
 
     _raise_open_files()
     mesh = bench_mesh("edge", 24000, say, workers=1)
-    try:
-        say("starting a mesh with one worker")
-        mesh.start()
-        mesh.wait_ready(400)
-        keys = {}
-        with Admin(mesh.topo.of("control")[0].inbound) as admin:
-            for name, limits in (("served", {"rpm": 0, "tpm": 0, "concurrency": 0}),
-                                 ("rpm", {"rpm": 1, "tpm": 0, "concurrency": 0}),
-                                 ("busy", {"rpm": 0, "tpm": 0, "concurrency": 1})):
-                admin.create_tenant(f"edge-{name}", "gold")
-                admin.update_tenant(f"edge-{name}", limits=limits)
-                keys[name] = admin.create_key(f"edge-{name}")[1]
+    say("starting a mesh with one worker")
+    with running(mesh, 400, keep=keep):
+        with admin(mesh) as a:
+            keys = {name: tenant_key(a, f"edge-{name}", "gold", **limits)
+                    for name, limits in (("served", {}), ("rpm", {"rpm": 1}), ("busy", {"concurrency": 1}))}
         costs = refusal_costs(mesh, keys, n)
         largest = largest_answer(mesh, keys["served"])
         attack = slow_clients(mesh, keys["served"], slow, trickle, attack_s)
-    finally:
-        mesh.stop()
-        if not keep:
-            shutil.rmtree(mesh.run_dir, ignore_errors=True)
     return {"refusals": costs, "largest_answer": largest, "slow_clients": attack}
 
 
@@ -367,7 +350,7 @@ def main() -> None:
     p.add_argument("--trickle", type=int, default=1100, help="connections trickling a body without a key")
     p.add_argument("--attack", type=float, default=30.0, help="seconds the slow clients keep at it")
     p.add_argument("--keep", action="store_true", help="keep the mesh's run directory (logs) afterwards")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "edge.json"))
+    p.add_argument("--out", default=str(RESULTS / "edge.json"))
     args = p.parse_args()
     result = run(args.requests, args.slow_headers, args.trickle, args.attack, args.keep)
     print("\nwhat a request costs the mesh, by where it is refused (CPU of every mesh process; one at a time)")
@@ -391,8 +374,7 @@ def main() -> None:
               f"{s['ttft_max_ms']:>6.1f} ms {s['total_p95_ms']:>7.1f} ms")
     print(f"ingress: up to {a['ingress_connections_max']} connections, {a['ingress_rss_mb_max']} MB resident; router "
           f"{a['router_rss_mb_max']} MB; attacker: {a['attacker']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

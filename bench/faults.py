@@ -19,25 +19,22 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.common.output import RESULTS, progress, write_json
 from gaas.host import placement
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
 # What is killed: an instance of each service kind, and the Envoy sidecar in front of router-0.
 TARGETS = ("kvcache-0", "billing-0", "control-0", "sidecar-router-0", "router-0", "worker-1")
 
 
-def say(msg: str) -> None:
-    print(f"faults: {msg}", file=sys.stderr, flush=True)
+say = progress("faults")
 
 
 class Load:
@@ -168,48 +165,36 @@ def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
 
 
 def run(replicas: int, streams: int, settle: float, targets: tuple[str, ...] = TARGETS, keep: bool = False) -> list[dict]:
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
+    from bench.common.mesh import admin, bench_mesh, running, tenant_key
 
     mesh = bench_mesh("faults", 25000, say, workers=2,
                       replicas={kind: replicas for kind in ("control", "kvcache", "billing", "router")})
-    topo, run_dir = mesh.topo, mesh.run_dir
     results = []
     supervising = threading.Event()
-    supervisor = None
-    try:
-        say(f"starting a mesh with {replicas} replica(s) of each service and 2 workers")
-        mesh.start()
-        mesh.wait_ready(400)
-        with Admin(topo.of("control")[0].inbound) as admin:
-            admin.create_tenant("drill", "gold")
-            admin.update_tenant("drill", limits={"rpm": 0, "tpm": 0, "concurrency": 0})
-            key = admin.create_key("drill")[1]
 
-        def supervise() -> None:  # what `gaas up` does between signals
-            while not supervising.is_set():
-                mesh.supervise(say)
-                time.sleep(0.5)
+    def supervise() -> None:  # what `gaas up` does between signals
+        while not supervising.is_set():
+            mesh.supervise(say)
+            time.sleep(0.5)
 
+    say(f"starting a mesh with {replicas} replica(s) of each service and 2 workers")
+    with running(mesh, 400, keep=keep):
+        with admin(mesh) as a:
+            key = tenant_key(a, "drill", "gold")
         supervisor = threading.Thread(target=supervise, daemon=True)
         supervisor.start()
-        with Load(f"http://{topo.ingress}", key, streams) as load:
-            time.sleep(3)
-            for target in targets:
-                r = kill_under_load(mesh, load, target, settle)
-                r["replicas"] = replicas
-                say(f"  {target}: {r['failed_before_first_token']} failed before their first token, "
-                    f"{r['failed_mid_stream']} cut mid-stream of {r['requests']}; back in {r['back_serving_s']} s")
-                results.append(r)
-    finally:
-        supervising.set()
-        if supervisor is not None:
+        try:
+            with Load(f"http://{mesh.topo.ingress}", key, streams) as load:
+                time.sleep(3)
+                for target in targets:
+                    r = kill_under_load(mesh, load, target, settle)
+                    r["replicas"] = replicas
+                    say(f"  {target}: {r['failed_before_first_token']} failed before their first token, "
+                        f"{r['failed_mid_stream']} cut mid-stream of {r['requests']}; back in {r['back_serving_s']} s")
+                    results.append(r)
+        finally:
+            supervising.set()
             supervisor.join()
-        mesh.stop()
-        if keep:
-            say(f"logs kept in {run_dir / 'logs'}")
-        else:
-            shutil.rmtree(run_dir, ignore_errors=True)
     return results
 
 
@@ -220,7 +205,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=3.0, help="seconds of load before each kill and after recovery")
     p.add_argument("--targets", nargs="+", default=list(TARGETS), help=f"what to kill, in order ({' '.join(TARGETS)})")
     p.add_argument("--keep", action="store_true", help="keep each mesh's run directory (logs) afterwards")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.json"))
+    p.add_argument("--out", default=str(RESULTS / "faults.json"))
     args = p.parse_args()
     rows = [r for n in args.replicas for r in run(n, args.streams, args.settle, tuple(args.targets), args.keep)]
     print(f"\nkill -9 under load ({args.streams} streaming clients through the ingress; two workers)")
@@ -231,8 +216,7 @@ def main() -> None:
         back = f"{r['back_serving_s']:.1f} s" if r["back_serving_s"] is not None else "never"
         print(f"{r['replicas']:>8} {r['target']:<17} {r['requests']:>8} {r['failed_before_first_token']:>24} "
               f"{r['failed_mid_stream']:>15} {nxt:>15} {back:>13} {r['orphan_processes']:>8}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"streams": args.streams, "kills": rows}, indent=2) + "\n")
+    write_json(args.out, {"streams": args.streams, "kills": rows})
     print(f"wrote {args.out}")
 
 

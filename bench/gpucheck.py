@@ -20,7 +20,6 @@ scripts/gpu-check.sh installs first (scripts/install.sh), then runs this.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -29,15 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common.output import RESULTS, ROOT, progress, write_json
 from bench.run import free_port, merge_detailed, stop_group, wait_http
 
-ROOT = Path(__file__).resolve().parent.parent
 GOAL_TTFT_MS = 3.0
 GOAL_THROUGHPUT = 0.95
 
 
-def say(msg: str) -> None:
-    print(f"gpu-check: {msg}", file=sys.stderr, flush=True)
+say = progress("gpu-check")
 
 
 class Check:
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-stream", type=int, default=4, help="requests per stream in those runs (4)")
     ap.add_argument("--skip-vllm", action="store_true", help="check and measure GaaS only")
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds for the mesh / server to start (600)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu-check.json"))
+    ap.add_argument("--out", default=str(RESULTS / "gpu-check.json"))
     ap.add_argument("--cpu-rehearsal", action="store_true",
                     help="on a host without GPUs, run every step on the CPU (the GPU checks fail): a rehearsal of "
                     "this script before GPU time is spent on it")
@@ -155,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": engine_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "seconds": round(time.monotonic() - started, 1),
         }
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(out, results)
 
     def bench(url: str, key: str | None, n: int, concurrency: int) -> dict:
         r = vllm_bench(url, model.name, model.source, backend="openai", api_key=key, num_prompts=n,

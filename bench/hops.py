@@ -22,25 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.output import RESULTS, progress, write_json
+from bench.common.stats import percentile
+
 ENTRIES = ("worker", "worker sidecar", "router", "router sidecar", "ingress")
 
-
-def say(msg: str) -> None:
-    print(f"hops: {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    from bench.kvbench import pct as nearest
-
-    return round(nearest(values, q), 2) if values else float("nan")
+say = progress("hops")
 
 
 def entry_points(topo, run_dir: Path, api_key: str, model: str) -> dict:
@@ -137,7 +130,8 @@ async def measure(make_calls, requests: int, rounds: int, concurrency: int, per_
         started = time.perf_counter()
         await asyncio.gather(*(stream() for _ in range(concurrency)))
         rate = tokens / (time.perf_counter() - started)
-        out[name] = {"ttft_p50_ms": pct(ttfts[name], 0.5), "ttft_p90_ms": pct(ttfts[name], 0.9),
+        out[name] = {"ttft_p50_ms": round(percentile(ttfts[name], 0.5), 2),
+                     "ttft_p90_ms": round(percentile(ttfts[name], 0.9), 2),
                      "requests": len(ttfts[name]), "tokens_per_s": round(rate, 1)}
         say(f"{name}: TTFT p50 {out[name]['ttft_p50_ms']} ms, {concurrency} streams {rate:.0f} tokens/s")
     return out
@@ -149,26 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="rounds they are split into (4)")
     ap.add_argument("--concurrency", type=int, default=8, help="streams at once in the throughput run (8)")
     ap.add_argument("--per-stream", type=int, default=10, help="requests per stream in that run (10)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hops.json"))
+    ap.add_argument("--out", default=str(RESULTS / "hops.json"))
     args = ap.parse_args(argv)
 
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
+    from bench.common.mesh import bench_mesh, demo_key, running
 
     mesh = bench_mesh("hops", 23000, say)
     topo, run_dir = mesh.topo, mesh.run_dir
     model = str(topo.of("worker")[0].options["model"])
-    try:
-        say(f"starting the mesh (logs in {run_dir / 'logs'})")
-        mesh.start()
-        mesh.wait_ready(300)
-        with Admin(topo.of("control")[0].inbound) as admin:
-            key, _ = admin.ensure_demo_key(run_dir)
+    say(f"starting the mesh (logs in {run_dir / 'logs'})")
+    with running(mesh, 300, keep=True):
+        key = demo_key(mesh)
         results = asyncio.run(measure(lambda: entry_points(topo, run_dir, key, model), args.requests, args.rounds,
                                       args.concurrency, args.per_stream))
-    finally:
-        say("stopping the mesh")
-        mesh.stop()
 
     print(f"\nthe same generation ({model}, 128 prompt token ids + 32 tokens, streamed) sent in at each hop; "
           f"each row adds the hop named to the row above\n")
@@ -182,11 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<16} {r['ttft_p50_ms']:>9} {added:>7} {r['ttft_p90_ms']:>9} {r['tokens_per_s']:>20} "
               f"{r['tokens_per_s'] / first:>13.2f}x")
         prev = r["ttft_p50_ms"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": model, "prompt_tokens": 128, "output_tokens": 32,
-                               "concurrency": args.concurrency, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "entry_points": results}, indent=2) + "\n")
+    out = write_json(args.out, {"model": model, "prompt_tokens": 128, "output_tokens": 32,
+                                "concurrency": args.concurrency, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "entry_points": results})
     print(f"\nwritten: {out}")
     return 0
 

@@ -18,30 +18,18 @@ import sys
 import time
 import tracemalloc
 from collections import OrderedDict
-from pathlib import Path
 
+from bench.common.output import RESULTS, ROOT, progress, write_json
+from bench.common.stats import percentile
 from bench.workload import multi_tenant_chat
 from gaas.contracts import kvhash
 from gaas.contracts.ids import WorkerId
 from services.kvcache.directory import BlockDirectory, Stored
 from services.router.scheduling import Candidate, Load, RequestContext, make_scheduler
 
-ROOT = Path(__file__).resolve().parent.parent
 BS = 32
 
-
-def say(msg: str) -> None:
-    print(f"kvbench: {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values, q):
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+say = progress("kvbench")
 
 
 def word_ids(text: str) -> list[int]:
@@ -105,8 +93,8 @@ def decision_cost(workers: int = 8, prompt_tokens: int = 4096, iterations: int =
             t = time.perf_counter()
             tok.encode(text)
             runs.append(time.perf_counter() - t)
-        tokenize_ms = {"tokens": len(tok.encode(text)), "p50_ms": round(pct(runs, 0.5) * 1000, 3)}
-    ms = lambda v, q: round(pct(v, q) * 1000, 4)  # noqa: E731
+        tokenize_ms = {"tokens": len(tok.encode(text)), "p50_ms": round(percentile(runs, 0.5) * 1000, 3)}
+    ms = lambda v, q: round(percentile(v, q) * 1000, 4)  # noqa: E731
     return {
         "workers": workers, "prompt_tokens": prompt_tokens, "directory_blocks": d.stats().blocks,
         "hash_p50_ms": ms(hash_s, 0.5), "lookup_p50_ms": ms(lookup_s, 0.5), "score_p50_ms": ms(score_s, 0.5),
@@ -245,8 +233,8 @@ def simulate(n: int, policy: str, prefill_s: float, decode_s: float, seed: int =
             done = now + ttft + out * decode_s
             heapq.heappush(events, (done + rng.expovariate(1.0), conv, turn + 1))
     return {"workers": n, "policy": policy, "requests": len(ttfts), "cache_blocks_per_worker": capacity,
-            "hit_rate": round(cached_total / prompt_total, 4), "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1),
-            "ttft_p90_ms": round(pct(ttfts, 0.9) * 1000, 1)}
+            "hit_rate": round(cached_total / prompt_total, 4), "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1),
+            "ttft_p90_ms": round(percentile(ttfts, 0.9) * 1000, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="simulated cost of an uncached prompt token (default: from bench/results/routing.json, else 0.25)")
     ap.add_argument("--decode-ms-per-token", type=float, default=None,
                     help="simulated cost of a decoded token (default: from bench/results/routing.json, else 10)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kv.json"))
+    ap.add_argument("--out", default=str(RESULTS / "kv.json"))
     args = ap.parse_args(argv)
     calibration = {}
-    routing = ROOT / "bench" / "results" / "routing.json"
+    routing = RESULTS / "routing.json"
     if routing.exists():
         calibration = json.loads(routing.read_text()).get("calibration", {})
     prefill_ms = args.prefill_ms_per_token or calibration.get("prefill_ms_per_token", 0.25)
@@ -276,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             fleet.append(simulate(n, policy, prefill_ms / 1000, decode_ms / 1000))
     results = {"decision": decision, "ingest": ingest, "fleet": fleet,
                "calibration": {"prefill_ms_per_token": prefill_ms, "decode_ms_per_token": decode_ms}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results)
 
     dc = decision
     print(f"\nRouting decision, 4K-token prompt over {dc['workers']} workers ({dc['directory_blocks']} blocks indexed): "
@@ -294,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         r["share_of_ceiling"] = round(share, 3)
         print(f"{r['workers']:>7} {r['policy']:<12} {r['requests']:>8} {r['hit_rate']:>8.3f} {share:>10.1%} "
               f"{r['ttft_p50_ms']:>9} {r['ttft_p90_ms']:>9}")
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
     print(f"\nwritten: {out}")
     return 0
 

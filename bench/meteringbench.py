@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.kvbench import pct
+from bench.common.output import RESULTS, progress, write_json
+from bench.common.stats import percentile
 from gaas.contracts import pricing, usage as metering
 from gaas.metering import admission
 from gaas.launcher.mesh import redis_answers, redis_server_command
@@ -37,13 +36,11 @@ from services.billing.ledger import Ledger
 from gaas.contracts.principal import Principal
 from gaas.metering.meter import Meter
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POSTGRES = os.environ.get("GAAS_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 GOAL_RATE = 20_000
 
 
-def say(msg: str) -> None:
-    print(f"meteringbench: {msg}", file=sys.stderr, flush=True)
+say = progress("meteringbench")
 
 
 def event(i: int, run: str, finished_ms: int) -> UsageEvent:
@@ -162,7 +159,8 @@ async def lag(redis, ledger: Ledger, rate: int, seconds: float) -> dict:
     rows = await ledger.db.execute("SELECT recorded_ms - finished_ms FROM usage_ledger WHERE request_id LIKE ?", ("lag-%",))
     lags = [float(r[0]) for r in rows]
     return {"rate_goal": rate, "rate_achieved": round(sent.value / seconds), "events": sent.value, "recorded": len(lags),
-            "p50_ms": round(pct(lags, 0.5), 1), "p99_ms": round(pct(lags, 0.99), 1), "max_ms": round(max(lags), 1)}
+            "p50_ms": round(percentile(lags, 0.5), 1), "p99_ms": round(percentile(lags, 0.99), 1),
+            "max_ms": round(max(lags), 1)}
 
 
 def redis_url_of(redis) -> str:
@@ -192,8 +190,10 @@ async def router_cost(redis_url: str, n: int, spool: Path) -> dict:
             t2 = time.perf_counter()
             admit_s.append((t1 - t0) * 1000)
             commit_s.append((t2 - t1) * 1000)
-        out[label] = {"budget_check_p50_ms": round(pct(admit_s, 0.5), 4), "budget_check_p99_ms": round(pct(admit_s, 0.99), 4),
-                      "usage_event_p50_ms": round(pct(commit_s, 0.5), 4), "usage_event_p99_ms": round(pct(commit_s, 0.99), 4)}
+        out[label] = {"budget_check_p50_ms": round(percentile(admit_s, 0.5), 4),
+                      "budget_check_p99_ms": round(percentile(admit_s, 0.99), 4),
+                      "usage_event_p50_ms": round(percentile(commit_s, 0.5), 4),
+                      "usage_event_p99_ms": round(percentile(commit_s, 0.99), 4)}
     await redis.aclose()
     assert meter.spooled == 0
     return out
@@ -244,7 +244,7 @@ def main() -> None:
     p.add_argument("--lag-seconds", type=float, default=10.0, help="how long events arrive for the lag figure (10)")
     p.add_argument("--router-requests", type=int, default=5000, help="requests for the router's figures (5000)")
     p.add_argument("--postgres", default=DEFAULT_POSTGRES, help="PostgreSQL for its figures (env GAAS_BENCH_POSTGRES_URL)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "metering.json"))
+    p.add_argument("--out", default=str(RESULTS / "metering.json"))
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     print(f"\n{'ledger':<12} {'ingest ev/s':>12} {'lag rate':>10} {'lag p50 ms':>11} {'lag p99 ms':>11}")
@@ -255,8 +255,7 @@ def main() -> None:
     for label, r in results["router"].items():
         print(f"{label:<22} {r['budget_check_p50_ms']:>11} / {r['budget_check_p99_ms']:<10} "
               f"{r['usage_event_p50_ms']:>11} / {r['usage_event_p99_ms']:<10}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     say(f"wrote {args.out}")
 
 

@@ -21,28 +21,29 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from bench import footprint
-from bench.kvbench import pct
+from bench.common.mesh import admin, bench_mesh, running, tenant_key
+from bench.common.output import RESULTS, ROOT, progress, write_json
+from bench.common.stats import percentile
 from gaas.contracts.tenancy import TIERS_BY_PRIORITY
 from gaas.ops.topology import INGRESS_PATHS
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-tiny"
 TIERS = TIERS_BY_PRIORITY  # gold, silver, bronze: the order the load generator draws them in
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega river stone cloud window garden paper signal engine market thread").split()
 
 
-def say(msg: str) -> None:
-    print(f"qos: {msg}", file=sys.stderr, flush=True)
+say = progress("qos")
 
 
 def prompt(rng: random.Random, words: int = 90) -> str:
@@ -86,8 +87,8 @@ def parts_p50_p95(results: list[dict]) -> dict:
     reported = [r["parts"] for r in results if r.get("parts")]
     if not reported:
         return {}
-    return {part: {"p50": round(pct([p[part] for p in reported], 0.5), 2),
-                   "p95": round(pct([p[part] for p in reported], 0.95), 2)} for part in reported[0]}
+    return {part: {"p50": round(percentile([p[part] for p in reported], 0.5), 2),
+                   "p95": round(percentile([p[part] for p in reported], 0.95), 2)} for part in reported[0]}
 
 
 async def closed_loop(base: str, keys: dict, streams: int, seconds: float, max_tokens: int) -> tuple[float, float]:
@@ -103,7 +104,7 @@ async def closed_loop(base: str, keys: dict, streams: int, seconds: float, max_t
                     ttfts.append(r["ttft_ms"])
         started = time.perf_counter()
         await asyncio.gather(*(loop(i) for i in range(streams)))
-        return len(ttfts) / (time.perf_counter() - started), pct(ttfts, 0.95)
+        return len(ttfts) / (time.perf_counter() - started), percentile(ttfts, 0.95)
 
 
 async def capacity_at_target(base: str, keys: dict, target_ms: float, seconds: float, max_tokens: int) -> dict:
@@ -168,8 +169,8 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
             outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
         out[tier] = {
             "offered": len(rs), "served": len(ok), "served_per_s": round(len(ok) / elapsed, 2),
-            "ttft_p50_ms": round(pct(ttfts, 0.5), 1), "ttft_p95_ms": round(pct(ttfts, 0.95), 1),
-            "ttft_p99_ms": round(pct(ttfts, 0.99), 1), "shed": outcomes.get("shed", 0),
+            "ttft_p50_ms": round(percentile(ttfts, 0.5), 1), "ttft_p95_ms": round(percentile(ttfts, 0.95), 1),
+            "ttft_p99_ms": round(percentile(ttfts, 0.99), 1), "shed": outcomes.get("shed", 0),
             "timed_out": outcomes.get("timed_out", 0),
             "other_failures": sum(v for k, v in outcomes.items() if k not in ("ok", "shed", "timed_out")),
             "outcomes": outcomes, "latency_ms": parts_p50_p95(ok),
@@ -177,25 +178,17 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
     return out
 
 
-def start_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path | None = None,
-               ingress_path: str | None = None):
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
-
+@contextmanager
+def qos_mesh(qos_on: bool, workers: int, routers: int = 1, deploy_file: Path | None = None,
+             ingress_path: str | None = None) -> Iterator[tuple]:
+    """A mesh serving, with flow control on or off, and two unlimited tenants of each tier: (mesh, the
+    ingress's URL, tier -> their keys); stopped and its run directory removed afterwards."""
     mesh = bench_mesh("qos", 24000, say, workers=workers, replicas={"router": routers}, deploy_file=deploy_file,
                       extra_env={"GAAS_QOS": "on" if qos_on else "off"}, ingress_path=ingress_path)
-    topo, run_dir = mesh.topo, mesh.run_dir
-    mesh.start()
-    mesh.wait_ready(400)
-    keys: dict[str, list[str]] = {t: [] for t in TIERS}
-    with Admin(topo.of("control")[0].inbound) as admin:
-        for tier in TIERS:
-            for i in range(2):
-                name = f"{tier}-{i}"
-                admin.create_tenant(name, tier)
-                admin.update_tenant(name, limits={"rpm": 0, "tpm": 0, "concurrency": 0})
-                keys[tier].append(admin.create_key(name)[1])
-    return mesh, run_dir, f"http://{topo.ingress}", keys, topo
+    with running(mesh, 400):
+        with admin(mesh) as a:
+            keys = {tier: [tenant_key(a, f"{tier}-{i}", tier) for i in range(2)] for tier in TIERS}
+        yield mesh, f"http://{mesh.topo.ingress}", keys
 
 
 def deploy_with_targets(gold_ms: float, out: Path) -> Path:
@@ -214,25 +207,18 @@ def deploy_with_targets(gold_ms: float, out: Path) -> Path:
     return out
 
 
-def stop_mesh(mesh, run_dir: Path) -> None:
-    mesh.stop()
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | None = None) -> dict:
     """Gold alone, then (with no rate given) the fleet's capacity, then `args.load` times it offered
     for args.seconds."""
     mode = "on" if qos_on else "off"
-    mesh, run_dir, base, keys, topo = start_mesh(qos_on, args.workers, deploy_file=deploy_file,
-                                                     ingress_path=args.ingress_path)
-    try:
+    with qos_mesh(qos_on, args.workers, deploy_file=deploy_file, ingress_path=args.ingress_path) as (mesh, base, keys):
         say(f"QoS {mode}: warming up, then gold alone")
         asyncio.run(unloaded(base, keys["gold"][0], 10, args.max_tokens))
         alone_results = asyncio.run(unloaded(base, keys["gold"][0], args.unloaded, args.max_tokens))
         alone = [r["ttft_ms"] for r in alone_results]
         capacity = None
         if rate is None:
-            target = 1.5 * pct(alone, 0.95)
+            target = 1.5 * percentile(alone, 0.95)
             say(f"QoS {mode}: what the fleet serves within TTFT p95 {target:.0f} ms (1.5x gold's alone)")
             capacity = asyncio.run(capacity_at_target(base, keys, target, args.capacity_seconds, args.max_tokens))
             rate = capacity["per_s"] * args.load
@@ -244,15 +230,13 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
         client_cpu = (used.user + used.system - cpu.user - cpu.system) / (time.perf_counter() - started)
         from gaas.sdk.admin import router_flow
 
-        return {"unloaded_gold_ttft_p50_ms": round(pct(alone, 0.5), 1),
-                "unloaded_gold_ttft_p95_ms": round(pct(alone, 0.95), 1),
+        return {"unloaded_gold_ttft_p50_ms": round(percentile(alone, 0.5), 1),
+                "unloaded_gold_ttft_p95_ms": round(percentile(alone, 0.95), 1),
                 "unloaded_gold_latency_ms": parts_p50_p95(alone_results),
                 "capacity_per_s": round(capacity["per_s"], 2) if capacity else None,
                 "capacity_sweep": capacity["sweep"] if capacity else None, "offered_per_s": round(rate, 2),
                 "load_generator_cores": round(client_cpu, 2), "host": host, "tiers": tiers,
-                "router_flow": router_flow(topo.of("router")[0].inbound)}
-    finally:
-        stop_mesh(mesh, run_dir)
+                "router_flow": router_flow(mesh.topo.of("router")[0].inbound)}
 
 
 async def hammer(base: str, key: str, seconds: float, streams: int) -> tuple[int, int]:
@@ -275,20 +259,13 @@ async def hammer(base: str, key: str, seconds: float, streams: int) -> tuple[int
 
 
 def rate_limit_accuracy(args) -> dict:
-    mesh, run_dir, base, keys, topo = start_mesh(True, args.workers, routers=2, ingress_path=args.ingress_path)
-    try:
-        from gaas.sdk.admin import Admin
-
-        with Admin(topo.of("control")[0].inbound) as admin:
-            admin.create_tenant("metered", "silver")
-            admin.update_tenant("metered", limits={"rpm": args.rpm, "tpm": 0, "concurrency": 0})
-            key = admin.create_key("metered")[1]
+    with qos_mesh(True, args.workers, routers=2, ingress_path=args.ingress_path) as (mesh, base, _):
+        with admin(mesh) as a:
+            key = tenant_key(a, "metered", "silver", rpm=args.rpm)
         say(f"rate limit: {args.rpm} requests/min through 2 routers, 59 s as fast as 16 clients can")
         admitted, refused = asyncio.run(hammer(base, key, 59.0, 16))
         return {"routers": 2, "rpm_quota": args.rpm, "window_seconds": 59, "admitted": admitted,
                 "refused": refused, "error_pct": round(100 * (admitted - args.rpm) / args.rpm, 2)}
-    finally:
-        stop_mesh(mesh, run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-ratelimit", action="store_true")
     p.add_argument("--ingress-path", choices=INGRESS_PATHS, default=None,
                    help="the ingress's path to the workers (default: deploy/topology.yaml's)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "qos.json"))
+    p.add_argument("--out", default=str(RESULTS / "qos.json"))
     args = p.parse_args(argv)
     results = {"model": MODEL, "ingress_path": args.ingress_path or "topology's", "workers": args.workers, "max_tokens": args.max_tokens, "load": args.load,
                "seconds": args.seconds}
@@ -356,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         rl = results["rate_limit"]
         print(f"rate limit across {rl['routers']} routers: {rl['admitted']} admitted in {rl['window_seconds']} s "
               f"against {rl['rpm_quota']}/min ({rl['error_pct']:+.2f}%; goal within 2%)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     say(f"wrote {args.out}")
     return 0
 

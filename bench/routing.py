@@ -14,7 +14,6 @@ Prints a table and writes bench/results/routing.json (whose calibration bench/kv
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -23,17 +22,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.run import free_port, pct, start_vllm_server, stop_group, wait_http
+from bench.common.output import RESULTS, ROOT, progress, write_json
+from bench.common.stats import percentile
+from bench.run import free_port, start_vllm_server, stop_group, wait_http
 from bench.workload import multi_tenant_chat
 from gaas.host.placement import worker_cpus
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gaas-small"
 VLLM_ROUTER = "vllm-router==0.1.17"
 
 
-def say(msg: str) -> None:
-    print(f"routing: {msg}", file=sys.stderr, flush=True)
+say = progress("routing")
 
 
 def run_workload(base_url: str, api_key: str, rounds, concurrency: int, model: str = MODEL) -> dict:
@@ -74,8 +73,9 @@ def run_workload(base_url: str, api_key: str, rounds, concurrency: int, model: s
     cached = sum(r["cached_tokens"] for r in results)
     ttfts = [r["ttft"] for r in results]
     return {
-        "requests": len(results), "hit_rate": round(cached / prompt, 4), "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1),
-        "ttft_p90_ms": round(pct(ttfts, 0.9) * 1000, 1), "seconds": round(elapsed, 2),
+        "requests": len(results), "hit_rate": round(cached / prompt, 4),
+        "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1), "ttft_p90_ms": round(percentile(ttfts, 0.9) * 1000, 1),
+        "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(sum(r["completion_tokens"] for r in results) / elapsed, 1),
         "per_request": results,
     }
@@ -117,22 +117,13 @@ def working_set_blocks(rounds, block_size: int) -> int:
 
 
 def gaas_run(policy: str, workers: int, blocks: int, rounds, concurrency: int) -> dict:
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
+    from bench.common.mesh import bench_mesh, demo_key, running
 
     mesh = bench_mesh("routing", 23000, say, workers=workers,
                       worker_options={"model": MODEL, "kv_cache_blocks": blocks},
                       extra_env={"GAAS_ROUTER_POLICY": policy})
-    topo, run_dir = mesh.topo, mesh.run_dir
-    try:
-        mesh.start()
-        mesh.wait_ready(400)
-        with Admin(topo.of("control")[0].inbound) as admin:
-            key, _ = admin.ensure_demo_key(run_dir)
-        return run_workload(f"http://{topo.ingress}/v1", key, rounds, concurrency)
-    finally:
-        mesh.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with running(mesh, 400):
+        return run_workload(f"http://{mesh.topo.ingress}/v1", demo_key(mesh), rounds, concurrency)
 
 
 def ensure_vllm_router() -> str:
@@ -193,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (4)")
     ap.add_argument("--cache-share", type=float, default=0.6,
                     help="each worker's KV cache as a share of the workload's working set (0.6)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
+    ap.add_argument("--out", default=str(RESULTS / "routing.json"))
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
 
@@ -238,14 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         per_token = [r["ttft"] / (r["prompt_tokens"] - r["cached_tokens"]) for r in misses]
         gaps = [g for r in kv["per_request"] for g in r["itl"]]
         results["calibration"] = {
-            "prefill_ms_per_token": round(pct(per_token, 0.5) * 1000, 4) if per_token else None,
-            "decode_ms_per_token": round(pct(gaps, 0.5) * 1000, 3) if gaps else None,
+            "prefill_ms_per_token": round(percentile(per_token, 0.5) * 1000, 4) if per_token else None,
+            "decode_ms_per_token": round(percentile(gaps, 0.5) * 1000, 3) if gaps else None,
         }
     for run in results["runs"].values():
         run["share_of_ceiling"] = round(run["hit_rate"] / top, 3) if top else None
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results)
 
     print(f"\nRouting comparison: {MODEL}, {results['setup']['requests']} chat requests (4 tenants' system prompts, "
           f"multi-turn), {blocks} KV blocks per worker (working set {ws}), {args.concurrency} in flight; "

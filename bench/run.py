@@ -25,7 +25,6 @@ gaps between streamed chunks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -38,20 +37,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.output import RESULTS, progress, write_json
+from bench.common.stats import percentile
 
-
-def say(msg: str) -> None:
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+say = progress("bench")
 
 
 def prompts(n: int) -> list[str]:
@@ -102,15 +91,15 @@ class Series:
         return {
             "requests": len(self.ttft),
             "tokens": self.tokens,
-            "ttft_p50_ms": ms(pct(self.ttft, 0.5)),
-            "ttft_p99_ms": ms(pct(self.ttft, 0.99)),
+            "ttft_p50_ms": ms(percentile(self.ttft, 0.5)),
+            "ttft_p99_ms": ms(percentile(self.ttft, 0.99)),
             "ttft_mean_ms": ms(statistics.fmean(self.ttft)) if self.ttft else None,
-            "itl_p50_ms": ms(pct(self.itl, 0.5)),
-            "itl_p99_ms": ms(pct(self.itl, 0.99)),
+            "itl_p50_ms": ms(percentile(self.itl, 0.5)),
+            "itl_p99_ms": ms(percentile(self.itl, 0.99)),
             # The mesh's own account of each request (gaas.contracts.latency), p50 / p99 per part.
             "latency_ms": {
-                part: {"p50": round(pct([d[part] for d in self.latency], 0.5), 3),
-                       "p99": round(pct([d[part] for d in self.latency], 0.99), 3)}
+                part: {"p50": round(percentile([d[part] for d in self.latency], 0.5), 3),
+                       "p99": round(percentile([d[part] for d in self.latency], 0.99), 3)}
                 for part in (self.latency[0] if self.latency else {})
             },
         }
@@ -226,9 +215,9 @@ def merge_detailed(runs: list[dict]) -> dict:
     return {
         "completed": sum(r["completed"] for r in runs),
         "failed": sum(r.get("failed", 0) for r in runs),
-        "ttft_p50_ms": ms(pct(ttfts, 0.5)), "ttft_p99_ms": ms(pct(ttfts, 0.99)),
-        "tpot_p50_ms": ms(pct(tpots, 0.5)), "tpot_p99_ms": ms(pct(tpots, 0.99)),
-        "itl_p50_ms": ms(pct(itls, 0.5)), "itl_p99_ms": ms(pct(itls, 0.99)),
+        "ttft_p50_ms": ms(percentile(ttfts, 0.5)), "ttft_p99_ms": ms(percentile(ttfts, 0.99)),
+        "tpot_p50_ms": ms(percentile(tpots, 0.5)), "tpot_p99_ms": ms(percentile(tpots, 0.99)),
+        "itl_p50_ms": ms(percentile(itls, 0.5)), "itl_p99_ms": ms(percentile(itls, 0.99)),
         "output_tokens_per_s": round(sum(n for _, _, n in reqs) / duration, 1) if duration else None,
     }
 
@@ -247,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="router,direct",
                     help="the meshes measured, by the ingress's path to the workers: router (through the router), "
                     "direct (straight to the worker the router picked at the ingress); comma-separated (both)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
+    ap.add_argument("--out", default=str(RESULTS / "serving.json"))
     args = ap.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if not paths or set(paths) - set(MESH_TARGETS):
@@ -255,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import footprint
     from bench.vllm_bench import run as vllm_bench
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
+    from bench.common.mesh import bench_mesh, demo_key
     from gaas.sdk.client import GaasClient
     from gaas.host.placement import pin_descendants, worker_cpus
 
@@ -278,9 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             m.start()
             m.wait_ready(300)
             os.environ["GAAS_HOME"] = str(m.run_dir)  # the operator of this mesh, for its admin calls
-            with Admin(m.topo.of("control")[0].inbound) as admin:
-                key, _ = admin.ensure_demo_key(m.run_dir)
-            targets[name] = (f"http://{m.topo.ingress}", key)
+            targets[name] = (f"http://{m.topo.ingress}", demo_key(m))
         key = targets[next(iter(meshes))][1]
         os.environ["GAAS_HOME"] = str(run_dir)
         if not args.skip_vllm:
@@ -371,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tool": "vllm bench serve",
         "stream_interval": args.stream_interval, "paths": paths,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results)
 
     print(f"\nvllm bench serve, random dataset, {model.name}, {args.input_len} prompt + {args.output_len} output tokens, "
           f"greedy (worker and vLLM server pinned to core {core}; {args.stream_interval} token(s) per streamed message)\n")
@@ -399,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               + "   (p50 / p99)")
     goals = overhead_goals(results, args.concurrency)
     results["goals"] = goals
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
     for target, memory in results["memory"].items():
         print(f"\nmemory after the load, {target}, each process tree (MB): "
               + "  ".join(f"{name} {m['pss_mb']:g} PSS / {m['rss_mb']:g} RSS" for name, m in memory.items()))

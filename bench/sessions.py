@@ -20,23 +20,20 @@ Prints a table and writes bench/results/sessions.json.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.output import RESULTS, progress, write_json
+
 MODEL = "gaas-long"
 # The short message each measured turn adds, tokens.
 TURN_TOKENS = 24
 REPLY_TOKENS = 8
 
 
-def say(msg: str) -> None:
-    print(f"sessions: {msg}", file=sys.stderr, flush=True)
+say = progress("sessions")
 
 
 def corpus_ids(tok, need: int) -> list[int]:
@@ -84,26 +81,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="context lengths in tokens (default 1K to 31K of the 32K window)")
     ap.add_argument("--turns", type=int, default=3, help="timed next turns per length, cached (3)")
     ap.add_argument("--uncached", type=int, default=2, help="timed turns per length with nothing cached (2)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sessions.json"))
+    ap.add_argument("--out", default=str(RESULTS / "sessions.json"))
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
 
     import httpx
     import openai
 
-    from bench.benchmesh import bench_mesh
-    from gaas.sdk.admin import Admin
+    from bench.common.mesh import bench_mesh, demo_key, running
     from gaas.model.tokenizer import Tokenizer
 
     mesh = bench_mesh("sessions", 23000, say, worker_options={"model": MODEL})
     topo, run_dir = mesh.topo, mesh.run_dir
     rows = []
-    try:
-        say(f"starting a mesh with one worker serving {MODEL} (logs in {run_dir / 'logs'})")
-        mesh.start()
-        mesh.wait_ready(400)
-        with Admin(topo.of("control")[0].inbound) as admin:
-            key, _ = admin.ensure_demo_key(run_dir)
+    say(f"starting a mesh with one worker serving {MODEL} (logs in {run_dir / 'logs'})")
+    with running(mesh, 400):
+        key = demo_key(mesh)
         tok = Tokenizer.load(mesh.spec.model(MODEL).source)
         ids = corpus_ids(tok, max(lengths) + 64 * (args.turns + args.uncached + 4))
         client = openai.OpenAI(base_url=f"http://{topo.ingress}/v1", api_key=key, max_retries=0, timeout=600)
@@ -149,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{length} tokens: next turn {row['cached_p50_ms']:.1f} ms cached, {row['uncached_p50_ms']:.1f} ms not "
                 f"({row['ratio']:.2f}x)")
         http.close()
-    finally:
-        mesh.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
     xs = [r["context_tokens"] / 1000 for r in rows]
     result = {
@@ -181,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"switching cost {s['from_tokens'] // 1024}K -> {s['to_tokens'] // 1024}K: +{s['cached_ms']:.1f} ms "
               f"cached, +{s['uncached_ms']:.1f} ms not cached (seed 003: 19 ms for 4K -> 32K; 48 ms for vLLM with a "
               "custom router)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"\nwrote {args.out}")
     return 0
 

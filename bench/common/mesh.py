@@ -1,14 +1,17 @@
 """The mesh a benchmark runs against: `gaas up`'s machinery in a fresh run directory, on a free
-block of ports, with its own Redis, from the project's deploy/ files."""
+block of ports, with its own Redis, from the project's deploy/ files; started, stopped, and the tenants
+and keys a benchmark sends with."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.output import ROOT
 
 
 def bench_mesh(
@@ -42,3 +45,40 @@ def bench_mesh(
         topo = topology.with_worker_options(topo, **worker_options)
     return Mesh(topo, run_dir=run_dir, deploy_file=deploy_file or ROOT / "deploy" / "gaas.yaml",
                 redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=progress, extra_env=dict(extra_env or {}))
+
+
+@contextmanager
+def running(mesh, ready_s: float, *, keep: bool = False) -> Iterator:
+    """The mesh started and serving (within ready_s seconds); stopped when the block ends, however it
+    ends, and its run directory removed unless keep (its logs kept for a look)."""
+    try:
+        mesh.start()
+        mesh.wait_ready(ready_s)
+        yield mesh
+    finally:
+        mesh.stop()
+        if keep:
+            mesh.progress(f"logs kept in {mesh.run_dir / 'logs'}")
+        else:
+            shutil.rmtree(mesh.run_dir, ignore_errors=True)
+
+
+def admin(mesh):
+    """A gaas.sdk.admin.Admin on the mesh's control plane (a context manager), as its operator."""
+    from gaas.sdk.admin import Admin
+
+    return Admin(mesh.topo.of("control")[0].inbound)
+
+
+def demo_key(mesh) -> str:
+    """The API key of the mesh's demo tenant (made on first use, as `gaas up` does)."""
+    with admin(mesh) as a:
+        return a.ensure_demo_key(mesh.run_dir)[0]
+
+
+def tenant_key(a, tenant: str, tier: str, *, rpm: int = 0, tpm: int = 0, concurrency: int = 0) -> str:
+    """A new tenant of the tier, with these quotas (0: unlimited, the default: a benchmark measures the
+    mesh, not its limits), and an API key of its; the key."""
+    a.create_tenant(tenant, tier)
+    a.update_tenant(tenant, limits={"rpm": rpm, "tpm": tpm, "concurrency": concurrency})
+    return a.create_key(tenant)[1]

@@ -1,0 +1,30 @@
+"""A benchmark's output: progress lines on stderr, named after the benchmark, and its results as a JSON
+file (bench/results/ by default); its tables are its own."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+# Where each benchmark writes its JSON unless told otherwise (--out).
+RESULTS = ROOT / "bench" / "results"
+
+
+def progress(name: str) -> Callable[[str], None]:
+    """say(msg): a progress line "<name>: msg" on stderr, at once."""
+
+    def say(msg: str) -> None:
+        print(f"{name}: {msg}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def write_json(path: str | Path, doc: object) -> Path:
+    """doc as indented JSON with a final newline at path, its folder made if need be; the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out
