@@ -4,6 +4,8 @@ Redis it starts; and the limits it raises for them."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from gaas.ops import redisacl, topology
@@ -55,3 +57,24 @@ def test_an_envoy_and_redis_get_no_secret_and_little_else(mesh, monkeypatch):
     env = spawned["ingress-0"]
     assert not [k for k in env if k.startswith("GAAS_") and k != "GAAS_ENVOY_NAME"], env
     assert not set(SECRETS.values()) & set(env.values())
+
+
+def test_each_service_gets_settings_it_reads_and_reads_back_what_the_mesh_decided(mesh):
+    from gaas.settings.env import variables
+    from gaas.settings.services import SETTINGS
+
+    for inst in mesh.topo.instances:
+        env = mesh.service_env(inst)
+        reads = {v.name for v in variables(SETTINGS[inst.service])}
+        # What the launcher wrote (the operator's own variables pass through as they are).
+        written = {k for k, v in env.items() if k.startswith("GAAS_") and os.environ.get(k) != v}
+        assert written <= reads, (inst.name, written - reads)
+        s = SETTINGS[inst.service].from_env(env)
+        assert (s.instance, s.port, s.metrics_port) == (inst.name, inst.port, inst.metrics_port)
+        assert s.listen.startswith("unix:") and s.listen.endswith(f"/{inst.name}/service.sock")
+    worker = mesh.topo.of("worker")[0]
+    s = SETTINGS["worker"].from_env(mesh.service_env(worker))
+    assert s.advertise == worker.inbound and s.device == "cpu"
+    assert {k: getattr(s, k) for k in ("block_size", "kv_cache_gib", "max_num_seqs", "executor")} == {
+        k: worker.options[k] for k in ("block_size", "kv_cache_gib", "max_num_seqs", "executor")}
+    assert s.enforce_eager is (None if worker.options["enforce_eager"] == "auto" else worker.options["enforce_eager"])

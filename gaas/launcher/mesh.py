@@ -25,6 +25,9 @@ from urllib.parse import urlparse
 from gaas.envoy import config as envoyconf
 from gaas.ops import pki, probe, promconf, protogen, redisacl
 from gaas.settings import deployspec
+from gaas.settings import worker as worker_settings
+from gaas.settings.env import env_of, variables
+from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 from gaas.model.build import build_model, is_built
 from gaas.host import placement
 from gaas.host.devices import visible_gpus
@@ -489,69 +492,56 @@ class Mesh:
 
     def service_env(self, inst: Instance) -> dict[str, str]:
         """What a service process gets: this environment without the secrets (each secret only
-        where its service needs it: SECRETS), its own Redis user, and its settings."""
-        env = {
-            **without_secrets(dict(os.environ)),
-            "PYTHONUNBUFFERED": "1",
-            "GAAS_INSTANCE": inst.name,
-            "GAAS_HOST": inst.host,
-            "GAAS_PORT": str(inst.port),
-            "GAAS_METRICS_PORT": str(inst.metrics_port),
-            "GAAS_ADVERTISE": inst.inbound,
-            # Service and sidecar meet on Unix sockets only the mesh's owner can reach.
-            "GAAS_LISTEN": f"unix:{LocalSockets.of(self.sockets, inst.name).service}",
-            "GAAS_OUTBOUND": f"unix:{LocalSockets.of(self.sockets, inst.name).outbound}",
-            "GAAS_SPOOL_DIR": str(self.run_dir / "spool"),
-        }
+        where its service needs it: SECRETS), its own Redis user, and the settings the mesh decides
+        for it, written as its settings class (gaas.settings) reads them."""
+        env = {**without_secrets(dict(os.environ)), "PYTHONUNBUFFERED": "1"}
         for name, services in SECRETS.items():
             if inst.service in services and name in os.environ:
                 env[name] = os.environ[name]
+        settings = SERVICE_SETTINGS[inst.service]
+        has = {v.field: v.name for v in variables(settings)}
+        sockets = LocalSockets.of(self.sockets, inst.name)
+        # Where it is in the mesh; each service gets those of these it has.
+        placed = {
+            "instance": inst.name,
+            "host": inst.host,
+            "port": inst.port,
+            "metrics_port": inst.metrics_port,
+            "advertise": inst.inbound,
+            # Service and sidecar meet on Unix sockets only the mesh's owner can reach.
+            "listen": f"unix:{sockets.service}",
+            "outbound": f"unix:{sockets.outbound}",
+            "spool_dir": str(self.run_dir / "spool"),
+            "deploy_file": str(self.deploy_file),
+        }
+        values = {k: v for k, v in placed.items() if k in has}
         if inst.service in REDIS_CLIENTS:
             user = self.redis_users.get(inst.service)
-            env["GAAS_REDIS_URL"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
+            values["redis_url"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
+        if "database_url" in has and has["database_url"] not in os.environ:
+            # Its database in the run directory, unless the operator named one (a secret, passed above).
+            values["database_url"] = f"sqlite:///{self.run_dir / f'{inst.service}.db'}"
         if self.trace is not None:
             # gaas.runtime.telemetry exports there; the W3C context comes from the sidecars.
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.trace.endpoint
             env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
             # Follow the caller's decision; never start a trace of their own (background calls).
             env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
-        if inst.service == "control":
-            env.setdefault("GAAS_DATABASE_URL", f"sqlite:///{self.run_dir / 'control.db'}")
-        if inst.service == "billing":
-            env.setdefault("GAAS_BILLING_DATABASE_URL", f"sqlite:///{self.run_dir / 'billing.db'}")
-        if inst.service in ("control", "billing", "router"):
-            env["GAAS_DEPLOY_FILE"] = str(self.deploy_file)
         if inst.service == "worker":
             m = self.spec.model(str(inst.options["model"]))
-            env.update(
-                GAAS_MODEL=m.name,
-                GAAS_MODEL_PATH=m.source,
-                GAAS_MODEL_VERSION=m.version,
-                GAAS_MAX_MODEL_LEN=str(m.max_model_len),
-                GAAS_BLOCK_SIZE=str(inst.options["block_size"]),
-                GAAS_KV_CACHE_GIB=str(inst.options["kv_cache_gib"]),
-                GAAS_KV_CACHE_BLOCKS=str(inst.options["kv_cache_blocks"]),
-                GAAS_ENFORCE_EAGER=str(inst.options["enforce_eager"]).lower(),
-                GAAS_MAX_NUM_SEQS=str(inst.options["max_num_seqs"]),
-                GAAS_MAX_NUM_BATCHED_TOKENS=str(inst.options["max_num_batched_tokens"]),
-                GAAS_MAX_WAITING=str(inst.options["max_waiting"]),
-                GAAS_STREAM_INTERVAL=str(inst.options["stream_interval"]),
-                GAAS_EXECUTOR=str(inst.options["executor"]),
-            )
+            values.update(model=m.name, model_path=m.source, model_version=m.version, max_model_len=m.max_model_len,
+                          **worker_settings.from_topology(inst.options))
             if self.gpu_slots:
                 slot = self.gpu_slots[inst.index]
-                env.update(
-                    GAAS_DEVICE="cuda",
-                    # By UUID: the same GPU whatever order CUDA numbers them in; and CUDA's order is
-                    # NVML's for anything else that counts them.
-                    CUDA_VISIBLE_DEVICES=slot.uuid,
-                    CUDA_DEVICE_ORDER="PCI_BUS_ID",
-                    GAAS_GPU_MEMORY_UTILIZATION=str(slot.memory_fraction),
-                )
+                values.update(device="cuda", gpu_memory_utilization=slot.memory_fraction)
+                # By UUID: the same GPU whatever order CUDA numbers them in; and CUDA's order is
+                # NVML's for anything else that counts them.
+                env.update(CUDA_VISIBLE_DEVICES=slot.uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID")
             else:
-                env["GAAS_DEVICE"] = "cpu"
+                values["device"] = "cpu"
                 # One worker per core: its engine computes there (see placement.worker_cpus).
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement.worker_cpus(inst.index, len(self.topo.of("worker")))[0])
+        env.update(env_of(settings, **values))
         env.update(self.extra_env)
         return env
 
