@@ -16,8 +16,6 @@ from gaas.contracts.jsonbody import is_digits
 
 STREAM = "gaas:usage"
 GROUP = "billing"
-# Spend counters outlive their month by this much (billing reads last month's at the turn).
-SPEND_TTL_SECONDS = 40 * 86400
 
 OUTCOMES = ("finished", "cancelled", "failed")
 
