@@ -8,6 +8,7 @@ import logging
 import grpc
 
 from gaas.contracts import errors
+from gaas.runtime import status
 from gaas.v1 import billing_pb2, billing_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,10 @@ def usage_reader(stub: billing_pb2_grpc.BillingStub):
             return await stub.GetUsage(request, timeout=BILLING_TIMEOUT)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # billing's message without its details: the field it names is billing's, not the caller's
                 raise errors.InvalidArgument(exc.details() or "invalid usage query") from None
             log.warning("cannot read %s's usage from billing: %s %s", tenant, exc.code().name, exc.details())
-            raise errors.Unavailable("usage cannot be read right now; retry shortly") from None
+            raise status.from_peer(exc, "billing", passes=(), unanswered=status.ALL_CODES,
+                                   message="usage cannot be read right now; retry shortly") from None
 
     return read

@@ -8,10 +8,10 @@ import logging
 
 import grpc
 
-from gaas.contracts import errors
 from gaas.contracts.pricing import Price
 from gaas.contracts.qos import Limits
 
+from gaas.runtime import status
 from gaas.runtime.context import TenantId
 from gaas.contracts.tenancy import DEFAULT_TIER, TIER_FROM_PB
 from gaas.v1 import control_pb2, control_pb2_grpc
@@ -37,7 +37,8 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("control plane unreachable: %s %s", exc.code().name, exc.details())
-            raise errors.Unavailable("the control plane is unreachable; retry shortly") from None
+            raise status.from_peer(exc, "control", passes=(), unanswered=status.ALL_CODES,
+                                   message="the control plane is unreachable; retry shortly") from None
         public: dict[str, list[tuple[str, str]]] = {}
         for p in prefixes_resp.prefixes:
             public.setdefault(p.model, []).append((p.prefix_id, p.text))
@@ -80,7 +81,8 @@ def key_lookup(stub: control_pb2_grpc.ControlStub):
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 return None
             log.warning("cannot check an API key, control unreachable: %s %s", exc.code().name, exc.details())
-            raise errors.Unavailable("cannot check the API key right now; retry shortly") from None
+            raise status.from_peer(exc, "control", passes=(), unanswered=status.ALL_CODES,
+                                   message="cannot check the API key right now; retry shortly") from None
         return Principal(
             tenant=TenantId(resp.tenant.name),
             tier=TIER_FROM_PB.get(resp.tenant.tier, DEFAULT_TIER),

@@ -29,9 +29,9 @@ from google.api import httpbody_pb2
 from redis.exceptions import RedisError
 
 from gaas.metering import direct as direct_contract
-from gaas.contracts import errors, jsonbody, latency
+from gaas.contracts import errors, jsonbody
 from gaas.openai import api as openai_api
-from gaas.metering.meter import Meter, Metered
+from gaas.metering.meter import Metered
 from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
 from gaas.runtime.context import (
@@ -51,10 +51,9 @@ from gaas.runtime.interceptors import translate
 from gaas.ops.topology import OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
-from services.router.auth import Authenticator
-from services.router.dispatch import Dispatcher, DirectPlacement
+from services.router.placement import DirectPlacement
 from services.router.openai_servicer import engine_requests, session_id_of
-from services.router.servicer import admit_generation, admit_usage, note_client_id
+from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +114,10 @@ def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
 
 
 class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, dispatcher: Dispatcher, authenticator: Authenticator, max_body_bytes: int,
-                 meter: Meter | None = None, instance: str = "") -> None:
-        self._dispatcher = dispatcher
-        self._auth = authenticator
+    def __init__(self, pipeline: Pipeline, max_body_bytes: int, instance: str = "") -> None:
+        self._pipeline = pipeline
         self._max_body = max_body_bytes
-        self._meter = meter
+        self._meter = pipeline.meter
         # This router's name: the workers report its requests' ends on its channel.
         self._instance = instance
         # Requests sent straight to a worker and not yet reported ended: request id -> (placement,
@@ -192,7 +189,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         requests = request_iterator.__aiter__()
         headers: dict[str, str] = {}
         body = bytearray()
-        arrived, arrived_wall = time.perf_counter(), time.time()
+        timing = Timing()
         async for req in requests:
             kind = req.WhichOneof("request")
             if kind == "request_headers":
@@ -207,7 +204,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         else:
             return  # the client went away before its body was complete
         try:
-            placement = await self._decide(headers, bytes(body), arrived, arrived_wall)
+            placement = await self._decide(headers, bytes(body), timing)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
             err = translate(exc)
             if err is None:
@@ -267,7 +264,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             p.ended(code, trailers.get("grpc-message", ""))
             self._end(metered, release=True)
 
-    async def _decide(self, headers: dict[str, str], body: bytes, arrived: float, arrived_wall: float):
+    async def _decide(self, headers: dict[str, str], body: bytes, timing: Timing):
         """(DirectGenerate, DirectPlacement, Metered or None) for the worker; None: the router's own
         route serves it."""
         parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
@@ -279,8 +276,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         request_id_var.set(request_id)
         tenant_var.set("")
         authorization_var.set(headers.get(AUTHORIZATION_HEADER, ""))
-        principal = await admit_generation(self._auth, self._meter)
-        tenant_s = time.perf_counter() - arrived
+        principal = await self._pipeline.authenticate(timing)
         http = httpbody_pb2.HttpBody.FromString(grpc_unframe(body))
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         if session_id_of(parsed, headers):
@@ -289,23 +285,23 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         if len(requests) > 1:
             return None  # a batch of prompts: several workers' streams merged, by the router
         note_client_id(parsed.client_request_id)
-        prepared = await self._dispatcher.prepare(requests[0], principal)
-        openai_api.check_answer(parsed, [prepared.request.max_tokens])
-        admitting = time.perf_counter()
-        metered = await admit_usage(self._meter, principal, [prepared], request_id,
-                                    parsed.n * prepared.request.max_tokens, arrived)
-        tenant_s += time.perf_counter() - admitting
-        try:
-            p = await self._dispatcher.place_direct(prepared, principal, request_id, None)
-        except BaseException:
-            if metered is not None:
-                await self._meter.release(metered)
-            raise
+        g = await self._pipeline.start(
+            principal, requests, timing,
+            check=lambda prepared: openai_api.check_answer(parsed, [p.request.max_tokens for p in prepared]),
+        )
+        p = await self._pipeline.place_direct(g)
+        return self._direct(g, p, http.data, chat, headers, client_id or parsed.client_request_id), p, g.metered
+
+    def _direct(self, g: Generation, p: DirectPlacement, body: bytes, chat: bool, headers: dict[str, str],
+                client_id: str) -> worker_pb2.DirectGenerate:
+        """What the ingress sends the worker: the placed request with the OpenAI body it formats the
+        answer for, and what the worker meters it with."""
+        prepared, principal, timing, metered = g.prepared[0], g.principal, g.timing, g.metered
         model = prepared.model
         direct = worker_pb2.DirectGenerate(
-            generate=p.request, openai_body=http.data, chat=chat,
-            ingress_ms=latency.ingress_seconds(headers, arrived_wall) * 1000,
-            tenant_ms=tenant_s * 1000, router_queue_ms=p.queued_s * 1000,
+            generate=p.request, openai_body=body, chat=chat,
+            ingress_ms=timing.ingress_s(headers) * 1000,
+            tenant_ms=timing.tenant_s * 1000, router_queue_ms=p.queued_s * 1000,
             explain=headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"), router=self._instance,
         )
         m = direct.metering
@@ -315,8 +311,9 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             m.price_input, m.price_cached_input, m.price_output = (
                 metered.price.input, metered.price.cached_input, metered.price.output)
             m.admitted = metered.admitted
-        m.client_request_id = client_id or parsed.client_request_id
+        m.client_request_id = client_id
         m.prompt_tokens = prepared.prompt_tokens
-        direct.router_ms = max(0.0, (time.perf_counter() - arrived) * 1000 - direct.tenant_ms - direct.router_queue_ms)
+        direct.router_ms = max(0.0, (time.perf_counter() - timing.arrived) * 1000 - direct.tenant_ms
+                               - direct.router_queue_ms)
         direct.decided_unix = time.time()
-        return direct, p, metered
+        return direct

@@ -38,6 +38,7 @@ from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
 from services.router.openai_servicer import OpenAIServicer
+from services.router.pipeline import Pipeline
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
 from services.router.sessions import SESSION_OUTCOMES, SessionMetrics, SessionStore
@@ -157,13 +158,14 @@ async def serve(cfg: RouterConfig) -> None:
     log.info("sessions kept %d s after their last turn; context past a model's window: %s (reply reserve %d tokens)",
              session_policy.ttl_seconds, session_policy.truncation, session_policy.reply_reserve_tokens)
     read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))
+    # One request pipeline; each API below is an adapter of it.
+    pipeline = Pipeline(dispatcher, auth, meter, sessions)
     rt.add_service(
-        inference_pb2_grpc.add_InferenceServicer_to_server,
-        InferenceServicer(dispatcher, auth, meter, read_usage, sessions), "gaas.v1.Inference",
+        inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(pipeline, read_usage), "gaas.v1.Inference",
     )
     rt.add_service(
         openai_pb2_grpc.add_OpenAIServicer_to_server,
-        OpenAIServicer(dispatcher, auth, cfg.max_body_bytes, rt.metrics.registry, meter, sessions), "gaas.v1.OpenAI"
+        OpenAIServicer(pipeline, cfg.max_body_bytes, rt.metrics.registry), "gaas.v1.OpenAI"
     )
     # The ingress's key check on each request's headers, before it reads the body.
     rt.add_service(ext_authz_pb2_grpc.add_AuthorizationServicer_to_server, EdgeAuthorizer(auth), AUTHZ_SERVICE,
@@ -171,7 +173,7 @@ async def serve(cfg: RouterConfig) -> None:
     # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
     rt.add_service(
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server,
-        extproc := ExternalProcessor(dispatcher, auth, cfg.max_body_bytes, meter, cfg.instance), EXT_PROC_SERVICE,
+        extproc := ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance), EXT_PROC_SERVICE,
         listed=False,
     )
     rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity, sessions), "gaas.v1.Router",

@@ -24,7 +24,7 @@ from gaas.contracts.sessions import Context, SessionPolicy
 from gaas.model.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.principal import Principal
-from services.router.dispatch import Prepared
+from services.router.prepare import Prepared
 from gaas.metering.meter import _Script
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from services.router.auth import Authenticator
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher, RouterMetrics
 from services.router.extproc import ExternalProcessor
+from services.router.pipeline import Pipeline
 from services.router.scheduling import Candidate, WorkerId, make_scheduler
 from tests.router.test_servicer import FakeTokenizer
 
@@ -64,7 +65,7 @@ async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
     assert p.worker.address == "w0:1" and p.request.request_id == "req-1" and p.request.cache_salt == "salt-acme"
     assert p.fallback is None and p.addresses == "w0:1"  # no other worker to fall back on
     assert in_flight(d) == 1 and d.in_flight == 1
-    ep = ExternalProcessor(d, Authenticator(None, 1.0), 1 << 20, instance="router-0")
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0)), 1 << 20, instance="router-0")
     ep._pending["req-1"] = (p, None)
     ep.reported(direct.final_summary(final("req-1")))
     assert in_flight(d) == 0 and d.in_flight == 0 and ep.pending == 0
@@ -91,7 +92,7 @@ async def test_an_end_without_a_report_frees_the_room_and_the_reservation():
     d = dispatcher()
     p = await placed(d)
     meter = FakeMeter()
-    ep = ExternalProcessor(d, Authenticator(None, 1.0), 1 << 20, meter=meter, instance="router-0")
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
     reservation = object()
     ep._pending["req-1"] = (p, reservation)
     ep._unreported("req-1")
@@ -105,7 +106,7 @@ async def test_a_workers_failure_in_its_trailers_counts_against_it_and_frees_eve
     d = dispatcher()
     p = await placed(d)
     meter = FakeMeter()
-    ep = ExternalProcessor(d, Authenticator(None, 1.0), 1 << 20, meter=meter, instance="router-0")
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
     ep._pending["req-1"] = (p, "reservation")
     ep._failed("req-1", {"grpc-status": "0"})  # a success waits for the report
     assert ep.pending == 1

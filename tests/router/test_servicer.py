@@ -11,6 +11,7 @@ from services.router.auth import Authenticator, Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, WorkerId, make_scheduler
+from services.router.pipeline import Pipeline
 from services.router.servicer import InferenceServicer
 from gaas.model.tokenizer import ChatMessage
 
@@ -109,7 +110,7 @@ async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None):
         MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
         retries=retries, max_stream_seconds=30,
     )
-    servicer = InferenceServicer(dispatcher, Authenticator(lookup, 2.0), meter)
+    servicer = InferenceServicer(Pipeline(dispatcher, Authenticator(lookup, 2.0), meter))
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, edge=True))
     rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
     await rt.start()
@@ -234,7 +235,7 @@ async def test_no_workers_is_unavailable():
 
 
 def test_a_public_prefix_replaces_the_tenants_salt_only_for_prompts_that_begin_with_it():
-    from services.router.dispatch import cache_salt, public_prefix
+    from services.router.prepare import cache_salt, public_prefix
 
     model = ModelEntry("tiny", "1.0", 64, True, public_prefixes=(("pub_1", "You are helpful."),))
 
@@ -379,5 +380,5 @@ async def test_under_a_public_prefix_the_worker_is_told_the_most_cached_tokens_u
         inference_pb2.ChatMessage(role="system", content="You are helpful."),
         inference_pb2.ChatMessage(role="user", content="A secret.")]), acme)
     assert chat.cached_cap == len(FakeTokenizer().encode_chat([ChatMessage("system", "You are helpful.")], False))
-    assert d._worker_request(shared, acme, "r1").cached_tokens_cap == shared.cached_cap
-    assert not d._worker_request(own, acme, "r2").HasField("cached_tokens_cap")
+    assert d.placer.worker_request(shared, acme, "r1").cached_tokens_cap == shared.cached_cap
+    assert not d.placer.worker_request(own, acme, "r2").HasField("cached_tokens_cap")

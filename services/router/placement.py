@@ -1,0 +1,231 @@
+"""Stage 5's decision (services/router/pipeline.py): where a prepared request runs. The scheduler's
+view of the request (the KV directory's answer gathered, the requests this router sent each worker
+since its last load report), its pick within the workers' batching windows or a wait in the
+router's queue (services/router/flow.py), the blocks provisioned in the KV directory where they will
+be, and what the worker is sent. On the direct path the placement is all the router does: it holds
+the request's room until the worker's report of its end (end_direct)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from gaas.contracts.principal import Principal
+from gaas.v1 import common_pb2, worker_pb2
+from services.router.activity import TenantActivity
+from services.router.breakers import prompt_work
+from services.router.coalescing import Coalescing
+from services.router.directory import MeshDirectory
+from services.router.flow import Flow
+from services.router.kvclient import KVDirectoryClient
+from services.router.outcomes import Outcomes, RouterMetrics
+from services.router.prepare import Prepared
+from services.router.scheduling import Candidate, RequestContext, Scheduler, WorkerId
+
+log = logging.getLogger(__name__)
+
+# Whom the KV directory counts blocks under a public prefix for.
+PUBLIC_OWNER = "(public)"
+
+
+class Inflight:
+    """Requests this router sent each worker, with when: what a worker's last load report cannot
+    know yet is added to it (so a burst does not pile onto the worker that looked idle)."""
+
+    def __init__(self) -> None:
+        self._started: dict[WorkerId, dict[int, int]] = {}
+        self._next = 0
+
+    def start(self, worker: WorkerId) -> int:
+        self._next += 1
+        self._started.setdefault(worker, {})[self._next] = int(time.time() * 1000)
+        return self._next
+
+    def finish(self, worker: WorkerId, token: int) -> None:
+        self._started.get(worker, {}).pop(token, None)
+
+    def since(self, worker: WorkerId, reported_ms: int) -> int:
+        """Requests still running that were sent to worker after it reported at reported_ms."""
+        return sum(1 for t in self._started.get(worker, {}).values() if t > reported_ms)
+
+    @property
+    def total(self) -> int:
+        return sum(len(v) for v in self._started.values())
+
+
+
+@dataclass(slots=True)
+class DirectPlacement:
+    """A request placed for the ingress to send straight to its worker (Placer.place_direct):
+    its room in the worker's window and its place in flight are held until ended() says how the
+    worker did."""
+
+    placer: "Placer"
+    prepared: Prepared
+    principal: Principal
+    worker: Candidate
+    request: worker_pb2.WorkerGenerateRequest
+    queued_s: float
+    token: int
+    # Leading blocks of the prompt the KV directory said the worker holds.
+    confirmed_blocks: int = 0
+    # Where the ingress sends it should the worker not take it (None: no other worker).
+    fallback: Candidate | None = None
+    done: bool = False
+
+    @property
+    def addresses(self) -> str:
+        """What the ingress is told (x-gaas-worker): the worker, then the second choice."""
+        return ",".join(w.address for w in (self.worker, self.fallback) if w is not None)
+
+    def ended(self, code: grpc.StatusCode | None, detail: str = "", final: common_pb2.GenerateChunk | None = None) -> None:
+        """The request is over. code: the worker's status (None: unknown, the client went away or
+        the ingress never reached the worker); final: the worker's final chunk, without its text
+        (usage, finish reason, the latency decomposition), when it finished."""
+        if self.done:
+            return
+        self.done = True
+        self.placer.end_direct(self, code, detail, final)
+
+
+class Placer:
+    def __init__(self, directory: MeshDirectory, scheduler: Scheduler, flow: Flow, kv: KVDirectoryClient | None,
+                 metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, coalescing: Coalescing) -> None:
+        self._directory = directory
+        self._scheduler = scheduler
+        self._flow = flow
+        self._kv = kv
+        self._metrics = metrics
+        self._outcomes = outcomes
+        self.activity = activity
+        self._coalescing = coalescing
+        self.inflight = Inflight()
+        self._inflight = self.inflight
+
+    async def context(self, prepared: Prepared, principal: Principal, workers) -> tuple[RequestContext, dict]:
+        """The scheduler's view of the request, with the directory's prefix answer gathered."""
+        req = prepared.request
+        ctx = RequestContext(
+            model=prepared.model.name, tenant=principal.tenant, tier=principal.tier,
+            prompt_tokens=prepared.prompt_tokens, max_tokens=req.max_tokens,
+            session_worker=WorkerId(prepared.session_worker),
+        )
+        confirmed: dict = {}
+        ctx.block_hashes = prepared.block_hashes
+        if prepared.prefix_lookup is not None:
+            ctx.prefix, confirmed = await prepared.prefix_lookup
+        ctx.inflight = {w.worker_id: self._inflight.since(w.worker_id, w.load.reported_ms) for w in workers}
+        return ctx, confirmed
+
+    async def place(
+        self, prepared: Prepared, principal: Principal, ctx: RequestContext, workers, time_remaining: float | None,
+        span, attempt: int = 0,
+    ):
+        """One placement: the scheduler's pick within the windows (waiting in the queue when they
+        are full), the decision on the request's span, the prefix's blocks provisioned where they
+        will be, the request counted in flight there. Returns (worker, seconds queued, in-flight token,
+        every candidate's score)."""
+        placing = time.perf_counter()
+        decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, time_remaining)
+        queued_s = time.perf_counter() - placing
+        worker = decision.worker
+        if span.is_recording():
+            span.set_attributes({
+                "gaas.worker": worker.worker_id, "gaas.policy": self._scheduler.name, "gaas.attempt": attempt,
+                "gaas.queue_ms": round(queued_s * 1000, 3),
+                "gaas.prefix_tokens": ctx.prefix.get(worker.worker_id, 0) * worker.block_size,
+                "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
+            })
+        if ctx.block_hashes and self._kv is not None and len(workers) > 1:
+            # Where the blocks will be, before the engine says so (with one worker nothing
+            # is decided by it; the engine's own events tell the directory).
+            owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
+            self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
+        if self._metrics.routed is not None:
+            self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
+        return worker, queued_s, self._inflight.start(worker.worker_id), decision.scores
+
+    def worker_request(self, prepared: Prepared, principal: Principal, request_id: str) -> worker_pb2.WorkerGenerateRequest:
+        """What the worker is sent: the prepared request, with the tier's engine priority and the
+        stream's coalescing for this router's load."""
+        worker_request = worker_pb2.WorkerGenerateRequest(
+            request=prepared.request, request_id=request_id, cache_salt=prepared.cache_salt
+        )
+        if prepared.cached_cap is not None:
+            worker_request.cached_tokens_cap = prepared.cached_cap
+        # Fuller messages as this router's streams grow (the first token still goes alone).
+        interval = self._coalescing.interval(self._inflight.total)
+        if interval > 1:
+            worker_request.stream_interval = interval
+        priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
+        if priority is not None:
+            worker_request.engine_priority = priority
+        return worker_request
+
+    async def place_direct(
+        self, prepared: Prepared, principal: Principal, request_id: str, time_remaining: float | None,
+    ) -> "DirectPlacement":
+        """Place a request that the ingress will send to the worker itself (ingress.path: direct):
+        the same decision as for a stream of the router's own, without a retry (the router is out
+        of the stream); the caller reports its end (DirectPlacement.ended)."""
+        workers = await self._directory.workers(prepared.model.name)
+        ctx, confirmed = await self.context(prepared, principal, workers)
+        self.activity.started(principal.tenant, principal.tier)
+        try:
+            worker, queued_s, token, scores = await self.place(prepared, principal, ctx, workers, time_remaining,
+                                                                trace.get_current_span())
+        except BaseException:
+            self.activity.finished(principal.tenant, 0)
+            raise
+        # The second choice, should the first not take the request (the ingress then sends it there):
+        # the best-scored other worker whose breaker lets requests through.
+        blocked = self._flow.breakers.blocked()
+        others = [w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked]
+        fallback = max(others, key=lambda w: scores.get(w.worker_id, float("-inf")), default=None)
+        return DirectPlacement(self, prepared, principal, worker, self.worker_request(prepared, principal, request_id),
+                               queued_s, token, confirmed.get(worker.worker_id, 0), fallback)
+
+    def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
+                   final: common_pb2.GenerateChunk | None) -> None:
+        """A direct generation is over: the flow learns how its worker did, and the request is
+        recorded as one of the router's own streams is (Dispatcher.stream), from the worker's final."""
+        worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.tier)
+        tokens = 0
+        if final is not None and final.worker_id and final.worker_id != worker:
+            # The ingress found the worker would not take it (unreachable, busy) and sent it to the
+            # second choice, which served it.
+            self._flow.failed(worker, grpc.StatusCode.UNAVAILABLE, "did not take a request the ingress sent it")
+            worker = WorkerId(final.worker_id)
+        if final is not None:
+            t, u = final.timings, final.usage
+            # What the tenant waited for the first token, from the ingress's arrival; the window's
+            # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
+            seen_ms = t.total_ms - t.decode_ms
+            self._flow.first_token(worker, p.principal.tier, t.ttft_ms, seen_ms - t.ingress_ms - t.router_queue_ms,
+                                   prompt_work(u.prompt_tokens - u.cached_tokens))
+            outcome = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+            if m.ttft_seconds is not None:
+                m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
+            tokens = self._outcomes.count(labels, u, t.decode_ms / 1000)
+            self._outcomes.observe_latency(t, p.principal.tier)
+            log.info("served for %s by %s straight to the ingress: %d prompt (%d cached, %d blocks predicted) + %d "
+                     "completion tokens, %s, TTFT %.1f ms at the worker", p.principal.tenant, worker, u.prompt_tokens,
+                     u.cached_tokens, p.confirmed_blocks, u.completion_tokens,
+                     common_pb2.FinishReason.Name(final.finish_reason), t.ttft_ms)
+            if worker == p.worker.worker_id:
+                self._outcomes.check_prediction(worker, p.confirmed_blocks, p.worker.block_size, u.cached_tokens)
+        elif code is not None and code != grpc.StatusCode.OK:
+            self._flow.failed(worker, code, detail)
+            outcome = code.name
+        else:
+            outcome = "cancelled"
+        if m.requests is not None:
+            m.requests.labels(*labels, outcome).inc()
+        # The room taken was the first choice's.
+        self._inflight.finish(p.worker.worker_id, p.token)
+        self._flow.finished(p.worker.worker_id)
+        self.activity.finished(p.principal.tenant, tokens)

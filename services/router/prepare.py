@@ -1,0 +1,194 @@
+"""Stage 2 of a generation (services/router/pipeline.py): a request made ready for a worker. Its
+model resolved, its prompt tokenized once (the worker gets token ids; a chat with the model's
+template applied), checked against the model's window, salted for the prefix cache (the tenant's
+salt, or a declared public prefix's), and its blocks hashed and the KV directory asked where they
+live, without waiting for the answer: the lookup overlaps the tenant's admission."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gaas.contracts import errors, genrequest, kvhash
+from gaas.contracts.principal import Principal
+from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer
+from gaas.v1 import inference_pb2
+from services.router.directory import MeshDirectory, ModelEntry
+from services.router.kvclient import KVDirectoryClient
+from services.router.scheduling import Scheduler
+
+log = logging.getLogger(__name__)
+
+# Prompts longer than this are tokenized off the event loop.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for a worker: its model resolved, its prompt as token ids."""
+
+    model: ModelEntry
+    request: inference_pb2.GenerateRequest
+    prompt_tokens: int
+    # The prefix-cache salt: the tenant's, or a public prefix's when the prompt begins with one.
+    cache_salt: str
+    # The prompt's block hashes, and the KV directory's answer for them: asked for as soon as the
+    # prompt is tokenized, so that it overlaps the tenant's admission (None: not asked, when
+    # routing has no use for it).
+    block_hashes: list[int] = field(default_factory=list)
+    prefix_lookup: asyncio.Task | None = None
+    # A session turn: the worker that served the session's last turn ("": none).
+    session_worker: str = ""
+    # Under a public prefix's salt: the prompt's leading tokens that are the prefix's own, the
+    # most cached tokens its usage may say (None: the tenant's own salt).
+    cached_cap: int | None = None
+
+
+def public_prefix(model: ModelEntry, request: inference_pb2.GenerateRequest) -> tuple[str, str] | None:
+    """(id, text) of the public prefix a request begins with: its chat opens with that system
+    prompt, or its text prompt begins with it."""
+    for prefix_id, text in model.public_prefixes:
+        if request.messages:
+            first = request.messages[0]
+            if first.role in ("system", "developer") and first.content == text:
+                return prefix_id, text
+        elif request.prompt.startswith(text):
+            return prefix_id, text
+    return None
+
+
+def cache_salt(shared: tuple[str, str] | None, tenant_salt: str) -> str:
+    """The salt a request's blocks are cached under: the public prefix's it begins with (shared,
+    from public_prefix), else the tenant's own."""
+    return f"public:{shared[0]}" if shared else tenant_salt
+
+
+def shared_tokens(tok: Tokenizer, request: inference_pb2.GenerateRequest, text: str, ids: list[int]) -> int:
+    """How many of the prompt's leading token ids (ids) are the public prefix's own (text, as the
+    request's first message or the start of its prompt): where they stop, the tenant's own part
+    begins, whose cache hits under the shared salt would be other tenants' continuations."""
+    if request.messages:
+        first = request.messages[0]
+        own = tok.encode_chat([ChatMessage(first.role, text)], False, False, request.add_special_tokens)
+    else:
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        own = tok.encode(text, special)
+    n = 0
+    for a, b in zip(own, ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+class Preparer:
+    def __init__(self, directory: MeshDirectory, scheduler: Scheduler, tokenizer_for: Callable[[ModelEntry], Tokenizer],
+                 kv: KVDirectoryClient | None, lookup_seconds=None) -> None:
+        self._directory = directory
+        self._scheduler = scheduler
+        self._tokenizer_for = tokenizer_for
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._kv = kv
+        self._lookup_seconds = lookup_seconds
+
+    async def resolve_model(self, name: str) -> ModelEntry:
+        return await self._directory.resolve_model(name)
+
+    async def tokenizer(self, model: ModelEntry) -> Tokenizer:
+        # Loaded once per model source, in a thread (it reads files); then taken from here
+        # without leaving the event loop (a thread handoff per request costs more than tokenizing).
+        if (tok := self._tokenizers.get(model.source)) is not None:
+            return tok
+        try:
+            tok = await asyncio.to_thread(self._tokenizer_for, model)
+        except (OSError, ValueError) as exc:
+            log.error("cannot load the tokenizer of %s from %s: %s", model.name, model.source, exc)
+            raise errors.Unavailable(f"model {model.name!r} cannot be served: its tokenizer is missing on this router") from None
+        self._tokenizers[model.source] = tok
+        return tok
+
+    async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal,
+                      prefix: PromptPrefix | None = None) -> Prepared:
+        """Resolve the model, tokenize the prompt (chat template applied), check what the worker
+        will get: the prompt as token ids and an explicit max_tokens. prefix: the token ids of how
+        a session's last prompt began, reused when this one begins the same way (and updated)."""
+        if len(request.model) > genrequest.MAX_MODEL_NAME:
+            raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
+        model = await self.resolve_model(request.model)
+        genrequest.check(request, model.max_model_len or None)
+        workers = await self._directory.workers(model.name)  # a model nobody serves is refused before any work
+        tok = await self.tokenizer(model)
+        forwarded = inference_pb2.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.model = model.name
+        ids = await self.tokenize(tok, request, prefix)
+        if not ids:
+            raise errors.InvalidArgument("the prompt has no tokens", param="prompt")
+        forwarded.ClearField("prompt")
+        forwarded.ClearField("messages")
+        forwarded.ClearField("add_special_tokens")
+        forwarded.ClearField("add_generation_prompt")
+        forwarded.ClearField("continue_final_message")
+        forwarded.prompt_token_ids[:] = ids
+        what = "messages" if request.messages else "prompt"
+        limit = model.max_model_len
+        if not forwarded.max_tokens:
+            forwarded.max_tokens = genrequest.DEFAULT_MAX_TOKENS if not request.messages else limit - len(ids)
+        if limit and len(ids) + forwarded.max_tokens > limit:
+            if forwarded.max_tokens < 1 or len(ids) >= limit:
+                raise genrequest.no_room_error(limit, len(ids), what)
+            raise genrequest.context_error(limit, len(ids), forwarded.max_tokens, what)
+        genrequest.check(forwarded, limit or None, tok.vocab_size)
+        shared = public_prefix(model, request)
+        prepared = Prepared(model, forwarded, len(ids), cache_salt(shared, principal.cache_salt))
+        if shared is not None:
+            prepared.cached_cap = shared_tokens(tok, request, shared[1], ids)
+        self._ask_prefix(prepared, workers)
+        return prepared
+
+    def _ask_prefix(self, prepared: Prepared, workers) -> None:
+        """Hash the prompt's blocks and start the KV directory lookup without waiting for it.
+        With one worker to choose from its answer could change nothing: neither is done (5 ms of
+        hashing for a 32K-token prompt)."""
+        block_size = workers[0].block_size if workers else 0
+        if self._kv is None or not self._scheduler.needs_prefix or not block_size or len(workers) < 2:
+            return
+        prepared.block_hashes = kvhash.prefix_hashes(prepared.request.prompt_token_ids, block_size, prepared.cache_salt)
+        if prepared.block_hashes:
+            task = asyncio.create_task(self._lookup(prepared.block_hashes))
+            # A request refused at admission never reads it.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            prepared.prefix_lookup = task
+
+    async def _lookup(self, hashes: list[int]) -> tuple[dict, dict]:
+        started = time.perf_counter()
+        found = await self._kv.lookup(hashes)
+        if self._lookup_seconds is not None:
+            self._lookup_seconds.observe(time.perf_counter() - started)
+        return found
+
+    async def tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest,
+                       prefix: PromptPrefix | None = None) -> list[int]:
+        """The token ids of request's prompt or messages (as its fields say: special tokens, the
+        generation prompt); a long one is tokenized off the event loop."""
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        if request.messages:
+            messages = [ChatMessage(m.role, m.content) for m in request.messages]
+            agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            if prefix is not None and not request.add_special_tokens:
+                text = tok.render_chat(messages, agp, request.continue_final_message)
+                args, fn, size = (text, prefix), tok.encode_continuing, tok.continued_chars(text, prefix)
+            else:
+                args = (messages, agp, request.continue_final_message, request.add_special_tokens)
+                fn = tok.encode_chat
+                size = sum(len(m.content) for m in messages)
+        else:
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            args, fn, size = (request.prompt, special), tok.encode, len(request.prompt)
+        if size > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)

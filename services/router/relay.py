@@ -1,0 +1,294 @@
+"""Stage 5's stream (services/router/pipeline.py): a prepared request taken to the worker the
+placement picks, through the worker's sidecar (naming the worker in x-gaas-worker) with the tier's
+engine priority, its chunks relayed, and the flow told how the worker did (first token time,
+failures: windows and circuit breakers). Retries on another worker only while no token has been
+relayed, so a client never sees a token twice. Also merge(): a request's several prompts' streams
+as one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from opentelemetry import trace
+
+from gaas.contracts import errors, latency
+from gaas.contracts.principal import Principal
+from gaas.runtime import status
+from gaas.runtime.context import WORKER_HEADER
+from gaas.v1 import common_pb2, worker_pb2_grpc
+from services.router.activity import TenantActivity
+from services.router.breakers import prompt_work
+from services.router.directory import MeshDirectory
+from services.router.flow import Flow
+from services.router.outcomes import Outcomes, RouterMetrics
+from services.router.placement import Inflight, Placer
+from services.router.prepare import Prepared
+from services.router.scheduling import WorkerId
+
+log = logging.getLogger(__name__)
+
+# Codes that mean "this worker could not take the request": another may.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# How long a call whose client left before its first chunk still waits for it (the worker's own
+# bound, services.worker.engine.ABANDONED_FIRST_OUTPUT_S, and a little more).
+ABANDONED_FIRST_CHUNK_S = 35.0
+
+
+class Relay:
+    def __init__(self, directory: MeshDirectory, placer: Placer, worker_stub: worker_pb2_grpc.WorkerStub, flow: Flow,
+                 metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, *, retries: int,
+                 max_stream_seconds: float) -> None:
+        self._directory = directory
+        self._placer = placer
+        self._workers = worker_stub
+        self._flow = flow
+        self._metrics = metrics
+        self._outcomes = outcomes
+        self.activity = activity
+        self._inflight: Inflight = placer.inflight
+        self._retries = retries
+        self._max_stream_seconds = max_stream_seconds
+        # Calls whose client left before their first chunk, running on to it.
+        self._abandoned: set[asyncio.Future] = set()
+
+    async def stream(
+        self,
+        prepared: Prepared,
+        principal: Principal,
+        request_id: str,
+        time_remaining: float | None,
+        arrived: float,
+        tenant_s: float = 0.0,
+        ingress_s: float = 0.0,
+        on_abandoned: Callable[[asyncio.Future], None] | None = None,
+    ) -> AsyncIterator[common_pb2.GenerateChunk]:
+        """The chunks of a prepared request, from whichever worker the scheduler picks. arrived:
+        the router's arrival (perf_counter); tenant_s: its admission so far; ingress_s: ingress to
+        router. The last chunk carries the request's latency decomposition (latency.complete).
+        Each request is counted by its outcome, with its tokens, TTFT and time per output token.
+        on_abandoned: told, with a future of the worker's first chunk, when the client leaves after
+        the request reached a worker and before that chunk (the metering side bills it)."""
+        m = self._metrics
+        labels = (prepared.model.name, principal.tier)
+        outcome = "cancelled"
+        first_at = None
+        tokens = 0
+        self.activity.started(principal.tenant, principal.tier)
+        try:
+            async for chunk in self._stream(prepared, principal, request_id, time_remaining, arrived, tenant_s,
+                                            ingress_s, on_abandoned):
+                if first_at is None and chunk.token_ids:
+                    first_at = time.perf_counter()
+                    if m.ttft_seconds is not None:
+                        m.ttft_seconds.labels(*labels).observe(ingress_s + first_at - arrived)
+                if chunk.HasField("usage"):
+                    outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    tokens = self._outcomes.count(labels, chunk.usage,
+                                         None if first_at is None else time.perf_counter() - first_at)
+                yield chunk
+        except errors.GaasError as exc:
+            outcome = exc.code
+            raise
+        except Exception:  # (a client going away stops the generator: outcome stays "cancelled")
+            outcome = "INTERNAL"
+            raise
+        finally:
+            self.activity.finished(principal.tenant, tokens)
+            if m.requests is not None:
+                m.requests.labels(*labels, outcome).inc()
+
+    async def _stream(
+        self,
+        prepared: Prepared,
+        principal: Principal,
+        request_id: str,
+        time_remaining: float | None,
+        arrived: float,
+        tenant_s: float,
+        ingress_s: float,
+        on_abandoned: Callable[[asyncio.Future], None] | None = None,
+    ) -> AsyncIterator[common_pb2.GenerateChunk]:
+        model = prepared.model
+        workers = await self._directory.workers(model.name)
+        ctx, confirmed = await self._placer.context(prepared, principal, workers)
+        worker_request = self._placer.worker_request(prepared, principal, request_id)
+
+        tried: set[WorkerId] = set()
+        sent_any = False
+        started = time.monotonic()
+
+        def remaining() -> float | None:
+            return None if time_remaining is None else max(0.0, time_remaining - (time.monotonic() - started))
+
+        # The routing decision goes on the request's span (the router's server span, when traced).
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({"gaas.request_id": request_id, "gaas.tenant": principal.tenant,
+                                 "gaas.tier": principal.tier, "gaas.model": model.name,
+                                 "gaas.stream_interval": worker_request.stream_interval or 1})
+        loop = asyncio.get_running_loop()
+        for attempt in range(self._retries + 1):
+            ctx.tried = frozenset(tried)
+            worker, queued_s, token, _ = await self._placer.place(prepared, principal, ctx, workers, remaining(), span, attempt)
+            tried.add(worker.worker_id)
+            left = remaining()
+            timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)
+            sent_at = time.perf_counter()
+            # The first token's work: the prompt less what the directory says the worker caches.
+            work = prompt_work(prepared.prompt_tokens - ctx.prefix.get(worker.worker_id, 0) * worker.block_size)
+            threshold = self._flow.breakers.threshold_ms(worker.worker_id, work)
+            watchdog = loop.call_later(threshold / 1000, self._flow.slow, worker.worker_id, threshold)
+            call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
+            first = True
+            handed_off = False
+            try:
+                # Until its first chunk the worker's engine may be computing the prompt: a client
+                # that leaves meanwhile leaves the call running to that chunk, which is billed
+                # (on_abandoned; _run_to_first_chunk), rather than a prefill nobody pays for.
+                reading = asyncio.ensure_future(call.read())
+                try:
+                    chunk = await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    handed_off = True
+                    self._run_to_first_chunk(call, reading, worker.worker_id, token, on_abandoned)
+                    raise
+                while chunk is not grpc.aio.EOF:
+                    if first and chunk.token_ids:
+                        first = False
+                        watchdog.cancel()
+                        now = time.perf_counter()
+                        # The worker's breaker judges the worker's own time; the window judges what the
+                        # tenant waits for, less the queue the window itself decides (the router's
+                        # own delays under load count: a smaller window relieves them too).
+                        self._flow.first_token(worker.worker_id, principal.tier, (now - sent_at) * 1000,
+                                               (now - arrived - queued_s) * 1000, work)
+                    if chunk.HasField("usage"):
+                        now = time.perf_counter()
+                        latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,
+                                         router_queue_s=queued_s, call_s=now - sent_at, ingress_s=ingress_s)
+                        chunk.tenant = principal.tenant
+                        if span.is_recording():
+                            chunk.timings.trace_id = format(span.get_span_context().trace_id, "032x")
+                        log.info(
+                            "served for %s by %s: %d prompt (%d cached, %d blocks predicted) + %d completion "
+                            "tokens, %s, TTFT %.1f ms at the worker",
+                            principal.tenant, worker.worker_id, chunk.usage.prompt_tokens, chunk.usage.cached_tokens,
+                            ctx.prefix.get(worker.worker_id, 0), chunk.usage.completion_tokens,
+                            common_pb2.FinishReason.Name(chunk.finish_reason), chunk.timings.ttft_ms,
+                        )
+                        self._outcomes.check_prediction(
+                            worker.worker_id, confirmed.get(worker.worker_id, 0), worker.block_size,
+                            chunk.usage.cached_tokens,
+                        )
+                    sent_any = True
+                    yield chunk
+                    chunk = await call.read()
+                if first:
+                    self._flow.succeeded(worker.worker_id)
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                self._flow.failed(worker.worker_id, code, exc.details() or "")
+                if not sent_any and code in RETRYABLE and attempt < self._retries:
+                    log.warning("worker %s failed before its first token (%s: %s); trying another",
+                                worker.worker_id, code.name, exc.details())
+                    continue
+                raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
+            finally:
+                watchdog.cancel()
+                if not handed_off:
+                    # A client that went away cancels the caller; take the worker's stream with it.
+                    call.cancel()
+                    self._inflight.finish(worker.worker_id, token)
+                    self._flow.finished(worker.worker_id)
+
+    def _run_to_first_chunk(self, call, reading: asyncio.Future, worker: WorkerId, token: int,
+                            on_abandoned: Callable[[asyncio.Future], None] | None) -> None:
+        """The client left before the worker's first chunk: the call goes on until it comes (its
+        worker keeps the engine request to it as well), then ends; on_abandoned gets a future of
+        that chunk (None when the call failed or the engine never got to it in time), and the
+        worker's room is given back only then."""
+
+        async def finish() -> common_pb2.GenerateChunk | None:
+            try:
+                chunk = await asyncio.wait_for(reading, ABANDONED_FIRST_CHUNK_S)
+                return None if chunk is grpc.aio.EOF else chunk
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - none came: nothing to bill
+                return None
+            finally:
+                call.cancel()
+                self._inflight.finish(worker, token)
+                self._flow.finished(worker)
+
+        task = asyncio.ensure_future(finish())
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+        if on_abandoned is not None:
+            on_abandoned(task)
+
+
+# The prompts of one request that are generated at once (the others wait their turn here, not in
+
+    def _worker_failure(self, worker: WorkerId, exc: grpc.aio.AioRpcError, sent_any: bool, request_id: str) -> errors.GaasError:
+        """What the client is told when worker failed the request (its detail stays in the log)."""
+        code = exc.code()
+        log.warning("worker %s failed (%s: %s)%s", worker, code.name, exc.details(), " mid-stream" if sent_any else "")
+        if sent_any:
+            return errors.Unavailable(
+                f"the worker serving this request failed after it had streamed tokens (request id {request_id}); "
+                "the request may be retried"
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return errors.Unavailable("no worker could take the request right now; retry shortly")
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS):
+            return errors.Internal(errors.internal_message(request_id))
+        # The worker's own answers (invalid argument, busy...) are written for the caller.
+        return status.from_rpc(exc)
+
+
+PARTS_AT_ONCE = 8
+
+
+async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]],
+                at_once: int = PARTS_AT_ONCE) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:
+    """(which stream, chunk) of several streams as their chunks arrive; the first failure ends all.
+    At most at_once streams run at a time (a stream starts when it is first read: a request's
+    prompts go to the workers a few at a time, in order). Bounded: while the consumer (a slow
+    client) is behind, the streams wait, and the workers' streams with them, rather than their
+    chunks piling up here."""
+    if len(streams) == 1:
+        async for c in streams[0]:
+            yield 0, c
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
+    turns = asyncio.Semaphore(max(1, at_once))
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator) -> None:
+        try:
+            async with turns:
+                async for c in s:
+                    await queue.put((i, c))
+            await queue.put((i, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, who re-raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
