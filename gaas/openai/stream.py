@@ -13,7 +13,7 @@ from google.api import httpbody_pb2
 
 from gaas.contracts import edge, errors, latency
 from gaas.openai import api as openai_api
-from gaas.runtime.interceptors import translate
+from gaas.runtime.status import translate
 from gaas.v1 import common_pb2
 
 JSON = "application/json"

@@ -1,8 +1,15 @@
-"""Request-scoped values, set once per RPC by the metadata interceptor and read anywhere below it."""
+"""Request-scoped values, set once per RPC by the metadata interceptor and read anywhere below it.
+
+begin_request() is the one reading of a request's headers into them: the server interceptor calls
+it with each call's metadata, and a servicer whose requests arrive as messages of one stream (the
+router's ext_proc, which gets each HTTP request's headers in its first message) calls it with
+those headers.
+"""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import NewType
 
@@ -33,6 +40,9 @@ authorization_var: ContextVar[str] = ContextVar("gaas_authorization", default=""
 client_request_id_var: ContextVar[str] = ContextVar("gaas_client_request_id", default="")
 # The raw x-forwarded-client-cert of the current call ("" when it did not come through a sidecar).
 caller_var: ContextVar[str] = ContextVar("gaas_caller", default="")
+# The status code a servicer answered with inside its stream, the call itself ending OK
+# (gaas.runtime.status.answer_in_stream); "" when none. The interceptor counts the call under it.
+answered_var: ContextVar[str] = ContextVar("gaas_answered", default="")
 
 
 def new_request_id() -> str:
@@ -42,6 +52,29 @@ def new_request_id() -> str:
 def sanitize_client_id(value: str) -> str:
     """A client-chosen id made safe to log: printable ASCII only, at most CLIENT_ID_MAX characters."""
     return "".join(c for c in value[: CLIENT_ID_MAX * 4] if " " < c < "\x7f")[:CLIENT_ID_MAX]
+
+
+def begin_request(headers: Mapping[str, str], *, edge: bool) -> str:
+    """Set the current request's id, client id, tenant and authorization from its headers (lower
+    case keys: gRPC metadata, or the HTTP headers a stream's message carries); returns its id.
+
+    edge: the headers come from outside the mesh (the router). The edge believes no GaaS header:
+    it mints its own request id (a client must not choose ids that could collide with another
+    request's) and keeps the caller's x-request-id only as client_request_id, for the logs; the
+    tenant is set after authentication. Services behind the edge trust both, Envoy's x-request-id
+    being the fallback so that access logs and service logs share the id.
+    """
+    client_id = sanitize_client_id(headers.get(CLIENT_REQUEST_ID_HEADER, ""))
+    client_request_id_var.set(client_id)
+    if edge:
+        request_id = new_request_id()
+        tenant_var.set("")
+    else:
+        request_id = headers.get(REQUEST_ID_HEADER, "") or client_id or new_request_id()
+        tenant_var.set(headers.get(TENANT_HEADER, ""))
+    request_id_var.set(request_id)
+    authorization_var.set(headers.get(AUTHORIZATION_HEADER, ""))
+    return request_id
 
 
 def current_request_id() -> str:

@@ -1,48 +1,54 @@
 """gRPC interceptors: request context in (server), request context out (client), RPC metrics,
 and the one place a process turns its exceptions into gRPC statuses.
 
-The server interceptor is the one place that reads GaaS metadata: it sets the request id and
-tenant ContextVars for the handler, so servicers never parse metadata themselves. It also ends
-every call whose handler raised: a GaasError with its own status (gaas.runtime.status), anything
-else as INTERNAL with a short message and the request id (the traceback goes to the log), and a
-request message that does not parse as INVALID_ARGUMENT instead of grpc's own INTERNAL.
+The server interceptor wraps every call, of all four kinds (unary or streamed request, unary or
+streamed answer), the same way. It is the one place that reads GaaS metadata: it sets the request
+id and tenant ContextVars for the handler (gaas.runtime.context.begin_request), so servicers never
+parse metadata themselves. It counts every call and its duration by method and status code. And it
+ends every call whose handler raised: a GaasError with its own status (gaas.runtime.status), a
+peer's failure as status.translate says, anything else as INTERNAL with a short message and the
+request id (the traceback goes to the log), and a request message that does not parse as
+INVALID_ARGUMENT instead of grpc's own INTERNAL.
+
+A servicer that must answer a failure inside its stream rather than as the call's status calls
+gaas.runtime.status.answer_in_stream(exc): the failure is logged as here, and counted here under
+its code though the call ends OK. One whose requests arrive as messages of its stream (the
+router's ext_proc: each HTTP request's headers come in its first message) takes their context
+with gaas.runtime.context.begin_request(headers, edge=...).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from gaas.contracts import errors
 from gaas.runtime import status
 from gaas.runtime.context import (
-    AUTHORIZATION_HEADER,
     CALLER_HEADER,
-    CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     TENANT_HEADER,
-    authorization_var,
+    answered_var,
+    begin_request,
     caller_var,
-    client_request_id_var,
-    new_request_id,
     request_id_var,
-    sanitize_client_id,
     tenant_var,
 )
 from gaas.runtime.metrics import ServiceMetrics
+# services/router/extproc.py imports translate from here; status.answer_in_stream is its successor.
+from gaas.runtime.status import translate  # noqa: F401
 
-log = logging.getLogger(__name__)
 
-
-def _metadata_value(metadata, key: str) -> str:
+def _headers(metadata) -> dict[str, str]:
+    """A call's metadata as a dict (the first value of a repeated key; binary values decoded)."""
+    out: dict[str, str] = {}
     for k, v in metadata or ():
-        if k == key:
-            return v if isinstance(v, str) else v.decode("utf-8", "replace")
-    return ""
+        out.setdefault(k, v if isinstance(v, str) else v.decode("utf-8", "replace"))
+    return out
 
 
 def _status_of(exc: BaseException | None, context) -> str:
@@ -53,7 +59,10 @@ def _status_of(exc: BaseException | None, context) -> str:
     code = context.code()
     if code is not None:
         return code.name
-    return grpc.StatusCode.UNKNOWN.name if exc is not None else grpc.StatusCode.OK.name
+    if exc is not None:
+        return grpc.StatusCode.UNKNOWN.name
+    # A failure the servicer answered inside its stream (status.answer_in_stream).
+    return answered_var.get() or grpc.StatusCode.OK.name
 
 
 class _Malformed:
@@ -86,46 +95,27 @@ def _check_parsed(request) -> None:
         )
 
 
-async def _tolerant_iterator(request_iterator):
+async def _tolerant_iterator(request_iterator) -> AsyncIterator:
     async for item in request_iterator:
         _check_parsed(item)
         yield item
 
 
-def translate(exc: BaseException) -> errors.GaasError | None:
-    """The GaasError a handler's exception answers with; None for those that must pass untouched
-    (an abort already under way, a cancellation)."""
-    if isinstance(exc, errors.GaasError):
-        return exc
-    if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)) or not isinstance(exc, Exception):
-        return None
-    if isinstance(exc, grpc.RpcError):
-        # A peer's failure that the handler did not deal with: its text is the peer's business.
-        peer = status.from_rpc(exc)
-        if peer.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-            log.warning("a peer did not answer: %s %s", peer.code, peer.message)
-            return errors.Unavailable("a service this call needs did not answer; retry shortly")
-    log.error("unexpected %s: %s", type(exc).__name__, exc, exc_info=exc)
-    return errors.Internal(errors.internal_message(request_id_var.get()))
-
-
 async def _answer(context, exc: BaseException) -> None:
     """End the call for exc (re-raising what must pass); never returns normally."""
-    err = translate(exc)
+    err = status.translate(exc)
     if err is None:
         raise exc
-    if err.code not in ("INTERNAL", "UNKNOWN", "UNAVAILABLE"):
-        log.info("%s: %s", err.code, err.message)
+    status.log_answer(err)
     await status.abort(context, err)
 
 
 class ServerContextInterceptor(grpc.aio.ServerInterceptor):
-    """Sets the request context from metadata, records per-method metrics and answers failures.
+    """Sets the request context from metadata, records per-method metrics and answers failures,
+    for every kind of call.
 
-    edge: whether this service is the mesh's edge (the router). The edge believes no GaaS metadata
-    from its callers: it mints its own request id (a client must not choose ids that could collide
-    with another request's) and keeps the caller's x-request-id only as client_request_id, for the
-    logs; the tenant is set after authentication. Services behind the edge trust both.
+    edge: whether this service is the mesh's edge (the router), which believes no GaaS metadata
+    from its callers (see gaas.runtime.context.begin_request).
     """
 
     def __init__(self, metrics: ServiceMetrics, *, edge: bool) -> None:
@@ -133,80 +123,72 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
         self._edge = edge
 
     def _enter(self, context) -> None:
-        md = context.invocation_metadata()
-        client_id = sanitize_client_id(_metadata_value(md, CLIENT_REQUEST_ID_HEADER))
-        client_request_id_var.set(client_id)
-        if self._edge:
-            request_id_var.set(new_request_id())
-            tenant_var.set("")
-        else:
-            # Envoy's x-request-id is the fallback, so access logs and service logs share the id.
-            request_id_var.set(_metadata_value(md, REQUEST_ID_HEADER) or client_id or new_request_id())
-            tenant_var.set(_metadata_value(md, TENANT_HEADER))
-        authorization_var.set(_metadata_value(md, AUTHORIZATION_HEADER))
-        caller_var.set(_metadata_value(md, CALLER_HEADER))
+        md = _headers(context.invocation_metadata())
+        begin_request(md, edge=self._edge)
+        caller_var.set(md.get(CALLER_HEADER, ""))
+        answered_var.set("")
 
     def _done(self, method: str, started: float, exc: BaseException | None, context) -> None:
         self._metrics.rpcs.labels(method, _status_of(exc, context)).inc()
         self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, method: str, context):
+        """Around one call's handler: its context set, its failure answered, its metrics recorded."""
+        self._enter(context)
+        started, exc = time.perf_counter(), None
+        try:
+            yield
+        except BaseException as e:
+            exc = e
+            await _answer(context, e)
+        finally:
+            self._done(method, started, exc, context)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
-        enter, done = self._enter, self._done
-        deserializer = _tolerant(handler.request_deserializer)
+        serving = self._serving
+        deserializer, serializer = _tolerant(handler.request_deserializer), handler.response_serializer
 
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
-                enter(context)
-                started, exc = time.perf_counter(), None
-                try:
+                async with serving(method, context):
                     _check_parsed(request)
                     return await inner(request, context)
-                except BaseException as e:
-                    exc = e
-                    await _answer(context, e)
-                finally:
-                    done(method, started, exc, context)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
         if handler.unary_stream:
             inner = handler.unary_stream
 
             async def unary_stream(request, context):
-                enter(context)
-                started, exc = time.perf_counter(), None
-                try:
+                async with serving(method, context):
                     _check_parsed(request)
                     async for item in inner(request, context):
                         yield item
-                except BaseException as e:
-                    exc = e
-                    await _answer(context, e)
-                finally:
-                    done(method, started, exc, context)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
         if handler.stream_unary:
             inner = handler.stream_unary
 
             async def stream_unary(request_iterator, context):
-                enter(context)
-                started, exc = time.perf_counter(), None
-                try:
+                async with serving(method, context):
                     return await inner(_tolerant_iterator(request_iterator), context)
-                except BaseException as e:
-                    exc = e
-                    await _answer(context, e)
-                finally:
-                    done(method, started, exc, context)
 
-            return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, handler.response_serializer)
-        # Bidirectional streams (server reflection) are not wrapped.
+            return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
+        if handler.stream_stream:
+            inner = handler.stream_stream
+
+            async def stream_stream(request_iterator, context):
+                async with serving(method, context):
+                    async for item in inner(_tolerant_iterator(request_iterator), context):
+                        yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, serializer)
         return handler
 
 
