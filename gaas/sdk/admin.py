@@ -12,7 +12,7 @@ import grpc
 from gaas.contracts import errors, pricing
 from gaas.ops import pki
 from gaas.contracts.errors import GaasError
-from gaas.runtime.status import from_rpc
+from gaas.runtime import status
 from gaas.contracts.tenancy import TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import billing_pb2 as billing_pb
 from gaas.v1 import billing_pb2_grpc
@@ -62,10 +62,9 @@ class _Service:
         try:
             return getattr(self._stub, method)(request, timeout=TIMEOUT)
         except grpc.RpcError as exc:
-            err = from_rpc(exc)
-            if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                raise errors.Unavailable(f"{self.WHAT} at {self.address} does not answer: is the mesh up?") from None
-            raise err from None
+            # What the service answered is for the operator, all but silence.
+            raise status.from_peer(exc, self.WHAT, passes=status.ALL_CODES - status.UNANSWERED,
+                                   message=f"{self.WHAT} at {self.address} does not answer: is the mesh up?") from None
 
     def close(self) -> None:
         self._channel.close()
