@@ -5,6 +5,7 @@ through status.answer_in_stream, inside its stream)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
@@ -49,6 +50,8 @@ async def unary(request, context):
 
 async def server_stream(request, context):
     yield Chunk(text="first")
+    if request.text == "hang":
+        await asyncio.Event().wait()
     yield _act(request.text)
 
 
@@ -58,6 +61,9 @@ async def client_stream(request_iterator, context):
 
 async def bidi(request_iterator, context):
     async for request in request_iterator:
+        if request.text == "hang":
+            yield Chunk(text="first")
+            await asyncio.Event().wait()
         if request.text == "in-stream":
             try:
                 raise errors.ResourceExhausted("slow down", retry_after=2.0)
@@ -206,3 +212,21 @@ async def test_a_failure_answered_inside_the_stream_ends_the_call_ok_but_is_coun
         await call(channel, "Bidi", "hello")  # the next call on the same server starts clean
     assert answered == ["refused:RESOURCE_EXHAUSTED:slow down"]
     assert counted(metrics, "Bidi", "RESOURCE_EXHAUSTED") == 1 and counted(metrics, "Bidi", "OK") == 1
+
+
+@pytest.mark.parametrize("arity", ["ServerStream", "Bidi"])
+async def test_a_stream_its_client_cancels_is_counted_as_cancelled(arity):
+    async with serving() as (channel, metrics):
+        kw = {"request_serializer": Chunk.SerializeToString, "response_deserializer": Chunk.FromString}
+        path = f"/{SERVICE}/{arity}"
+        if arity == "ServerStream":
+            stream = channel.unary_stream(path, **kw)(Chunk(text="hang"), timeout=5)
+        else:
+            stream = channel.stream_stream(path, **kw)(iter([Chunk(text="hang")]), timeout=5)
+        assert (await stream.read()).text == "first"
+        stream.cancel()
+        for _ in range(200):
+            if counted(metrics, arity, "CANCELLED"):
+                break
+            await asyncio.sleep(0.01)
+    assert counted(metrics, arity, "CANCELLED") == 1 and counted(metrics, arity, "UNKNOWN") == 0
