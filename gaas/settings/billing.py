@@ -10,7 +10,7 @@ from gaas.settings.env import Settings, setting
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BillingSettings(Settings):
-    instance: str = common.instance("billing-0")
+    instance: str = common.instance("billing-0", "also its name in the usage stream's consumer group")
     host: str = common.host()
     port: int = common.port(50091)
     listen: str = common.listen()

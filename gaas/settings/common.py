@@ -8,8 +8,8 @@ from typing import Any
 from gaas.settings.env import setting
 
 
-def instance(default: str) -> Any:
-    return setting("GAAS_INSTANCE", default, "replica name")
+def instance(default: str, also: str = "") -> Any:
+    return setting("GAAS_INSTANCE", default, f"replica name{'; ' + also if also else ''}")
 
 
 def host() -> Any:

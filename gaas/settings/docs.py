@@ -47,7 +47,8 @@ def help_epilog(service: str, extra: str = "") -> str:
     lines = ["environment (unset or empty: the default):"]
     for v in vs:
         default = "Required." if v.required else f"Default {v.shown_default() or 'empty'}."
-        lines += textwrap.wrap(f"{v.var.help}. {default}", 100, initial_indent=f"  {v.name:<{width}}",
+        help = v.var.help if v.var.help.endswith(".") else v.var.help + "."
+        lines += textwrap.wrap(f"{help} {default}", 100, initial_indent=f"  {v.name:<{width}}",
                                subsequent_indent=" " * (width + 2))
     return "\n".join(lines) + "\n" + extra
 

@@ -33,7 +33,7 @@ def _at_least_one_gib(gib: int) -> str | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerSettings(Settings):
-    instance: str = common.instance("worker-0")
+    instance: str = common.instance("worker-0", "also its worker id in the registry")
     host: str = common.host()
     port: int = common.port(50061)
     listen: str = common.listen()

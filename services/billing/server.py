@@ -16,31 +16,17 @@ from pathlib import Path
 from gaas.settings import deployspec
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.settings.docs import help_epilog
+from gaas.settings.billing import BillingSettings
 from gaas.runtime.sql import Database
 from gaas.v1 import billing_pb2_grpc, control_pb2, control_pb2_grpc
 from services.billing.budgets import Budgets
-from services.billing.config import BillingConfig
 from services.billing.consumer import UsageConsumer
 from services.billing.ledger import Ledger
 from services.billing.servicer import BillingServicer
 from services.billing.stripe_sync import StripeMeterSender, StripeSync
 
 log = logging.getLogger("gaas.billing")
-
-HELP_ENV = """environment:
-  GAAS_INSTANCE               replica name (billing-0); also its name in the usage stream's consumer group
-  GAAS_HOST/GAAS_PORT         where to listen (127.0.0.1:50091)
-  GAAS_BILLING_DATABASE_URL   the ledger: sqlite:///path.db (default .gaas/billing.db) or postgresql://...
-  GAAS_REDIS_URL              Redis: the usage stream and the budgets (redis://127.0.0.1:6379/0)
-  GAAS_OUTBOUND               host:port of its sidecar's outbound listener (control: tenants' Stripe customers)
-  GAAS_DEPLOY_FILE            the deployment file (the Stripe meters' event names)
-  GAAS_STRIPE_API_KEY         Stripe secret key; empty: usage is not sent to Stripe (gaas status says so)
-  GAAS_STRIPE_API_BASE        Stripe's API address (https://api.stripe.com)
-  GAAS_STRIPE_WINDOW_SECONDS  usage is reported per window of this length (3600)
-  GAAS_STRIPE_GRACE_SECONDS   ... once the window closed this long ago (120)
-  GAAS_STRIPE_RATE            most meter events per second (100; Stripe allows ~1000 in live mode)
-  GAAS_METRICS_PORT           /metrics port (-1: none)
-"""
 
 
 def tenant_customers(stub: control_pb2_grpc.ControlStub | None, ttl: float = 10.0):
@@ -59,7 +45,7 @@ def tenant_customers(stub: control_pb2_grpc.ControlStub | None, ttl: float = 10.
     return customers
 
 
-async def serve(cfg: BillingConfig) -> None:
+async def serve(cfg: BillingSettings) -> None:
     rt = ServiceRuntime(options_for("billing", cfg))
     rt.install_signal_handlers()
     db = Database(cfg.database_url)
@@ -118,9 +104,9 @@ async def serve(cfg: BillingConfig) -> None:
 
 def main() -> None:
     argparse.ArgumentParser(
-        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, epilog=help_epilog("billing"), formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
-    run_service("billing", BillingConfig.from_env, serve)
+    run_service("billing", BillingSettings.from_env, serve)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from gaas.contracts import qos
 from gaas.settings import deployspec
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.settings.docs import help_epilog
+from gaas.settings.control import ControlSettings
 from gaas.runtime.sql import Database
 from gaas.v1 import control_pb2_grpc
 from services.control.catalog import ModelCatalog
-from services.control.config import ControlConfig
 from services.control.prefixes import PrefixStore
 from services.control.registry import WorkerRegistry
 from services.control.servicer import ControlServicer
@@ -25,18 +26,8 @@ from services.control.tenants import TenantStore
 
 log = logging.getLogger("gaas.control")
 
-HELP_ENV = """environment:
-  GAAS_INSTANCE       replica name (control-0)
-  GAAS_HOST/GAAS_PORT where to listen (127.0.0.1:50051)
-  GAAS_METRICS_PORT   /metrics port (-1: none)
-  GAAS_REDIS_URL      Redis for worker leases (redis://127.0.0.1:6379/0)
-  GAAS_DATABASE_URL   sqlite:///path.db (default .gaas/control.db) or postgresql://...
-  GAAS_DEPLOY_FILE    deployment YAML applied at start-up
-  GAAS_LEASE_TTL      seconds a worker registration lives without renewal (10)
-"""
 
-
-async def serve(cfg: ControlConfig) -> None:
+async def serve(cfg: ControlSettings) -> None:
     rt = ServiceRuntime(options_for("control", cfg))
     rt.install_signal_handlers()
     redis = redisconn.connect(cfg.redis_url)
@@ -81,9 +72,9 @@ async def _heartbeat(registry: WorkerRegistry) -> None:
 
 def main() -> None:
     argparse.ArgumentParser(
-        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, epilog=help_epilog("control"), formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
-    run_service("control", ControlConfig.from_env, serve)
+    run_service("control", ControlSettings.from_env, serve)
 
 
 if __name__ == "__main__":

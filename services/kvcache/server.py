@@ -12,24 +12,16 @@ import asyncio
 
 from gaas.runtime.context import WORKER_HEADER
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.settings.docs import help_epilog
+from gaas.settings.kvcache import KVCacheSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from gaas.contracts.ids import WorkerId
-from services.kvcache.config import KVCacheConfig
 from services.kvcache.directory import BlockDirectory
 from services.kvcache.servicer import KVCacheServicer
 from services.kvcache.watcher import WatchedWorker, WorkerWatcher
 
-HELP_ENV = """environment:
-  GAAS_INSTANCE        replica name (kvcache-0)
-  GAAS_HOST/GAAS_PORT  where to listen (127.0.0.1:50081)
-  GAAS_OUTBOUND        host:port of the sidecar's outbound listener (control, workers; required)
-  GAAS_KV_POLL_SECONDS how often the worker registry is read (1)
-  GAAS_KV_PROVISION_TTL  seconds a router's provision counts before the engine confirms it (30)
-  GAAS_METRICS_PORT    /metrics port (-1: none)
-"""
 
-
-async def serve(cfg: KVCacheConfig) -> None:
+async def serve(cfg: KVCacheSettings) -> None:
     rt = ServiceRuntime(options_for("kvcache", cfg))
     rt.install_signal_handlers()
     directory = BlockDirectory(provision_ttl_seconds=cfg.provision_ttl_seconds)
@@ -62,9 +54,9 @@ async def serve(cfg: KVCacheConfig) -> None:
 
 def main() -> None:
     argparse.ArgumentParser(
-        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, epilog=help_epilog("kvcache"), formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
-    run_service("kvcache", KVCacheConfig.from_env, serve)
+    run_service("kvcache", KVCacheSettings.from_env, serve)
 
 
 if __name__ == "__main__":

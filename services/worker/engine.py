@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gaas.contracts import errors, finish, genrequest
 from gaas.host import devices, placement
 from gaas.model.tokenizer import ChatMessage, Tokenizer
+from gaas.settings.worker import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -163,32 +164,6 @@ class Engine(ABC):
     async def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class VllmSettings:
-    model: str
-    model_path: str
-    model_version: str
-    max_model_len: int
-    block_size: int
-    kv_cache_gib: int
-    gpu_memory_utilization: float
-    # None: by device (eager on the CPU, CUDA graphs and torch.compile on GPUs).
-    enforce_eager: bool | None
-    max_num_seqs: int
-    # Most tokens in one engine step; None: vLLM's default.
-    max_num_batched_tokens: int | None = None
-    # The engine's KV-cache size in blocks (vLLM's num_gpu_blocks_override); None sizes it by memory.
-    kv_cache_blocks: int | None = None
-    # Directory for the KV-event sockets (ipc://), private to the worker; None publishes none.
-    kv_events_dir: str | None = None
-    # "cuda" or "cpu": what the launcher found (gaas.host.devices); "" checks nothing.
-    device: str = ""
-    # Tokens per streamed output (the first always goes at once).
-    stream_interval: int = 1
-    # Where the model runs (placement.EXECUTORS): "uni" in the engine core's process, "mp" in its own.
-    executor: str = "uni"
-
-
 # The KV-event sockets in kv_events_dir, and the topic.
 KV_EVENTS_SOCKET, KV_REPLAY_SOCKET, KV_TOPIC = "kv-events", "kv-replay", "gaas"
 
@@ -239,8 +214,10 @@ class VllmEngine(Engine):
         self._abandoned: set[asyncio.Future] = set()
 
     @classmethod
-    async def start(cls, s: VllmSettings) -> "VllmEngine":
-        """Build the engine (~20-40 s on a CPU) without blocking the event loop."""
+    async def start(cls, s: WorkerSettings, kv_events_dir: str | None = None) -> "VllmEngine":
+        """Build the engine (~20-40 s on a CPU) without blocking the event loop: the one mapping of
+        the worker's settings to vLLM's engine arguments. kv_events_dir: a directory, private to the
+        worker, for the KV-event sockets (ipc://); None publishes none."""
         from vllm import __version__ as vllm_version
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -258,11 +235,11 @@ class VllmEngine(Engine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
         events = replay = ""
         extra: dict = {}
-        if s.kv_events_dir:
+        if kv_events_dir:
             from vllm.config.kv_events import KVEventsConfig
 
-            events = f"ipc://{os.path.join(s.kv_events_dir, KV_EVENTS_SOCKET)}"
-            replay = f"ipc://{os.path.join(s.kv_events_dir, KV_REPLAY_SOCKET)}"
+            events = f"ipc://{os.path.join(kv_events_dir, KV_EVENTS_SOCKET)}"
+            replay = f"ipc://{os.path.join(kv_events_dir, KV_REPLAY_SOCKET)}"
             extra["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=events, replay_endpoint=replay, topic=KV_TOPIC,
             )

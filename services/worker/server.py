@@ -20,39 +20,19 @@ from gaas.metering.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.ops.topology import OPENAI_SERVICE
+from gaas.settings.docs import help_epilog
+from gaas.settings.worker import WorkerSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
-from services.worker.config import WorkerConfig
 from services.worker.direct import DirectServicer
-from services.worker.engine import KV_TOPIC, VllmEngine, VllmSettings
+from services.worker.engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger("gaas.worker")
 
-HELP_ENV = """environment:
-  GAAS_INSTANCE        replica name, also the worker id (worker-0)
-  GAAS_HOST/GAAS_PORT  where to listen (127.0.0.1:50061)
-  GAAS_ADVERTISE       host:port peers reach it at: its sidecar's inbound listener
-  GAAS_OUTBOUND        host:port of its sidecar's outbound listener (control); empty: no registration
-  GAAS_MODEL, GAAS_MODEL_PATH, GAAS_MODEL_VERSION   what it serves (required: name and path)
-  GAAS_MAX_MODEL_LEN (2048)  GAAS_BLOCK_SIZE (32)  GAAS_KV_CACHE_GIB (1)
-  GAAS_ENFORCE_EAGER (auto: on the CPU only)  GAAS_MAX_NUM_SEQS (64)  GAAS_GPU_MEMORY_UTILIZATION (0.85)
-  GAAS_DEVICE          cpu or cuda, as the launcher found the host; the worker refuses a vLLM build
-                       that computes elsewhere
-  GAAS_MAX_NUM_BATCHED_TOKENS  most tokens per engine step (0: vLLM's default)
-  GAAS_MAX_WAITING     most requests waiting for their first token; more get RESOURCE_EXHAUSTED (128; 0: no bound)
-  GAAS_STREAM_INTERVAL tokens per streamed message (1; the first token always goes at once)
-  GAAS_EXECUTOR        where the model runs: uni, in vLLM's engine core process (default); mp, a process
-                       of its own (vLLM's CPU default)
-  GAAS_METRICS_PORT    /metrics port, with vLLM's own metrics (-1: none)
-  GAAS_KV_CACHE_BLOCKS KV-cache size in blocks (vLLM's num_gpu_blocks_override; 0: sized by memory)
-  GAAS_KV_EVENTS       publish the engine's KV events to the KV directories (true)
-  GAAS_LEASE_RENEW_SECONDS  lease renewals, each with a load report (0.5)
-  GAAS_REDIS_URL       Redis, where the usage of generations the ingress sends here straight goes
-                       (ingress.path: direct); empty: not metered here
-  GAAS_SPOOL_DIR       where those usage events wait while Redis does not answer (.gaas/spool)
-  VLLM_CPU_OMP_THREADS_BIND  the core(s) a CPU worker is pinned to (`gaas up` sets one per worker)
+# What else of the environment it reads, besides its settings (gaas.settings.worker).
+HELP_MORE = """  VLLM_CPU_OMP_THREADS_BIND    the core(s) a CPU worker is pinned to (`gaas up` sets one per worker)
 """
 
 
@@ -94,32 +74,12 @@ async def sample_device(servicer: WorkerServicer) -> None:
         await asyncio.sleep(DEVICE_SAMPLE_SECONDS)
 
 
-async def serve(cfg: WorkerConfig) -> None:
+async def serve(cfg: WorkerSettings) -> None:
     rt = ServiceRuntime(options_for("worker", cfg))
     rt.install_signal_handlers()
     # The engine's KV-event sockets live in a directory only this worker's user can enter.
     events_dir = tempfile.mkdtemp(prefix=f"gaas-{cfg.instance}-kv-") if cfg.kv_events else None
-    engine_task = asyncio.create_task(
-        VllmEngine.start(
-            VllmSettings(
-                model=cfg.model,
-                model_path=cfg.model_path,
-                model_version=cfg.model_version,
-                max_model_len=cfg.max_model_len,
-                block_size=cfg.block_size,
-                kv_cache_gib=cfg.kv_cache_gib,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                enforce_eager=cfg.enforce_eager,
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens or None,
-                kv_cache_blocks=cfg.kv_cache_blocks or None,
-                kv_events_dir=events_dir,
-                device=cfg.device,
-                stream_interval=cfg.stream_interval,
-                executor=cfg.executor,
-            )
-        )
-    )
+    engine_task = asyncio.create_task(VllmEngine.start(cfg, kv_events_dir=events_dir))
     servicer = WorkerServicer(cfg.instance, max_waiting=cfg.max_waiting)
     rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "gaas.v1.Worker")
     # Generations the ingress sends here straight, as a router decided them (ingress.path: direct).
@@ -233,14 +193,14 @@ async def _cancel(task: asyncio.Task) -> None:
 
 def main() -> None:
     argparse.ArgumentParser(
-        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, epilog=help_epilog("worker", HELP_MORE), formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
     # vLLM would fork its engine process on CUDA, from a process already running gRPC's threads
     # and sockets; spawn starts it clean (vLLM's default on the CPU already). And CUDA numbers the
     # GPUs as NVML does.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    run_service("worker", WorkerConfig.from_env, serve)
+    run_service("worker", WorkerSettings.from_env, serve)
 
 
 if __name__ == "__main__":
