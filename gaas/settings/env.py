@@ -155,23 +155,37 @@ def variables(cls: type) -> tuple[Variable, ...]:
 S = TypeVar("S")
 
 
+def _read(v: Variable, env: Mapping[str, str], before: dict[str, Any]) -> Any:
+    text = env.get(v.name)
+    if text:
+        value = v.kind.read(v.name, text)
+    elif v.var.derived is not None:
+        value = v.var.derived(before)
+    elif v.required:
+        raise ConfigError(f"{v.name} is required")
+    else:
+        value = v.default
+    if v.var.check is not None and (wrong := v.var.check(value)) is not None:
+        raise ConfigError(f"{v.name} {wrong}")
+    return value
+
+
 def from_env(cls: type[S], env: Mapping[str, str]) -> S:
     """Read settings class cls from env; ConfigError naming the first variable that is wrong."""
     values: dict[str, Any] = {}
     for v in variables(cls):
-        text = env.get(v.name)
-        if text:
-            value = v.kind.read(v.name, text)
-        elif v.var.derived is not None:
-            value = v.var.derived(values)
-        elif v.required:
-            raise ConfigError(f"{v.name} is required")
-        else:
-            value = v.default
-        if v.var.check is not None and (wrong := v.var.check(value)) is not None:
-            raise ConfigError(f"{v.name} {wrong}")
-        values[v.field] = value
+        values[v.field] = _read(v, env, values)
     return cls(**values)
+
+
+def value_from_env(cls: type, field: str, env: Mapping[str, str] = os.environ) -> Any:
+    """One setting of cls read from env as the service reads it (for what another process sizes
+    by a service's setting: `gaas up` the Envoys by the router's, the GPUs' shares by the workers').
+    Not for a default derived from other settings."""
+    v = next((v for v in variables(cls) if v.field == field), None)
+    if v is None:
+        raise TypeError(f"{cls.__name__} has no setting {field}")
+    return _read(v, env, {})
 
 
 def env_of(cls: type, **values: Any) -> dict[str, str]:

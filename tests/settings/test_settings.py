@@ -160,3 +160,14 @@ def test_docs_configuration_holds_the_generated_table():
     assert block.strip() == docs.markdown().strip(), (
         "docs/configuration.md's settings table differs from the settings the services read: "
         "`python -m gaas.settings.docs --write docs/configuration.md` rewrites it")
+
+
+def test_one_setting_read_alone_as_its_service_reads_it():
+    from gaas.settings.env import value_from_env
+
+    assert value_from_env(WorkerSettings, "gpu_memory_utilization", {}) == 0.85
+    assert value_from_env(RouterSettings, "max_body_bytes", {"GAAS_MAX_BODY_BYTES": "2048"}) == 2048
+    with pytest.raises(ConfigError, match="GAAS_GPU_MEMORY_UTILIZATION must be in"):
+        value_from_env(WorkerSettings, "gpu_memory_utilization", {"GAAS_GPU_MEMORY_UTILIZATION": "2"})
+    with pytest.raises(TypeError, match="no setting speed"):
+        value_from_env(RouterSettings, "speed", {})
