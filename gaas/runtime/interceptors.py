@@ -44,10 +44,12 @@ from gaas.runtime.status import translate  # noqa: F401
 
 
 def _headers(metadata) -> dict[str, str]:
-    """A call's metadata as a dict (the first value of a repeated key; binary values decoded)."""
+    """A call's text metadata as a dict (the first value of a repeated key; binary "-bin" keys,
+    none of which carries request context, left out)."""
     out: dict[str, str] = {}
     for k, v in metadata or ():
-        out.setdefault(k, v if isinstance(v, str) else v.decode("utf-8", "replace"))
+        if isinstance(v, str):
+            out.setdefault(k, v)
     return out
 
 
