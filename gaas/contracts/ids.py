@@ -7,3 +7,6 @@ from typing import NewType
 # A worker's id: what it registers with control under, what the KV directory files its blocks under,
 # and what a router schedules, breaks and counts by.
 WorkerId = NewType("WorkerId", str)
+
+# A tenant's name, as control stores it and every request carries it (x-gaas-tenant).
+TenantId = NewType("TenantId", str)

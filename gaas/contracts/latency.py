@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gaas.runtime.context import INGRESS_START_HEADER
+from gaas.contracts.headers import INGRESS_START_HEADER
 from gaas.v1 import common_pb2
 
 PARTS = ("tenant", "router", "queue", "prefill", "decode", "net")

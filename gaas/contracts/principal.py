@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gaas.contracts.qos import Limits
-from gaas.runtime.context import TenantId
+from gaas.contracts.ids import TenantId
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,6 @@ back; the ledger is written once per request id whatever is replayed twice.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -29,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from gaas.contracts import errors, latency, pricing, usage as metering
 from gaas.metering import admission
 from gaas.contracts.usage import UsageEvent
+from gaas.runtime.redisconn import Script
 from gaas.v1 import common_pb2
 from gaas.contracts.principal import Principal
 
@@ -114,9 +114,9 @@ class Meter:
         self._redis = redis
         # This process's own count of what it admitted (a router's; None: it admits nothing).
         self.local = local
-        self._admit = _Script(redis, admission.ADMIT)
-        self._record = _Script(redis, admission.RECORD)
-        self._release = _Script(redis, admission.RELEASE)
+        self._admit = Script(redis, admission.ADMIT)
+        self._record = Script(redis, admission.RECORD)
+        self._release = Script(redis, admission.RELEASE)
         spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._spool = spool_dir / "usage.spool"
         self._spool_lock = asyncio.Lock()
@@ -452,22 +452,6 @@ class LocalQuotas:
             s.headroom -= estimate
         s.in_flight[m.request_id] = m.sequences
         s.admitted.append((self._clock(), tokens))
-
-
-class _Script:
-    """A Lua script called by its SHA (EVALSHA), sent whole once when Redis does not know it (a
-    restarted Redis). Leaner than redis-py's Script on the request path."""
-
-    def __init__(self, redis: Redis, source: str) -> None:
-        self._redis = redis
-        self._source = source
-        self._sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, keys: list[str], args: list) -> object:
-        try:
-            return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self._redis.execute_command("EVAL", self._source, len(keys), *keys, *args)
 
 
 def _append_synced(path: Path, data: bytes) -> None:

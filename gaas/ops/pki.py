@@ -18,30 +18,20 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote
+
+from gaas.contracts.identity import (  # noqa: F401 - the identities this CA issues; importable from here too
+    MESH_PREFIX, SERVER_NAME, SIDECAR_SCHEME, TRUST_DOMAIN, Caller, caller_from_xfcc, kind_prefix, spiffe_id,
+)
 
 if TYPE_CHECKING:
     from gaas.ops.topology import Topology
 
-TRUST_DOMAIN = "gaas.local"
-SERVER_NAME = TRUST_DOMAIN
-SIDECAR_SCHEME = "gaas-sidecar://"
 PKI_DIR = "pki"
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
 
 
-def spiffe_id(kind: str, name: str) -> str:
-    return f"spiffe://{TRUST_DOMAIN}/{kind}/{name}"
-
-
-def kind_prefix(kind: str) -> str:
-    """What every identity of one kind begins with (Envoy matches callers by it)."""
-    return f"spiffe://{TRUST_DOMAIN}/{kind}/"
-
-
-MESH_PREFIX = f"spiffe://{TRUST_DOMAIN}/"
 OPERATOR = ("operator", "cli")
 INGRESS = ("ingress", "ingress-0")
 
@@ -160,46 +150,6 @@ def issue_certificates(topo: Topology, authority: Authority) -> None:
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who called, as the receiving sidecar verified it: the identity URI and, for a worker, the
-    address of its sidecar."""
-
-    identity: str
-    sidecar: str = ""
-
-    @property
-    def kind(self) -> str:
-        return self.identity.removeprefix(MESH_PREFIX).split("/", 1)[0] if self.identity.startswith(MESH_PREFIX) else ""
-
-    @property
-    def name(self) -> str:
-        rest = self.identity.removeprefix(MESH_PREFIX)
-        return rest.split("/", 1)[1] if "/" in rest and self.identity.startswith(MESH_PREFIX) else ""
-
-
-def caller_from_xfcc(value: str) -> Caller | None:
-    """The caller named by the sidecar's x-forwarded-client-cert (the sidecar replaces whatever a
-    client sent with what it verified, so only the last element counts); None without one."""
-    if not value:
-        return None
-    element = value.split(",")[-1]
-    uris = [unquote(part.split("=", 1)[1].strip('"')) for part in element.split(";")
-            if part.split("=", 1)[0].strip().lower() == "uri" and "=" in part]
-    identity = next((u for u in uris if u.startswith(MESH_PREFIX)), "")
-    if not identity:
-        return None
-    sidecar = next((u.removeprefix(SIDECAR_SCHEME) for u in uris if u.startswith(SIDECAR_SCHEME)), "")
-    return Caller(identity, sidecar)
-
-
-def current_caller() -> Caller | None:
-    """The verified caller of the RPC being served (None when it did not come through a sidecar)."""
-    from gaas.runtime.context import caller_var
-
-    return caller_from_xfcc(caller_var.get())
 
 
 def home() -> Path:

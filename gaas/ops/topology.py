@@ -12,28 +12,15 @@ from pathlib import Path
 
 import yaml
 
+# (What each kind serves, and the router's names at the ingress, are contracts: importable from here too.)
+from gaas.contracts.services import (  # noqa: F401
+    AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE,
+)
 from gaas.host.placement import EXECUTORS
 
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")
 
-# The gRPC service each kind serves (what its sidecar's peers route on).
-GRPC_SERVICE = {
-    "control": "gaas.v1.Control",
-    "kvcache": "gaas.v1.KVCache",
-    "billing": "gaas.v1.Billing",
-    "worker": "gaas.v1.Worker",
-    "router": "gaas.v1.Inference",
-}
-
-# The router's second public API: OpenAI's HTTP API over HttpBody methods.
-OPENAI_SERVICE = "gaas.v1.OpenAI"
-# Its generation methods, which a worker serves too when the ingress sends them there straight
-# (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
-OPENAI_GENERATION = ("Completions", "ChatCompletions")
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-# The router's key check for the ingress, on each request's headers (Envoy's external authorization).
-AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 # How a generation reaches its worker: through the router ("router", the default), or from the
 # ingress straight to the worker the router picked there ("direct").
 INGRESS_PATHS = ("router", "direct")

@@ -11,23 +11,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import NewType
 
-TenantId = NewType("TenantId", str)
+from gaas.contracts.headers import (  # noqa: F401 - the keys, read here; importable from here too
+    AUTHORIZATION_HEADER, CALLER_HEADER, CLIENT_REQUEST_ID_HEADER, INGRESS_START_HEADER, REQUEST_ID_HEADER,
+    TENANT_HEADER, WORKER_HEADER,
+)
+from gaas.contracts.identity import Caller, caller_from_xfcc
+from gaas.contracts.ids import TenantId
 
-# Metadata keys (lower case, as gRPC delivers them).
-REQUEST_ID_HEADER = "x-gaas-request-id"
-TENANT_HEADER = "x-gaas-tenant"
-WORKER_HEADER = "x-gaas-worker"
-# The ingress's arrival time of a request (seconds since the epoch), stamped by the ingress only:
-# the start of the request's latency decomposition (services/router/latency.py).
-INGRESS_START_HEADER = "x-gaas-ingress-start"
-AUTHORIZATION_HEADER = "authorization"
-# The client's own request id (OpenAI clients and vLLM's benchmark send it); echoed by the ingress.
-CLIENT_REQUEST_ID_HEADER = "x-request-id"
-# Who called, as the inbound sidecar verified the caller's certificate (Envoy sets it, replacing
-# anything the caller sent); gaas.ops.pki.caller_from_xfcc reads it.
-CALLER_HEADER = "x-forwarded-client-cert"
 # Longest client request id kept (longer ones are cut); only printable ASCII survives.
 CLIENT_ID_MAX = 128
 
@@ -87,3 +78,8 @@ def current_tenant() -> TenantId:
 
 def current_authorization() -> str:
     return authorization_var.get()
+
+
+def current_caller() -> Caller | None:
+    """The verified caller of the RPC being served (None when it did not come through a sidecar)."""
+    return caller_from_xfcc(caller_var.get())

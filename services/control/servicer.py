@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from google.protobuf import json_format
 
 from gaas.contracts import errors, qos
-from gaas.ops import pki
+from gaas.runtime.context import current_caller
 from gaas.contracts.jsonbody import is_digits
 from gaas.contracts.tenancy import DEFAULT_TIER, TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import common_pb2
@@ -47,7 +47,7 @@ def worker_to_pb(r: WorkerRecord) -> pb.WorkerInfo:
 def _only_the_worker_itself(worker_id: str, address: str | None = None) -> None:
     """A worker's registration is its own: the caller's certificate (verified by control's sidecar)
     must name that worker id and, when registering, that address as its sidecar's."""
-    caller = pki.current_caller()
+    caller = current_caller()
     if caller is None or caller.kind != "worker" or caller.name != worker_id:
         raise errors.PermissionDenied(
             f"only worker {errors.quote(worker_id)} itself, through its sidecar, may register, renew or deregister it"

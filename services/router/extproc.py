@@ -48,7 +48,7 @@ from gaas.runtime.context import (
     tenant_var,
 )
 from gaas.runtime.interceptors import translate
-from gaas.ops.topology import OPENAI_SERVICE
+from gaas.contracts.services import OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
 from services.router.placement import DirectPlacement

@@ -18,9 +18,11 @@ from gaas.metering.meter import LocalQuotas, Meter
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
+from gaas.settings.docs import help_epilog
+from gaas.settings.router import RouterSettings
 from gaas.contracts.sessions import SessionPolicy
 from gaas.model.tokenizer import TokenizerCache
-from gaas.ops.topology import AUTHZ_SERVICE, EXT_PROC_SERVICE
+from gaas.contracts.services import AUTHZ_SERVICE, EXT_PROC_SERVICE
 from gaas.v1 import (
     billing_pb2_grpc, control_pb2_grpc, ext_authz_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,
@@ -28,7 +30,6 @@ from gaas.v1 import (
 from services.router.auth import Authenticator
 from services.router.billingclient import usage_reader
 from services.router.coalescing import Coalescing
-from services.router.config import RouterConfig
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router.directory import DirectoryCollector, MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
@@ -45,33 +46,8 @@ from services.router.sessions import SESSION_OUTCOMES, SessionMetrics, SessionSt
 
 log = logging.getLogger("gaas.router")
 
-HELP_ENV = """environment:
-  GAAS_INSTANCE        replica name (router-0)
-  GAAS_HOST/GAAS_PORT  where to listen (127.0.0.1:50071)
-  GAAS_OUTBOUND        host:port of the sidecar's outbound listener (required)
-  GAAS_ROUTER_POLICY   scheduling profile: kv_aware (prefix, then load), least_load, round_robin (kv_aware)
-  GAAS_ROUTER_WEIGHTS  scorer weights overriding the profile's, e.g. "prefix=3,queue=2,kv_usage=0.5"
-  GAAS_REGISTRY_REFRESH_SECONDS  how often workers and their load are read from control (0.5)
-  GAAS_KV_LOOKUP_TIMEOUT  seconds to wait for the KV directory before routing without it (0.05)
-  GAAS_ROUTER_RETRIES  other workers tried before the first token (2)
-  GAAS_QOS             flow control by tier: bands, batching windows, the queue (on; off to compare)
-  GAAS_QUEUE_MAX       most requests waiting for a worker in this router (256)
-  GAAS_WINDOW_INITIAL / _MIN / _MAX  each worker's batching window, requests (8 / 4 / 64)
-  GAAS_BREAKER_COOLDOWN_SECONDS  how long a worker whose breaker opened is left alone (5)
-  GAAS_DEPLOY_FILE     the deployment file: the tiers' TTFT targets and queue timeouts (qos:), sessions (sessions:)
-  GAAS_AUTH_CACHE_SECONDS  seconds an API key lookup is reused; a revoked key dies within it (2)
-  GAAS_MAX_BODY_BYTES  largest OpenAI request body accepted (1 MiB; gaas up sizes the ingress's buffer to it)
-  GAAS_MAX_STREAM_SECONDS  longest a generation streams when its client set no deadline (600; gaas up gives
-                       every Envoy a stream idle timeout 30 s longer)
-  GAAS_COALESCE_PER_STEP / _MAX  fuller streamed messages as streams grow: streams in flight per token
-                       of a message (2; 0: one token a message always), and the most tokens a message (8)
-  GAAS_REDIS_URL       Redis, where usage events go and budgets and sessions are kept (redis://127.0.0.1:6379/0)
-  GAAS_SPOOL_DIR       where usage events wait while Redis does not answer (.gaas/spool)
-  GAAS_METRICS_PORT    /metrics port (-1: none)
-"""
 
-
-async def serve(cfg: RouterConfig) -> None:
+async def serve(cfg: RouterSettings) -> None:
     # The edge: tenant metadata from outside is never believed.
     rt = ServiceRuntime(options_for("router", cfg, edge=True, max_request_bytes=max(
         edge_limits.MAX_GRPC_REQUEST_BYTES, cfg.max_body_bytes + 64 * edge_limits.KIB)))
@@ -204,9 +180,9 @@ async def serve(cfg: RouterConfig) -> None:
 
 def main() -> None:
     argparse.ArgumentParser(
-        description=__doc__, epilog=HELP_ENV, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, epilog=help_epilog("router"), formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
-    run_service("router", RouterConfig.from_env, serve)
+    run_service("router", RouterSettings.from_env, serve)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from gaas.model.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.principal import Principal
 from services.router.prepare import Prepared
-from gaas.metering.meter import _Script
+from gaas.runtime.redisconn import Script
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ class SessionStore:
         self.metrics = metrics
         self._redis = redis
         self._clock = clock
-        self._begin = _Script(redis, sessions.BEGIN)
-        self._renew = _Script(redis, sessions.RENEW)
-        self._commit = _Script(redis, sessions.COMMIT)
-        self._release = _Script(redis, sessions.RELEASE)
-        self._list = _Script(redis, sessions.LIST)
+        self._begin = Script(redis, sessions.BEGIN)
+        self._renew = Script(redis, sessions.RENEW)
+        self._commit = Script(redis, sessions.COMMIT)
+        self._release = Script(redis, sessions.RELEASE)
+        self._list = Script(redis, sessions.LIST)
         self._cache: OrderedDict[tuple[str, str], tuple[int, Context, PromptPrefix]] = OrderedDict()
         self._cache_size = cache_size
         self._tasks: set[asyncio.Task] = set()

@@ -19,7 +19,7 @@ from pathlib import Path
 from gaas.metering.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.ops.topology import OPENAI_SERVICE
+from gaas.contracts.services import OPENAI_SERVICE
 from gaas.settings.docs import help_epilog
 from gaas.settings.worker import WorkerSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc

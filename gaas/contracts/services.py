@@ -1,0 +1,22 @@
+"""The gRPC services of the mesh by name: what each kind of instance serves, what its sidecar's
+peers route on, and the names the ingress's Envoy filters call the router by."""
+
+from __future__ import annotations
+
+# The gRPC service each kind serves (what its sidecar's peers route on).
+GRPC_SERVICE = {
+    "control": "gaas.v1.Control",
+    "kvcache": "gaas.v1.KVCache",
+    "billing": "gaas.v1.Billing",
+    "worker": "gaas.v1.Worker",
+    "router": "gaas.v1.Inference",
+}
+
+# The router's second public API: OpenAI's HTTP API over HttpBody methods.
+OPENAI_SERVICE = "gaas.v1.OpenAI"
+# Its generation methods, which a worker serves too when the ingress sends them there straight
+# (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
+OPENAI_GENERATION = ("Completions", "ChatCompletions")
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The router's key check for the ingress, on each request's headers (Envoy's external authorization).
+AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
