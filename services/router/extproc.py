@@ -34,20 +34,7 @@ from gaas.openai import api as openai_api
 from gaas.metering.meter import Metered
 from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
-from gaas.runtime.context import (
-    AUTHORIZATION_HEADER,
-    CLIENT_REQUEST_ID_HEADER,
-    REQUEST_ID_HEADER,
-    TENANT_HEADER,
-    WORKER_HEADER,
-    authorization_var,
-    client_request_id_var,
-    new_request_id,
-    request_id_var,
-    sanitize_client_id,
-    tenant_var,
-)
-from gaas.runtime.interceptors import translate
+from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, begin_request, client_request_id_var
 from gaas.contracts.services import OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
@@ -206,11 +193,8 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         try:
             placement = await self._decide(headers, bytes(body), timing)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
-            err = translate(exc)
-            if err is None:
+            if (err := status.answer_in_stream(exc)) is None:
                 raise
-            if err.code == "INTERNAL":
-                log.error("deciding a direct generation failed", exc_info=exc)
             yield immediate(err)
             return
         if placement is None:
@@ -270,12 +254,9 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
         if parse is None:
             return None
-        client_id = sanitize_client_id(headers.get(CLIENT_REQUEST_ID_HEADER, ""))
-        client_request_id_var.set(client_id)
-        request_id = new_request_id()
-        request_id_var.set(request_id)
-        tenant_var.set("")
-        authorization_var.set(headers.get(AUTHORIZATION_HEADER, ""))
+        # The headers of the HTTP request this stream decides come in its first message.
+        begin_request(headers, edge=True)
+        client_id = client_request_id_var.get()
         principal = await self._pipeline.authenticate(timing)
         http = httpbody_pb2.HttpBody.FromString(grpc_unframe(body))
         parsed = parse(jsonbody.parse(http.data, self._max_body))
