@@ -7,7 +7,10 @@
   outcomes.py   what is recorded of each request's outcome (metrics)
 
 The Dispatcher is their one front: built once by the router's server with the mesh's view, the
-scheduler, the flow and the worker channel, and shared by every API the router serves. Failures are
+scheduler, the flow and the worker channel, and shared by every API the router serves. It assembles
+the hooks around the scheduler's cycles (services/router/scheduling/hooks/): the KV lookup and the
+in-flight counts before a cycle, provisioning and the routed count after it, and the windows',
+breakers' and prediction accounting after each response. Failures are
 gaas.contracts.errors, which the server interceptor turns into statuses.
 """
 
@@ -28,9 +31,16 @@ from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
 from services.router.kvclient import KVDirectoryClient
 from services.router.outcomes import Outcomes, RouterMetrics
-from services.router.placement import DirectPlacement, Placer
+from services.router.placement import DirectPlacement, Inflight, Placer
 from services.router.prepare import Prepared, Preparer
 from services.router.relay import Relay, merge
+from services.router.scheduling.hooks import Hooks
+from services.router.scheduling.hooks.flow_accounting import FlowAccounting
+from services.router.scheduling.hooks.inflight import InflightSince
+from services.router.scheduling.hooks.prediction import PredictionCheck
+from services.router.scheduling.hooks.prefix_lookup import PrefixLookup
+from services.router.scheduling.hooks.provision import Provision
+from services.router.scheduling.hooks.routed import Routed
 
 __all__ = ["Dispatcher", "DirectPlacement", "Prepared", "RouterMetrics", "merge"]
 
@@ -57,11 +67,18 @@ class Dispatcher:
         self._metrics = metrics
         self._workers = worker_stub
         self.outcomes = Outcomes(metrics)
+        self._inflight = Inflight()
+        self.hooks = Hooks(
+            pre=[PrefixLookup(), InflightSince(self._inflight.since)],
+            post=[*([Provision(kv)] if kv is not None else []),
+                  *([Routed(metrics.routed, scheduler.name)] if metrics.routed is not None else [])],
+            response=[FlowAccounting(self._flow), PredictionCheck(self.outcomes.check_prediction)],
+        )
         self.preparer = Preparer(directory, scheduler, tokenizer_for, kv, metrics.lookup_seconds)
-        self.placer = Placer(directory, scheduler, self._flow, kv, metrics, self.outcomes, self.activity, coalescing)
-        self._inflight = self.placer.inflight
-        self.relay = Relay(directory, self.placer, worker_stub, self._flow, metrics, self.outcomes, self.activity,
-                           retries=retries, max_stream_seconds=max_stream_seconds)
+        self.placer = Placer(directory, scheduler, self._flow, self.hooks, self._inflight, metrics, self.outcomes,
+                             self.activity, coalescing)
+        self.relay = Relay(directory, self.placer, worker_stub, self._flow, self.hooks, metrics, self.outcomes,
+                           self.activity, retries=retries, max_stream_seconds=max_stream_seconds)
 
     @property
     def flow(self) -> Flow:

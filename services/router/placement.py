@@ -21,10 +21,11 @@ from services.router.breakers import prompt_work
 from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory
 from services.router.flow import Flow
-from services.router.kvclient import KVDirectoryClient
 from services.router.outcomes import Outcomes, RouterMetrics
 from services.router.prepare import Prepared
 from services.router.scheduling import Candidate, RequestContext, Scheduler, WorkerId
+from services.router.scheduling.hooks import Hooks
+from services.router.scheduling.types import Response
 
 log = logging.getLogger(__name__)
 
@@ -93,41 +94,40 @@ class DirectPlacement:
 
 
 class Placer:
-    def __init__(self, directory: MeshDirectory, scheduler: Scheduler, flow: Flow, kv: KVDirectoryClient | None,
+    def __init__(self, directory: MeshDirectory, scheduler: Scheduler, flow: Flow, hooks: Hooks, inflight: Inflight,
                  metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, coalescing: Coalescing) -> None:
         self._directory = directory
         self._scheduler = scheduler
         self._flow = flow
-        self._kv = kv
+        self._hooks = hooks
         self._metrics = metrics
         self._outcomes = outcomes
         self.activity = activity
         self._coalescing = coalescing
-        self.inflight = Inflight()
-        self._inflight = self.inflight
+        self.inflight = inflight
+        self._inflight = inflight
 
-    async def context(self, prepared: Prepared, principal: Principal, workers) -> tuple[RequestContext, dict]:
-        """The scheduler's view of the request, with the directory's prefix answer gathered."""
+    async def context(self, prepared: Prepared, principal: Principal, workers) -> RequestContext:
+        """The scheduler's view of the request, gathered by the pre-cycle hooks (the directory's
+        prefix answer, the requests sent each worker since its last report)."""
         req = prepared.request
         ctx = RequestContext(
             model=prepared.model.name, tenant=principal.tenant, tier=principal.tier,
             prompt_tokens=prepared.prompt_tokens, max_tokens=req.max_tokens,
-            session_worker=WorkerId(prepared.session_worker),
+            session_worker=WorkerId(prepared.session_worker), block_hashes=prepared.block_hashes,
+            prefix_lookup=prepared.prefix_lookup,
+            cache_owner=principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER,
         )
-        confirmed: dict = {}
-        ctx.block_hashes = prepared.block_hashes
-        if prepared.prefix_lookup is not None:
-            ctx.prefix, confirmed = await prepared.prefix_lookup
-        ctx.inflight = {w.worker_id: self._inflight.since(w.worker_id, w.load.reported_ms) for w in workers}
-        return ctx, confirmed
+        await self._hooks.before(ctx, workers)
+        return ctx
 
     async def place(
         self, prepared: Prepared, principal: Principal, ctx: RequestContext, workers, time_remaining: float | None,
         span, attempt: int = 0,
     ):
         """One placement: the scheduler's pick within the windows (waiting in the queue when they
-        are full), the decision on the request's span, the prefix's blocks provisioned where they
-        will be, the request counted in flight there. Returns (worker, seconds queued, in-flight token,
+        are full), the decision on the request's span, the post-cycle hooks (the prefix's blocks
+        provisioned where they will be...), the request counted in flight there. Returns (worker, seconds queued, in-flight token,
         every candidate's score)."""
         placing = time.perf_counter()
         decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, time_remaining)
@@ -140,13 +140,7 @@ class Placer:
                 "gaas.prefix_tokens": ctx.prefix.get(worker.worker_id, 0) * worker.block_size,
                 "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
             })
-        if ctx.block_hashes and self._kv is not None and len(workers) > 1:
-            # Where the blocks will be, before the engine says so (with one worker nothing
-            # is decided by it; the engine's own events tell the directory).
-            owner = principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER
-            self._kv.provision(worker.worker_id, ctx.block_hashes, owner)
-        if self._metrics.routed is not None:
-            self._metrics.routed.labels(self._scheduler.name, worker.worker_id).inc()
+        self._hooks.picked(ctx, worker, workers)
         return worker, queued_s, self._inflight.start(worker.worker_id), decision.scores
 
     def worker_request(self, prepared: Prepared, principal: Principal, request_id: str) -> worker_pb2.WorkerGenerateRequest:
@@ -173,7 +167,7 @@ class Placer:
         the same decision as for a stream of the router's own, without a retry (the router is out
         of the stream); the caller reports its end (DirectPlacement.ended)."""
         workers = await self._directory.workers(prepared.model.name)
-        ctx, confirmed = await self.context(prepared, principal, workers)
+        ctx = await self.context(prepared, principal, workers)
         self.activity.started(principal.tenant, principal.tier)
         try:
             worker, queued_s, token, scores = await self.place(prepared, principal, ctx, workers, time_remaining,
@@ -187,7 +181,7 @@ class Placer:
         others = [w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked]
         fallback = max(others, key=lambda w: scores.get(w.worker_id, float("-inf")), default=None)
         return DirectPlacement(self, prepared, principal, worker, self.worker_request(prepared, principal, request_id),
-                               queued_s, token, confirmed.get(worker.worker_id, 0), fallback)
+                               queued_s, token, ctx.confirmed.get(worker.worker_id, 0), fallback)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None) -> None:
@@ -198,15 +192,17 @@ class Placer:
         if final is not None and final.worker_id and final.worker_id != worker:
             # The ingress found the worker would not take it (unreachable, busy) and sent it to the
             # second choice, which served it.
-            self._flow.failed(worker, grpc.StatusCode.UNAVAILABLE, "did not take a request the ingress sent it")
+            self._hooks.failed(Response(worker, p.principal.tier, code=grpc.StatusCode.UNAVAILABLE,
+                                        detail="did not take a request the ingress sent it"))
             worker = WorkerId(final.worker_id)
         if final is not None:
             t, u = final.timings, final.usage
             # What the tenant waited for the first token, from the ingress's arrival; the window's
             # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
             seen_ms = t.total_ms - t.decode_ms
-            self._flow.first_token(worker, p.principal.tier, t.ttft_ms, seen_ms - t.ingress_ms - t.router_queue_ms,
-                                   prompt_work(u.prompt_tokens - u.cached_tokens))
+            self._hooks.first_token(Response(worker, p.principal.tier, t.ttft_ms,
+                                             seen_ms - t.ingress_ms - t.router_queue_ms,
+                                             prompt_work(u.prompt_tokens - u.cached_tokens)))
             outcome = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
             if m.ttft_seconds is not None:
                 m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
@@ -217,9 +213,10 @@ class Placer:
                      u.cached_tokens, p.confirmed_blocks, u.completion_tokens,
                      common_pb2.FinishReason.Name(final.finish_reason), t.ttft_ms)
             if worker == p.worker.worker_id:
-                self._outcomes.check_prediction(worker, p.confirmed_blocks, p.worker.block_size, u.cached_tokens)
+                self._hooks.served(Response(worker, p.principal.tier, cached_tokens=u.cached_tokens,
+                                            confirmed_blocks=p.confirmed_blocks, block_size=p.worker.block_size))
         elif code is not None and code != grpc.StatusCode.OK:
-            self._flow.failed(worker, code, detail)
+            self._hooks.failed(Response(worker, p.principal.tier, code=code, detail=detail))
             outcome = code.name
         else:
             outcome = "cancelled"
@@ -227,5 +224,5 @@ class Placer:
             m.requests.labels(*labels, outcome).inc()
         # The room taken was the first choice's.
         self._inflight.finish(p.worker.worker_id, p.token)
-        self._flow.finished(p.worker.worker_id)
+        self._hooks.ended(Response(p.worker.worker_id, p.principal.tier))
         self.activity.finished(p.principal.tenant, tokens)

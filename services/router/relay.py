@@ -28,6 +28,8 @@ from services.router.outcomes import Outcomes, RouterMetrics
 from services.router.placement import Inflight, Placer
 from services.router.prepare import Prepared
 from services.router.scheduling import WorkerId
+from services.router.scheduling.hooks import Hooks
+from services.router.scheduling.types import Response
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +42,13 @@ ABANDONED_FIRST_CHUNK_S = 35.0
 
 class Relay:
     def __init__(self, directory: MeshDirectory, placer: Placer, worker_stub: worker_pb2_grpc.WorkerStub, flow: Flow,
-                 metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, *, retries: int,
+                 hooks: Hooks, metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, *, retries: int,
                  max_stream_seconds: float) -> None:
         self._directory = directory
         self._placer = placer
         self._workers = worker_stub
         self._flow = flow
+        self._hooks = hooks
         self._metrics = metrics
         self._outcomes = outcomes
         self.activity = activity
@@ -114,7 +117,7 @@ class Relay:
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         model = prepared.model
         workers = await self._directory.workers(model.name)
-        ctx, confirmed = await self._placer.context(prepared, principal, workers)
+        ctx = await self._placer.context(prepared, principal, workers)
         worker_request = self._placer.worker_request(prepared, principal, request_id)
 
         tried: set[WorkerId] = set()
@@ -164,8 +167,8 @@ class Relay:
                         # The worker's breaker judges the worker's own time; the window judges what the
                         # tenant waits for, less the queue the window itself decides (the router's
                         # own delays under load count: a smaller window relieves them too).
-                        self._flow.first_token(worker.worker_id, principal.tier, (now - sent_at) * 1000,
-                                               (now - arrived - queued_s) * 1000, work)
+                        self._hooks.first_token(Response(worker.worker_id, principal.tier, (now - sent_at) * 1000,
+                                                         (now - arrived - queued_s) * 1000, work))
                     if chunk.HasField("usage"):
                         now = time.perf_counter()
                         latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,
@@ -180,19 +183,19 @@ class Relay:
                             ctx.prefix.get(worker.worker_id, 0), chunk.usage.completion_tokens,
                             common_pb2.FinishReason.Name(chunk.finish_reason), chunk.timings.ttft_ms,
                         )
-                        self._outcomes.check_prediction(
-                            worker.worker_id, confirmed.get(worker.worker_id, 0), worker.block_size,
-                            chunk.usage.cached_tokens,
-                        )
+                        self._hooks.served(Response(
+                            worker.worker_id, principal.tier, cached_tokens=chunk.usage.cached_tokens,
+                            confirmed_blocks=ctx.confirmed.get(worker.worker_id, 0), block_size=worker.block_size,
+                        ))
                     sent_any = True
                     yield chunk
                     chunk = await call.read()
                 if first:
-                    self._flow.succeeded(worker.worker_id)
+                    self._hooks.succeeded(Response(worker.worker_id, principal.tier))
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                self._flow.failed(worker.worker_id, code, exc.details() or "")
+                self._hooks.failed(Response(worker.worker_id, principal.tier, code=code, detail=exc.details() or ""))
                 if not sent_any and code in RETRYABLE and attempt < self._retries:
                     log.warning("worker %s failed before its first token (%s: %s); trying another",
                                 worker.worker_id, code.name, exc.details())
@@ -204,7 +207,7 @@ class Relay:
                     # A client that went away cancels the caller; take the worker's stream with it.
                     call.cancel()
                     self._inflight.finish(worker.worker_id, token)
-                    self._flow.finished(worker.worker_id)
+                    self._hooks.ended(Response(worker.worker_id, principal.tier))
 
     def _run_to_first_chunk(self, call, reading: asyncio.Future, worker: WorkerId, token: int,
                             on_abandoned: Callable[[asyncio.Future], None] | None) -> None:
@@ -222,7 +225,7 @@ class Relay:
             finally:
                 call.cancel()
                 self._inflight.finish(worker, token)
-                self._flow.finished(worker)
+                self._hooks.ended(Response(worker))
 
         task = asyncio.ensure_future(finish())
         self._abandoned.add(task)

@@ -1,11 +1,15 @@
 """What the scheduler works on: the request's context, the candidate workers with their latest
-load, and the three kinds of plugin (filter, scorer, picker). Pure data, no I/O."""
+load, the three kinds of plugin a scheduling cycle runs (filter, scorer, picker), and the three
+kinds of hook around it (pre-cycle, post-cycle, post-response: services/router/scheduling/hooks.py).
+Pure data, no I/O."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import grpc
 
 from gaas.contracts import errors
 from gaas.contracts.ids import WorkerId
@@ -70,6 +74,12 @@ class RequestContext:
     inflight: Mapping[WorkerId, int] = field(default_factory=dict)
     # A session's turn: the worker that served its last turn (its prefix is likely there).
     session_worker: WorkerId = WorkerId("")
+    # The KV directory's answer for block_hashes, asked for before the cycle (None: not asked), and
+    # the leading blocks it confirmed each worker holds; whom the blocks are cached for (the
+    # tenant, or a public prefix's owner), which the directory files provisioned blocks under.
+    prefix_lookup: Awaitable | None = None
+    confirmed: Mapping[WorkerId, int] = field(default_factory=dict)
+    cache_owner: str = ""
 
     def queue(self, c: Candidate) -> int:
         """Requests ahead of this one at c: running and waiting as reported, plus those sent since."""
@@ -113,6 +123,63 @@ class Picker(Plugin):
 
     @abstractmethod
     def pick(self, ctx: RequestContext, candidates: Sequence[Candidate], scores: Mapping[WorkerId, float]) -> Candidate: ...
+
+
+class PreCycle(Plugin):
+    """Runs before a request is scheduled: gathers what filters and scorers read into its context.
+    The one place that may wait (the KV directory's answer), so the cycle itself stays pure."""
+
+    @abstractmethod
+    async def before(self, ctx: RequestContext, candidates: Sequence[Candidate]) -> None: ...
+
+
+class PostCycle(Plugin):
+    """Runs once a cycle picked the worker, before the request is sent there."""
+
+    @abstractmethod
+    def picked(self, ctx: RequestContext, worker: Candidate, candidates: Sequence[Candidate]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """What a worker did with a request it was sent, as post-response hooks learn it."""
+
+    worker: WorkerId
+    tier: str = ""
+    # Its first token: ms from when the worker was sent the request, and what the tenant waited
+    # (less the router's queue); the prompt's work (breakers.prompt_work).
+    ttft_ms: float = 0.0
+    seen_ms: float | None = None
+    work: float = 1.0
+    # A failure: the worker's status and its detail.
+    code: grpc.StatusCode | None = None
+    detail: str = ""
+    # Served: the cached tokens its usage reports, beside the leading blocks the KV directory said
+    # the worker held (and the worker's block size).
+    cached_tokens: int = 0
+    confirmed_blocks: int = 0
+    block_size: int = 0
+
+
+class PostResponse(Plugin):
+    """Told how a worker did with a request, in order: its first token (or success without one, or
+    a failure), its usage when it finished, and its end (the request left the worker). Each is a
+    no-op unless a hook overrides it."""
+
+    def first_token(self, r: Response) -> None:
+        pass
+
+    def succeeded(self, r: Response) -> None:
+        """It ended well without producing a token (nothing to time)."""
+
+    def failed(self, r: Response) -> None:
+        pass
+
+    def served(self, r: Response) -> None:
+        """It finished, with its usage."""
+
+    def ended(self, r: Response) -> None:
+        """It left the worker, however it went."""
 
 
 class NoCapacity(errors.Unavailable):
