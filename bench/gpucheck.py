@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.common.output import RESULTS, ROOT, progress, write_json
-from bench.run import free_port, merge_detailed, stop_group, wait_http
+from bench.common.vllm import free_port, merge_detailed, stop_group, wait_http
 
 GOAL_TTFT_MS = 3.0
 GOAL_THROUGHPUT = 0.95

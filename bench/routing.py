@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.common.output import RESULTS, ROOT, progress, write_json
 from bench.common.stats import percentile
-from bench.run import free_port, start_vllm_server, stop_group, wait_http
+from bench.common.vllm import free_port, start_vllm_server, stop_group, wait_http
 from bench.workload import multi_tenant_chat
 from gaas.host.placement import worker_cpus
 
