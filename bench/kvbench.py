@@ -142,7 +142,6 @@ class SimWorker:
         self.ends: list[float] = []  # end times of admitted requests
         self.busy_until = 0.0
         self.dir = directory
-        self._engine_ids: dict[int, int] = {}
 
     def queue(self, now: float) -> int:
         self.ends = [e for e in self.ends if e > now]

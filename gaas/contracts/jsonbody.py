@@ -19,7 +19,6 @@ from gaas.contracts.errors import InvalidArgument, quote
 
 MAX_DEPTH = 32
 MAX_NUMBER_CHARS = 40
-INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -123,9 +122,6 @@ class Fields:
     def raw(self, name: str) -> Any:
         self._seen.add(name)
         return self.body.get(name)
-
-    def present(self, name: str) -> bool:
-        return self.body.get(name) is not None
 
     def integer(self, name: str, lo: int, hi: int) -> int | None:
         value = self.raw(name)

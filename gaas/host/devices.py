@@ -162,11 +162,6 @@ def host_kind(env: Mapping[str, str] | None = None) -> str:
     return "cuda" if visible_gpus(env=env) else "cpu"
 
 
-def gpu_by_uuid(uuid: str, gpus: list[GpuInfo] | None = None) -> GpuInfo | None:
-    gpus = list_gpus() if gpus is None else gpus
-    return next((g for g in gpus if g.uuid == uuid), None)
-
-
 @dataclass(frozen=True, slots=True)
 class DeviceDescription:
     """What a worker computes on (reported with its load)."""

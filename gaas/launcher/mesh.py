@@ -635,10 +635,6 @@ class Mesh:
             if rc is not None and not self._stopping:
                 raise MeshError(f"{c.name} exited with code {rc} while starting; its log {c.log} ends:\n{c.tail()}")
 
-    def exited(self) -> list[Child]:
-        """Children that have exited (for `gaas up`'s watch loop)."""
-        return [c for c in self.children if c.proc.poll() is not None]
-
     def supervise(self, report: Callable[[str], None]) -> None:
         """Restart children that exited on their own, with backoff (1, 2, 4 ... 30 s; reset after a
         minute of running), saying so through report. Called every second by `gaas up`."""

@@ -94,7 +94,6 @@ class Tokenizer:
 
     def __init__(self, backend, chat_template: str | None, special_tokens: dict[str, str]) -> None:
         self._tok = backend
-        self._template_source = chat_template
         self._template = _compile(chat_template) if chat_template else None
         self.special_tokens = special_tokens
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -119,10 +118,6 @@ class Tokenizer:
         elif isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
         return cls(Backend.from_file(str(path)), template, _special_tokens(config))
-
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -16,15 +16,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
 
 from gaas.contracts import kvhash
 from gaas.contracts.ids import WorkerId
 from gaas.contracts.kvhash import BlockHash
 
 log = logging.getLogger(__name__)
-
-EngineHash = NewType("EngineHash", int)
 
 UNKNOWN_TENANT = ""
 

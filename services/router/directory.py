@@ -99,9 +99,6 @@ class MeshDirectory:
             return snap
         return await self._refresh_now()
 
-    def invalidate(self) -> None:
-        self._snapshot = None
-
     async def _fresh_if(self, missing: bool) -> Snapshot | None:
         """A fresh view when what the current one lacks may be news (a worker that just
         registered, a model just applied) and the current one is not brand new; else None."""
