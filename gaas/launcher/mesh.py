@@ -159,13 +159,27 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """Linux's range of ports for outgoing connections (where a listener may find its port taken)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000) -> int:
-    """A port base with `span` free ports above it (for tests and side-by-side meshes)."""
-    for base in range(start, 60000, span):
+    """A port base with `span` free ports above it (for tests and side-by-side meshes), from start
+    up to the ephemeral range, then below start: never in the ephemeral range, where an outgoing
+    connection may take a port the mesh is about to listen on."""
+    low = ephemeral_ports()[0]
+    floor = 10000
+    bases = [*range(start, low - span + 1, span), *range(start - span, floor - 1, -span)]
+    for base in bases:
         if not any(port_in_use(host, p) for p in range(base, base + span, 1)):
             return base
-    raise MeshError(f"no free block of {span} ports found between {start} and 60000; stop what holds them "
-                    "(ss -ltnp shows which process)")
+    raise MeshError(f"no free block of {span} ports found between {floor} and {low} (the ephemeral range begins "
+                    "there); stop what holds them (ss -ltnp shows which process)")
 
 
 def lock_run_dir(run_dir: Path) -> int:
