@@ -39,8 +39,6 @@ from gaas.runtime.context import (
     tenant_var,
 )
 from gaas.runtime.metrics import ServiceMetrics
-# services/router/extproc.py imports translate from here; status.answer_in_stream is its successor.
-from gaas.runtime.status import translate  # noqa: F401
 
 
 def _headers(metadata) -> dict[str, str]:
