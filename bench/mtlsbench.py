@@ -15,10 +15,8 @@ Goal (issue 10): < 0.2 ms p50 per hop. Prints a table and writes bench/results/m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent import futures
@@ -28,7 +26,6 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gaas.runtime.metrics import nearest_rank
 from gaas.envoy import config as envoyconf
 from gaas.envoy.bootstrap import bootstrap
 from gaas.envoy.clusters import static_cluster
@@ -37,13 +34,13 @@ from gaas.envoy.routes import grpc_route
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.ops import pki
 from gaas.launcher.mesh import free_port_base
+from bench.common.output import RESULTS, progress, write_json
+from bench.common.stats import percentile
 
-ROOT = Path(__file__).resolve().parent.parent
 GOAL_MS = 0.2
 
 
-def say(msg: str) -> None:
-    print(f"mtls: {msg}", file=sys.stderr, flush=True)
+say = progress("mtls")
 
 
 _SERVING = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString()
@@ -126,8 +123,8 @@ def _measure(target: str, calls: int) -> dict:
             first.append((time.perf_counter() - t) * 1000)
             for _ in stream:
                 pass
-    return {"unary_p50_ms": nearest_rank(unary, 0.5), "unary_p99_ms": nearest_rank(unary, 0.99),
-            "first_message_p50_ms": nearest_rank(first, 0.5), "first_message_p99_ms": nearest_rank(first, 0.99)}
+    return {"unary_p50_ms": percentile(unary, 0.5), "unary_p99_ms": percentile(unary, 0.99),
+            "first_message_p50_ms": percentile(first, 0.5), "first_message_p99_ms": percentile(first, 0.99)}
 
 
 def run(calls: int) -> dict:
@@ -168,7 +165,7 @@ def run(calls: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3000, help="unary calls per mode (a quarter as many streams)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "mtls.json"))
+    p.add_argument("--out", default=str(RESULTS / "mtls.json"))
     args = p.parse_args()
     r = run(args.calls)
     print(f"\nOne sidecar-to-sidecar hop ({args.calls} calls, best of two runs per mode)")
@@ -180,8 +177,7 @@ def main() -> None:
     print(f"{'mTLS cost':<12} {c['unary_p50_ms']:>9.3f}ms {c['unary_p99_ms']:>9.3f}ms "
           f"{c['first_message_p50_ms']:>11.3f}ms {c['first_message_p99_ms']:>11.3f}ms")
     print(f"goal: < {GOAL_MS} ms p50 per hop: {'met' if r['goal_met'] else 'NOT met'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(r, indent=2) + "\n")
+    write_json(args.out, r)
     print(f"wrote {args.out}")
 
 

@@ -71,11 +71,11 @@ def cmd_generate(args) -> int:
         "seconds": round(elapsed, 4),
     }
     if final is not None:
-        from gaas.v1 import common_pb2
+        from gaas.contracts import finish
 
         summary.update(
             request_id=final.request_id,
-            finish_reason=common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower(),
+            finish_reason=finish.label(final.finish_reason),
             model=final.model,
             model_version=final.model_version,
             worker=final.worker_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from gaas.contracts.tenancy import DEFAULT_TIER, TIERS_BY_PRIORITY
 from gaas.cli.common import add_admin_args, admin_call, fail, say
 
 # An option not given on the command line (where None means something).
@@ -113,7 +114,7 @@ def register(sub) -> None:
     tsub = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
     tcreate = tsub.add_parser("create", help="create a tenant")
     tcreate.add_argument("name", help="lower-case letters, digits, '-' and '_'")
-    tcreate.add_argument("--tier", choices=["gold", "silver", "bronze"], default="bronze", help="service tier (bronze)")
+    tcreate.add_argument("--tier", choices=list(TIERS_BY_PRIORITY), default=DEFAULT_TIER, help=f"service tier ({DEFAULT_TIER})")
     add_admin_args(tcreate)
     tcreate.set_defaults(func=cmd_tenant_create)
     tset = tsub.add_parser("set", help="change a tenant's tier, quotas or Stripe customer",
@@ -122,7 +123,7 @@ def register(sub) -> None:
                            "HTTP 429 rate_limit_exceeded with Retry-After), or the Stripe customer its usage is reported "
                            "to (meter events are sent once each usage window closes; an empty --stripe-customer stops it).")
     tset.add_argument("name")
-    tset.add_argument("--tier", choices=["gold", "silver", "bronze"], default=None, help="new service tier")
+    tset.add_argument("--tier", choices=list(TIERS_BY_PRIORITY), default=None, help="new service tier")
     tset.add_argument("--stripe-customer", default=None, metavar="CUS_ID", help="Stripe customer id (cus_...); '' removes it")
     for flag, what in (("rpm", "requests per minute"), ("tpm", "tokens per minute (prompt + completion)"),
                        ("concurrency", "requests at once")):

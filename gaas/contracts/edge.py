@@ -1,7 +1,8 @@
 """The limits a client meets at the edge, in one place: the ingress Envoy's (gaas/envoy/config.py
 renders them), the router's (services/router) and the OpenAI surface's (gaas/openai/api.py). The
-README's table of limits is this module's; what an operator may change is read from the
-environment here, once, by both the launcher and the services.
+table of limits in docs/configuration.md is this module's; the two an operator may change
+(GAAS_MAX_BODY_BYTES, GAAS_MAX_STREAM_SECONDS) are the router's settings (gaas/settings/router.py),
+whose defaults are here.
 
 Why each is what it is:
   - a client must send its headers within REQUEST_HEADERS_TIMEOUT_S and its whole request within
@@ -18,9 +19,6 @@ Why each is what it is:
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Mapping
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -89,17 +87,3 @@ FAILED_AUTH_BURST = 20
 FAILED_AUTH_PER_SECOND = 2.0
 # Addresses (and unknown keys) remembered; the oldest are forgotten first.
 FAILED_AUTH_ADDRESSES = 100_000
-
-
-def max_body_bytes(env: Mapping[str, str] = os.environ) -> int:
-    return int(env.get("GAAS_MAX_BODY_BYTES") or MAX_BODY_BYTES)
-
-
-def max_stream_seconds(env: Mapping[str, str] = os.environ) -> float:
-    return float(env.get("GAAS_MAX_STREAM_SECONDS") or MAX_STREAM_SECONDS)
-
-
-def stream_idle_timeout_s(env: Mapping[str, str] = os.environ) -> int:
-    """How long a stream may move no byte, on every Envoy: longer than a generation may run, so a
-    router or worker always ends a stream (with its own error) before an Envoy cuts it."""
-    return int(max_stream_seconds(env)) + 30

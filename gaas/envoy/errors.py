@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gaas.contracts import edge
+from gaas.settings import router as router_settings
 
 OPENAI_ERRORS_LUA = Path(__file__).resolve().parents[2] / "envoy" / "openai_errors.lua"
 
@@ -29,7 +29,7 @@ def openai_errors_lua() -> str:
         f"local GRPC_CODES = {lua_table((c, i.openai_code) for c, i in codes)}\n"
         f"local TYPES = {lua_table((c, i.openai_type) for c, i in codes)}\n"
         f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n"
-        f'local MAX_BODY = "{edge.max_body_bytes()} bytes"\n\n'
+        f'local MAX_BODY = "{router_settings.max_body_bytes()} bytes"\n\n'
     )
     return header + OPENAI_ERRORS_LUA.read_text()
 

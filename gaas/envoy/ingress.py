@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gaas.contracts import edge
+from gaas.settings import router as router_settings
 from gaas.envoy.bootstrap import bootstrap
 from gaas.envoy.clusters import static_cluster
 from gaas.envoy.direct import direct_routes, direct_workers_cluster, ext_proc, ext_proc_disabled
@@ -69,7 +70,7 @@ def ext_authz() -> dict:
 def max_http_body() -> int:
     """The largest HTTP body the ingress buffers for transcoding: the router's limit, and room for
     the framing (a larger body is refused at the ingress with 413, unread)."""
-    return edge.max_body_bytes() + 16 * edge.KIB
+    return router_settings.max_body_bytes() + 16 * edge.KIB
 
 
 def transcoder(descriptor_set: Path) -> dict:

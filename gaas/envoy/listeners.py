@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gaas.contracts import edge
+from gaas.settings import router as router_settings
 
 ACCESS_LOG_FORMAT = {
     "time": "%START_TIME%",
@@ -83,7 +83,7 @@ def hcm(stat_prefix: str, routes: list[dict], http_filters: list[dict], access_l
             "codec_type": "AUTO",
             # Streams may sit between tokens, or before a non-streamed answer; only a silence
             # longer than a generation may run ends them (the router ends its own first).
-            "stream_idle_timeout": f"{edge.stream_idle_timeout_s()}s",
+            "stream_idle_timeout": f"{router_settings.stream_idle_timeout_s()}s",
             "access_log": file_access_log(access_log),
             "http_filters": [*http_filters, router_filter()],
             "route_config": {"name": stat_prefix, "virtual_hosts": [vhost]},

@@ -10,8 +10,12 @@ import math
 import os
 from dataclasses import dataclass
 
-# The share of a GPU's memory vLLM may take, split between the workers that share the GPU.
-GPU_MEMORY_BUDGET = 0.85
+from gaas.settings.env import default_of
+from gaas.settings.worker import EXECUTORS, WorkerSettings
+
+# The share of a GPU's memory vLLM may take (the worker setting's default), split between the
+# workers that share the GPU.
+GPU_MEMORY_BUDGET = default_of(WorkerSettings, "gpu_memory_utilization")
 
 
 class PlacementError(ValueError):
@@ -121,10 +125,10 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-# Where a worker's model runs, vLLM's names: "uni", in the engine core's own process (one Python
-# process less per worker, ~400 MB, and no hand-off between processes at every engine step); "mp",
-# a process of its own (what vLLM's CPU platform otherwise insists on).
-EXECUTORS = ("uni", "mp")
+# Where a worker's model runs, vLLM's names (EXECUTORS, a worker setting): "uni", in the engine
+# core's own process (one Python process less per worker, ~400 MB, and no hand-off between
+# processes at every engine step); "mp", a process of its own (what vLLM's CPU platform otherwise
+# insists on).
 # vLLM's in-process executor named by its class: vLLM's CPU platform turns the name "uni" into "mp"
 # ("OMP requires the MP executor"), because an engine core would start one OpenMP thread per core
 # of the host; engine_executor gives it one per core it computes on instead.

@@ -26,7 +26,7 @@ from gaas.envoy import config as envoyconf
 from gaas.ops import pki, probe, promconf, protogen, redisacl
 from gaas.settings import deployspec
 from gaas.settings import worker as worker_settings
-from gaas.settings.env import env_of, variables
+from gaas.settings.env import env_of, value_from_env, variables
 from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 from gaas.model.build import build_model, is_built
 from gaas.host import placement
@@ -355,7 +355,7 @@ class Mesh:
         self.gpu_slots: list[placement.GpuSlot] = []
         workers = self.topo.of("worker")
         if self.gpus and workers:
-            budget = float(os.environ.get("GAAS_GPU_MEMORY_UTILIZATION") or placement.GPU_MEMORY_BUDGET)
+            budget = value_from_env(worker_settings.WorkerSettings, "gpu_memory_utilization")
             kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
             try:
                 self.gpu_slots = placement.worker_gpus(self.gpus, len(workers), budget=budget, kv_cache_bytes=kv_bytes)

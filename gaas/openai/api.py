@@ -13,17 +13,12 @@ import time
 from dataclasses import dataclass, field
 
 from gaas.contracts import edge, genrequest
+from gaas.contracts import finish as finish_reasons
 from gaas.contracts.errors import InvalidArgument, quote
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, is_digits, type_name
 
 DONE = b"data: [DONE]\n\n"
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 MAX_PROMPTS = 64
 MAX_CHOICES = 64
 MAX_USER_CHARS = 256
@@ -387,7 +382,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None)
 
 
 def finish_reason(chunk: common_pb2.GenerateChunk) -> str | None:
-    return FINISH_REASONS.get(chunk.finish_reason)
+    return finish_reasons.openai(chunk.finish_reason)
 
 
 def stop_reason(chunk: common_pb2.GenerateChunk) -> str | None:

@@ -16,7 +16,7 @@ import yaml
 from gaas.contracts.services import (  # noqa: F401
     AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE,
 )
-from gaas.host.placement import EXECUTORS
+from gaas.settings.worker import EXECUTORS, topology_defaults
 
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")
@@ -44,17 +44,8 @@ ENVOY_STATS_OFFSET = 5
 # In the ingress's block: where `gaas up --trace` receives spans over OTLP/gRPC (gaas.ops.tracesink).
 TRACE_OFFSET = 6
 
-WORKER_DEFAULTS = {
-    # enforce_eager "auto": eager on the CPU (start time), CUDA graphs and torch.compile on GPUs.
-    "model": "", "kv_cache_gib": 1, "kv_cache_blocks": 0, "block_size": 32, "enforce_eager": "auto",
-    # vLLM's batch limits (0: its default tokens per step) and the bound on requests waiting.
-    "max_num_seqs": 64, "max_num_batched_tokens": 0, "max_waiting": 128,
-    # Tokens per streamed message (vLLM's stream_interval; the first token always goes at once).
-    "stream_interval": 1,
-    # Where the model runs (gaas.host.placement.EXECUTORS): "uni" in the engine core's process,
-    # "mp" in a process of its own.
-    "executor": "uni",
-}
+# A topology worker's options and their defaults are the worker's settings (gaas/settings/worker.py).
+WORKER_DEFAULTS = topology_defaults()
 
 
 class TopologyError(ValueError):

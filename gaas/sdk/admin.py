@@ -13,7 +13,7 @@ from gaas.contracts import errors, pricing
 from gaas.ops import pki
 from gaas.contracts.errors import GaasError
 from gaas.runtime import status
-from gaas.contracts.tenancy import TIER_FROM_PB, TIER_TO_PB
+from gaas.contracts.tenancy import DEFAULT_TIER, TIER_FROM_PB, TIER_TO_PB
 from gaas.v1 import billing_pb2 as billing_pb
 from gaas.v1 import billing_pb2_grpc
 from gaas.v1 import control_pb2 as pb
@@ -26,7 +26,7 @@ DEMO_KEY_FILE = "demo-key"
 
 def _tenant(t: pb.Tenant) -> dict:
     return {
-        "name": t.name, "tier": TIER_FROM_PB.get(t.tier, "bronze"), "created_unix_ms": t.created_unix_ms,
+        "name": t.name, "tier": TIER_FROM_PB.get(t.tier, DEFAULT_TIER), "created_unix_ms": t.created_unix_ms,
         "stripe_customer": t.stripe_customer,
         "limits": {"rpm": t.limits.rpm, "tpm": t.limits.tpm, "concurrency": t.limits.concurrency},
         "own_limits": list(t.own_limits),

@@ -178,6 +178,11 @@ def from_env(cls: type[S], env: Mapping[str, str]) -> S:
     return cls(**values)
 
 
+def default_of(cls: type, field: str) -> Any:
+    """A setting's default, as its class declares it."""
+    return next(v.default for v in variables(cls) if v.field == field)
+
+
 def value_from_env(cls: type, field: str, env: Mapping[str, str] = os.environ) -> Any:
     """One setting of cls read from env as the service reads it (for what another process sizes
     by a service's setting: `gaas up` the Envoys by the router's, the GPUs' shares by the workers').

@@ -3,11 +3,13 @@ scheduling profiles GAAS_ROUTER_POLICY names (the `gaas` CLI lists them too)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gaas.contracts import edge
 from gaas.settings import common
-from gaas.settings.env import REQUIRED, ConfigError, Kind, Settings, setting
+from gaas.settings.env import REQUIRED, ConfigError, Kind, Settings, setting, value_from_env
 
 # The scorers a profile weighs and GAAS_ROUTER_WEIGHTS may set, by name (each is a plugin of
 # services/router/scheduling/scorers, registered under that name).
@@ -112,3 +114,20 @@ class RouterSettings(Settings):
     redis_url: str = setting("GAAS_REDIS_URL", "redis://127.0.0.1:6379/0", "Redis, where usage events go and "
                              "budgets and sessions are kept")
     spool_dir: str = setting("GAAS_SPOOL_DIR", ".gaas/spool", "where usage events wait while Redis does not answer")
+
+
+# The two edge limits an operator may change, as the router reads them: the launcher renders the
+# ingress's Envoy config from the same values (gaas/envoy).
+
+def max_body_bytes(env: Mapping[str, str] = os.environ) -> int:
+    return value_from_env(RouterSettings, "max_body_bytes", env)
+
+
+def max_stream_seconds(env: Mapping[str, str] = os.environ) -> float:
+    return value_from_env(RouterSettings, "max_stream_seconds", env)
+
+
+def stream_idle_timeout_s(env: Mapping[str, str] = os.environ) -> int:
+    """How long a stream may move no byte, on every Envoy: longer than a generation may run, so a
+    router or worker always ends a stream (with its own error) before an Envoy cuts it."""
+    return int(max_stream_seconds(env)) + 30

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from gaas.contracts import finish
 from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.activity import TenantActivity
@@ -203,7 +204,7 @@ class Placer:
             self._hooks.first_token(Response(worker, p.principal.tier, t.ttft_ms,
                                              seen_ms - t.ingress_ms - t.router_queue_ms,
                                              prompt_work(u.prompt_tokens - u.cached_tokens)))
-            outcome = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+            outcome = finish.label(final.finish_reason)
             if m.ttft_seconds is not None:
                 m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
             tokens = self._outcomes.count(labels, u, t.decode_ms / 1000)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from opentelemetry import trace
 
-from gaas.contracts import errors, latency
+from gaas.contracts import errors, finish, latency
 from gaas.contracts.principal import Principal
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
@@ -89,7 +89,7 @@ class Relay:
                     if m.ttft_seconds is not None:
                         m.ttft_seconds.labels(*labels).observe(ingress_s + first_at - arrived)
                 if chunk.HasField("usage"):
-                    outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    outcome = finish.label(chunk.finish_reason)
                     tokens = self._outcomes.count(labels, chunk.usage,
                                          None if first_at is None else time.perf_counter() - first_at)
                 yield chunk
