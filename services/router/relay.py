@@ -245,12 +245,12 @@ class Relay:
                 f"the worker serving this request failed after it had streamed tokens (request id {request_id}); "
                 "the request may be retried"
             )
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-            return errors.Unavailable("no worker could take the request right now; retry shortly")
-        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS):
-            return errors.Internal(errors.internal_message(request_id))
-        # The worker's own answers (invalid argument, busy...) are written for the caller.
-        return status.from_rpc(exc)
+        # The worker's own answers (invalid argument, busy...) are written for the caller; silence or a
+        # cancelled call means no worker could take it; its own failure is its log's business.
+        return status.from_peer(exc, "worker", passes=status.PEER_ANSWERS - {"CANCELLED"},
+                                unanswered=status.UNANSWERED | {"CANCELLED"},
+                                message="no worker could take the request right now; retry shortly",
+                                request_id=request_id)
 
 
 PARTS_AT_ONCE = 8
