@@ -31,7 +31,7 @@ test: proto
 	$(BIN)/python -m pytest tests
 
 test-unit: proto
-	$(BIN)/python -m pytest tests -m "not mesh"
+	$(BIN)/python -m pytest tests/unit
 
 bench: proto
 	$(BIN)/python -m bench.run

@@ -1,5 +1,8 @@
-"""Shared fixtures. The expensive pieces (Redis, the whole mesh with its vLLM workers) start once
-per test session and are shared; the mesh is started with the real `gaas up` command."""
+"""Shared fixtures. The expensive pieces (Redis, PostgreSQL, the whole mesh with its vLLM workers)
+start once per test session and are shared; the mesh is started with the real `gaas up` command.
+
+tests/unit mirrors the code's packages (gaas/<package>, services/<name>, bench) and needs no mesh;
+tests/e2e runs against one. fakeclock, meshutil, postgres and stripefake are what both share."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from hypothesis import settings
 
 from gaas.ops import protogen
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 protogen.generate()
 
 # Property-based tests explore the same examples on every run, so CI is repeatable; explore new
@@ -37,6 +40,12 @@ def free_port() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Everything under tests/e2e runs against a mesh (the session's, or one of its own): marked so,
+    # for `-m "not mesh"` (make test-unit runs tests/unit alone).
+    e2e = Path(__file__).resolve().parent / "e2e"
+    for item in items:
+        if e2e in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.mesh)
     # Tests that break the shared mesh (kill a worker, stop it) run after all others, in file order.
     items.sort(key=lambda item: 1 if item.get_closest_marker("destructive") else 0)
 
@@ -157,7 +166,7 @@ def mesh(tmp_path_factory) -> RunningMesh:
     # Billing reports to the local Stripe in 2-second windows, so tests see meter events soon.
     env = {"GAAS_STRIPE_API_KEY": stripe.api_key, "GAAS_STRIPE_API_BASE": stripe.url,
            "GAAS_STRIPE_WINDOW_SECONDS": "2", "GAAS_STRIPE_GRACE_SECONDS": "1"}
-    # Every request traced, as an operator looking into one would run it (tests/test_traces.py).
+    # Every request traced, as an operator looking into one would run it (tests/e2e/test_traces.py).
     m = start_mesh(run_dir, free_port_base(span=200, start=31000), "--workers", str(MESH_WORKERS), "--trace",
                    timeout=MESH_START_TIMEOUT, env=env)
     m.stripe = stripe

@@ -46,6 +46,8 @@ SCHEMA = [
     )""",
 ]
 LIMIT_NAMES = ("rpm", "tpm", "concurrency")
+# Its tables, those referring to others first (the order to drop them in).
+TABLES = ("api_keys", "tenant_billing", "tenant_limits", "tenants")
 
 
 class TenantError(errors.InvalidArgument):

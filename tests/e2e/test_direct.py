@@ -1,0 +1,233 @@
+"""The direct path (topology ingress.path: direct): the router decides each OpenAI generation at the
+ingress (ext_proc) and the tokens stream from the worker to the ingress without passing through
+it. The contract's pure parts, then a mesh of its own (`gaas up --ingress-path direct`, one worker)
+used as a client would: the official openai client, usage in the ledger, refusals in OpenAI's
+shape, a session turn (which the router still serves), a client hanging up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gaas.contracts import errors, pricing
+from gaas.metering import direct
+from gaas.v1 import common_pb2, worker_pb2
+from services.router.extproc import grpc_frame, grpc_unframe, immediate
+from tests.meshutil import (
+    cli_tenant, cli_usage, generate, http, openai_client, own_mesh, refused_on_headers, served_again,
+    wait_for_lines,
+)
+
+MODEL = "gaas-tiny"
+
+
+# ------------------------------------------------------------ the contract, without a mesh
+
+def test_a_grpc_frame_round_trips_and_anything_else_is_refused():
+    assert grpc_unframe(grpc_frame(b"abc")) == b"abc"
+    assert grpc_unframe(grpc_frame(b"")) == b""
+    for bad in (b"", b"\x00\x00", b"\x01\x00\x00\x00\x01a", grpc_frame(b"abc") + b"x"):
+        with pytest.raises(errors.InvalidArgument):
+            grpc_unframe(bad)
+
+
+def test_a_refusal_at_the_ingress_is_rendered_as_the_transcoder_renders_the_routers_own():
+    err = errors.ResourceExhausted("tenant x has made 3 requests", reason="rate_limit_exceeded", retry_after=2.5,
+                                   quota=errors.QuotaViolation("tenant:x", "requests per minute: 3"))
+    r = immediate(err).immediate_response
+    assert r.status.code == 429
+    body = json.loads(r.body)
+    # What the ingress's error filter reads: the gRPC code first, the reason, the retry delay.
+    assert r.body.startswith(b'{"code": 8')
+    assert body["message"] == "tenant x has made 3 requests"
+    kinds = {d["@type"].rsplit(".", 1)[-1]: d for d in body["details"]}
+    assert kinds["ErrorInfo"]["reason"] == "rate_limit_exceeded"
+    assert kinds["RetryInfo"]["retry_delay"] == "2.500s"
+    assert immediate(errors.NotFound("no such model")).immediate_response.status.code == 404
+
+
+@given(
+    queue=st.floats(0, 1e4), ttft=st.floats(0, 1e4), engine=st.floats(0, 1e5), ingress=st.floats(0, 1e3),
+    tenant=st.floats(0, 1e3), router=st.floats(0, 1e3), router_queue=st.floats(0, 1e4), flight=st.floats(0, 10),
+)
+def test_a_direct_generations_decomposition_adds_up_to_its_total(queue, ttft, engine, ingress, tenant, router,
+                                                                    router_queue, flight):
+    d = worker_pb2.DirectGenerate(ingress_ms=ingress, tenant_ms=tenant, router_ms=router, router_queue_ms=router_queue,
+                                  decided_unix=1000.0)
+    t = common_pb2.Timings(queue_ms=queue, ttft_ms=ttft, engine_ms=engine)
+    direct.complete(t, d, 1000.0 + flight)
+    parts = sum(getattr(t, f"{p}_ms") for p in ("tenant", "router", "queue", "prefill", "decode", "net"))
+    assert parts == pytest.approx(t.total_ms, abs=1e-6)
+    assert min(t.prefill_ms, t.decode_ms, t.net_ms) >= 0
+    assert t.net_ms == pytest.approx(ingress + flight * 1000, abs=1e-6)
+    assert t.queue_ms == pytest.approx(router_queue + queue, abs=1e-6)
+
+
+def test_the_report_of_a_requests_end_carries_no_text_and_reads_back():
+    c = common_pb2.GenerateChunk(request_id="req-1", text="secret", token_ids=[1, 2], worker_id="worker-0",
+                                 finish_reason=common_pb2.FINISH_REASON_STOP)
+    c.usage.prompt_tokens, c.usage.completion_tokens = 7, 2
+    c.timings.ttft_ms = 3.5
+    back = direct.read_final(direct.final_summary(c))
+    assert back.request_id == "req-1" and back.usage.completion_tokens == 2 and back.timings.ttft_ms == 3.5
+    assert not back.text and not back.token_ids
+    assert direct.read_final("not base64 of a chunk!") is None
+
+
+def test_a_worker_meters_a_direct_generation_as_the_router_admitted_it():
+    d = worker_pb2.DirectGenerate()
+    d.generate.request_id = "req-9"
+    m = d.metering
+    m.tenant, m.tier, m.key_id, m.model, m.model_version = "acme", "gold", "key_1", MODEL, "1.0.0"
+    m.price_input, m.price_cached_input, m.price_output, m.admitted, m.prompt_tokens = 0.6, 0.06, 2.4, True, 12
+    record = direct.metered(d, arrived=0.0)
+    assert (record.request_id, record.principal.tenant, record.principal.tier, record.principal.key_id) == \
+        ("req-9", "acme", "gold", "key_1")
+    assert record.price == pricing.Price(0.6, 0.06, 2.4) and record.admitted and record.prompt_tokens == 12
+    assert record.parts == 1
+
+
+# ------------------------------------------------------------ a mesh on the direct path
+
+@pytest.fixture(scope="module")
+def direct_mesh(tmp_path_factory):
+    """A mesh with two workers on the direct path, started by `gaas up` as a user would."""
+    with own_mesh(tmp_path_factory.mktemp("direct-mesh"), port_start=29000, workers=2, ingress_path="direct") as m:
+        yield m
+
+
+def test_the_openai_client_is_served_by_the_worker_with_the_router_out_of_the_stream(direct_mesh):
+    c = openai_client(direct_mesh)
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+        if ch.choices)
+    assert text
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+    # The ingress sent the generations to the workers' sidecars, not to the router's.
+    workers = {w["address"] for w in direct_mesh.ready["workers"]}
+    log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"path":"/v1/chat/completions"')
+    upstreams = {json.loads(x)["upstream"] for x in log.splitlines() if '"/v1/' in x and "completions" in x}
+    assert upstreams and upstreams <= workers
+    # And the router recorded each one as its own, from the worker's report.
+    metrics = http(direct_mesh, "/metrics", method="GET", key="")[1]
+    assert 'gaas_router_requests_total{model="gaas-tiny",outcome="length",tier="gold"} 3.0' in metrics
+
+
+def test_the_ledger_holds_exactly_what_the_client_was_told(direct_mesh):
+    key = cli_tenant(direct_mesh, "direct-ledger")
+    c = openai_client(direct_mesh, key)
+    told = [c.completions.create(model=MODEL, prompt=f"count {i}", max_tokens=5 + i).usage for i in range(3)]
+    chunks = list(c.completions.create(model=MODEL, prompt="streamed", max_tokens=6, stream=True,
+                                       stream_options={"include_usage": True}))
+    told.append(chunks[-1].usage)
+    total = cli_usage(direct_mesh, "direct-ledger", 4)
+    assert total["requests"] == 4
+    assert total["prompt_tokens"] == sum(u.prompt_tokens for u in told)
+    assert total["completion_tokens"] == sum(u.completion_tokens for u in told)
+
+
+def test_refusals_at_the_ingress_come_in_openais_shape(direct_mesh):
+    c = openai_client(direct_mesh)
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="gpt-9", prompt="hi")
+    assert info.value.code == "model_not_found" and "gpt-9" in info.value.message
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(direct_mesh, "gaas_not_a_key").completions.create(model=MODEL, prompt="hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=MODEL, prompt="hi", temperature=9)
+    assert info.value.param == "temperature"
+    key = cli_tenant(direct_mesh, "direct-rpm", "--rpm", "2")
+    limited = openai_client(direct_mesh, key)
+    for _ in range(2):
+        limited.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        limited.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert info.value.code == "rate_limit_exceeded"
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    # An unknown key is refused on the request's headers, before its body is read (or decided).
+    status, body = refused_on_headers(direct_mesh, "/v1/completions", "gaas_not_a_key")
+    assert "401" in status and "API key" in body
+
+
+def test_a_client_that_hangs_up_is_billed_for_what_it_got_and_frees_its_place(direct_mesh):
+    key = cli_tenant(direct_mesh, "direct-hangup", "--concurrency", "1")
+    c = openai_client(direct_mesh, key)
+    stream = c.completions.create(model=MODEL, prompt="a long one", max_tokens=400, stream=True,
+                                  extra_body={"ignore_eos": True})
+    for n, _ in enumerate(stream):
+        if n == 4:
+            break
+    stream.close()
+    total = cli_usage(direct_mesh, "direct-hangup", 1)
+    assert total["requests"] == 1 and 5 <= total["completion_tokens"] < 400
+    served_again(c)  # its one place is free again (the concurrency limit is 1)
+
+
+def test_no_prefill_without_a_bill_on_the_direct_path(direct_mesh):
+    """As on the router's path (tests/e2e/test_metering.py), with the worker metering: its engine runs a
+    request whose client left to its first token, and the worker bills it."""
+    from tests.meshutil import hang_ups_are_billed_for_what_engines_computed
+
+    key = cli_tenant(direct_mesh, "direct-prefill")
+    hang_ups_are_billed_for_what_engines_computed(direct_mesh, 2, "direct-prefill", key)
+
+
+def test_a_session_turn_is_served_through_the_router(direct_mesh):
+    c = openai_client(direct_mesh)
+    first = c.completions.create(model=MODEL, prompt="My name is Ada.", max_tokens=3,
+                                 extra_headers={"x-gaas-session": "direct-s1"})
+    second = c.completions.create(model=MODEL, prompt="What is my name?", max_tokens=3,
+                                  extra_headers={"x-gaas-session": "direct-s1"})
+    turn1, turn2 = first.model_extra["gaas_session"], second.model_extra["gaas_session"]
+    assert (turn1["turns"], turn2["turns"]) == (1, 2)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the first turn came before it
+
+
+def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(direct_mesh):
+    """The router still sends a prompt where its prefix is cached, to a worker killed a moment
+    ago (its lease has not lapsed, the KV directory still lists its blocks): the ingress sends
+    each such request to the router's second choice, before any token; none fails."""
+    deadline, i = time.monotonic() + 60, 0
+    while True:  # a prompt whose prefix worker-1 holds (the native API says who served it)
+        prompt = f"Second choice test {i}: " + "tell me about the rivers and the mountains. " * 12
+        if generate(direct_mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1":
+            break
+        assert time.monotonic() < deadline, "no prompt landed on worker-1 in a minute"
+        i += 1
+    os.kill(direct_mesh.children["worker-1"], signal.SIGKILL)
+    c = openai_client(direct_mesh)
+    for n in range(6):
+        r = c.completions.create(model=MODEL, prompt=prompt + f" ({n})", max_tokens=2)
+        assert r.choices[0].text is not None
+    log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"attempts":2')
+    retried = [json.loads(x) for x in log.splitlines() if '"attempts":2' in x]
+    assert all(x["status"] == 200 for x in retried)
+
+
+def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_served_again(direct_mesh):
+    """router-0 killed: until `gaas up` has it back, the ingress answers the decision it cannot ask
+    for with a 503 a client can read and retry (not an empty reply); then requests are served."""
+    c = openai_client(direct_mesh)
+    os.kill(direct_mesh.children["router-0"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            c.completions.create(model=MODEL, prompt="is anyone deciding?", max_tokens=1)
+        except openai.InternalServerError as refused:
+            err = refused
+            break
+        assert time.monotonic() < deadline, "no request was refused while the router was down"
+    assert err.status_code == 503 and err.code == "router_unavailable"
+    assert "retry" in err.message and err.response.headers["retry-after"] == "1"
+    assert err.response.headers["content-type"] == "application/json"
+    served_again(c, timeout=90, refused=openai.InternalServerError)

@@ -1,0 +1,165 @@
+"""Faults inside the mesh, through the real `gaas up`: a worker's engine never outlives it (kill -9
+of the worker's own process, not its group), a worker whose engine dies leaves the registry and
+is restarted, and SIGTERM on a worker lets the stream it is serving finish before the engine stops, and with control
+paused known keys are still served.
+Each ends with worker-1 serving again, for the destructive tests after it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from gaas.ops import pki
+from gaas.host.placement import descendants
+from gaas.v1 import control_pb2, control_pb2_grpc
+from tests.conftest import process_alive
+from tests.meshutil import gaas, generate
+from tests.e2e.test_metering import (MODEL, Load, children, client, instance, needs_own_mesh, new_tenant,
+                                 wait_restarted, wait_serving)
+
+pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
+WORKER = "worker-1"
+# A worker loads its engine in ~20-40 s on a CPU; more while the other worker is busy.
+START_SECONDS = 180
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def registered(mesh) -> list[str]:
+    with pki.operator_channel(instance(mesh, "control-0")) as ch:
+        workers = control_pb2_grpc.ControlStub(ch).ListWorkers(control_pb2.ListWorkersRequest(), timeout=2).workers
+    return [w.worker_id for w in workers]
+
+
+def wait_worker_back(mesh, old_pid: int) -> None:
+    """WORKER restarted by gaas up, serving (the new process, not a lease the old one left),
+    registered, and chosen by the router again."""
+    wait_restarted(mesh, WORKER, old_pid, timeout=30)
+    wait_serving(mesh, WORKER, timeout=START_SECONDS)
+    deadline = time.monotonic() + 30
+    while WORKER not in registered(mesh):
+        assert time.monotonic() < deadline, f"{WORKER} serves but did not register"
+        time.sleep(0.5)
+    prompt_on_worker(mesh)
+
+
+def prompt_on_worker(mesh) -> str:
+    """A prompt the router sends to WORKER (prefixes are routed where they are cached)."""
+    deadline = time.monotonic() + 60
+    i = 0
+    while time.monotonic() < deadline:
+        prompt = f"Faults test {i} {time.monotonic_ns()}: " + "tell me about rivers and the sea. " * 10
+        if generate(mesh, prompt=prompt, max_tokens=1)[-1].worker_id == WORKER:
+            return prompt
+        i += 1
+    pytest.fail(f"no prompt landed on {WORKER}")
+
+
+def ready_worker(mesh) -> int:
+    needs_own_mesh(mesh)
+    pid = children(mesh)[WORKER]
+    if not process_alive(pid) or WORKER not in registered(mesh):
+        wait_worker_back(mesh, -1)
+        pid = children(mesh)[WORKER]
+    return pid
+
+
+def test_sigterm_on_a_worker_finishes_its_stream_before_the_engine_stops(mesh):
+    pid = ready_worker(mesh)
+    prompt = prompt_on_worker(mesh)
+    stream = client(mesh, mesh.api_key).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    engine = descendants(pid)
+    os.kill(pid, signal.SIGTERM)
+    rest = list(chunks)
+    finished = [c for c in rest if c.choices and c.choices[0].finish_reason]
+    assert finished and finished[-1].choices[0].finish_reason == "length", "the stream was cut"
+    deadline = time.monotonic() + 60
+    while any(process_alive(p) for p in engine):
+        assert time.monotonic() < deadline, "the engine outlived its worker's shutdown"
+        time.sleep(0.5)
+    wait_worker_back(mesh, pid)
+
+
+def test_kill_9_of_a_worker_takes_its_engine_processes_with_it(mesh):
+    pid = ready_worker(mesh)
+    engine = descendants(pid)
+    assert any("VLLM" in process_name(p) or "python" in process_name(p) for p in engine), engine
+    os.kill(pid, signal.SIGKILL)  # the worker's process alone, not its group
+    deadline = time.monotonic() + 15
+    while alive := [p for p in engine if process_alive(p)]:
+        assert time.monotonic() < deadline, f"engine processes outlived their worker: {alive}"
+        time.sleep(0.25)
+    # Meanwhile the other worker serves.
+    assert generate(mesh, prompt="anyone there?", max_tokens=2)[-1].worker_id == "worker-0"
+    wait_worker_back(mesh, pid)
+
+
+def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
+    pid = ready_worker(mesh)
+    core = [p for p in descendants(pid) if "EngineCore" in process_name(p)]
+    assert core, [process_name(p) for p in descendants(pid)]
+    os.kill(core[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while process_alive(pid):
+        assert time.monotonic() < deadline, "the worker went on without its engine"
+        time.sleep(0.25)
+    log = (mesh.run_dir / "logs" / f"{WORKER}.log").read_text()
+    assert "the engine died" in log
+    wait_worker_back(mesh, pid)
+    assert f"{WORKER} exited with code 3" in mesh.output.read_text()
+
+
+def test_a_rolling_restart_of_the_workers_under_load_fails_nothing(mesh):
+    """`gaas restart worker`: each worker drains (its streams finish) while the other serves, and
+    is back, registered and seen by the router, before the next leaves."""
+    ready_worker(mesh)
+    _, key = new_tenant(mesh)
+    before = children(mesh)
+    with Load(mesh, key) as load:
+        r = gaas(mesh, "restart", "worker", timeout=2 * START_SECONDS + 60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "worker-0 serves again" in r.stdout and "worker-1 serves again" in r.stdout
+    after = children(mesh)
+    assert after["worker-0"] != before["worker-0"] and after["worker-1"] != before["worker-1"]
+    assert load.errors == [], load.errors[:5]
+    assert load.received.requests > 10
+
+
+def test_with_control_stopped_30_s_known_keys_are_served_and_unknown_ones_refused(mesh):
+    needs_own_mesh(mesh)
+    _, key = new_tenant(mesh)
+    _, unused_key = new_tenant(mesh)
+    client(mesh, key).completions.create(model=MODEL, prompt="verify me", max_tokens=2)
+    control = children(mesh)["control-0"]
+    with Load(mesh, key) as load:
+        os.kill(control, signal.SIGSTOP)  # alive but answering nothing
+        try:
+            time.sleep(30)  # three times a worker's lease
+            with pytest.raises(Exception) as refused:
+                client(mesh, unused_key).completions.create(model=MODEL, prompt="who am I", max_tokens=2)
+        finally:
+            os.kill(control, signal.SIGCONT)
+        time.sleep(3)  # and on, as control catches up
+    assert load.errors == [] and load.received.requests > 5
+    assert getattr(refused.value, "status_code", None) == 503, refused.value
+    log = (mesh.run_dir / "logs" / "router-0.log").read_text()
+    assert "accepting keys verified in the last 60 s" in log
+    # The leases ran out while control was stopped; they were extended when it answered again, and
+    # every worker renewed its own.
+    assert sorted(registered(mesh)) == ["worker-0", "worker-1"]
+    assert "extended 2 worker lease(s)" in (mesh.run_dir / "logs" / "control-0.log").read_text()
+    # Left as found: the router sends requests to both workers again (each sidecar health-checks
+    # control back in, each worker's load report is fresh) before the next test starts.
+    prompt_on_worker(mesh)

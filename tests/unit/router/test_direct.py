@@ -1,0 +1,141 @@
+"""The router's side of the direct path (ingress.path: direct), with the directory and tokenizer
+faked: a placement holds its worker's room until the request ends; the worker's report records it
+as one of the router's own streams; an end without a report frees the room and the reservation;
+a worker's failure counts against its breaker."""
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gaas.metering import direct
+from gaas.contracts.principal import Principal
+from gaas.v1 import common_pb2, inference_pb2
+from services.router.auth import Authenticator
+from services.router.directory import MeshDirectory, ModelEntry
+from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.extproc import ExternalProcessor
+from services.router.pipeline import Pipeline
+from services.router.scheduling import Candidate, WorkerId, make_scheduler
+from tests.unit.router.test_servicer import FakeTokenizer
+
+ACME = Principal("acme", "gold", "key_1", "salt-acme")
+
+
+def metrics() -> RouterMetrics:
+    r = CollectorRegistry()
+    return RouterMetrics(
+        requests=Counter("requests", "", ("model", "tier", "outcome"), registry=r),
+        tokens=Counter("tokens", "", ("model", "tier", "kind"), registry=r),
+        ttft_seconds=Histogram("ttft", "", ("model", "tier"), registry=r),
+        tpot_seconds=Histogram("tpot", "", ("model", "tier"), registry=r),
+        latency_seconds=Histogram("latency", "", ("part", "tier"), registry=r),
+    )
+
+
+def dispatcher(workers=("w0",)) -> Dispatcher:
+    models = [ModelEntry("tiny", "1.0", 64, True)]
+    cands = [Candidate(WorkerId(w), f"{w}:1", "tiny", "1.0", 64) for w in workers]
+
+    async def fetch():
+        return models, cands
+
+    return Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), None, lambda m: FakeTokenizer(),
+                      retries=2, max_stream_seconds=30, metrics=metrics())
+
+
+def in_flight(d: Dispatcher, worker: str = "w0") -> int:
+    return d.flow.windows.state()[WorkerId(worker)].in_flight
+
+
+def final(request_id: str) -> common_pb2.GenerateChunk:
+    c = common_pb2.GenerateChunk(request_id=request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens = 5, 4, 0
+    c.timings.ttft_ms, c.timings.decode_ms, c.timings.total_ms = 3.0, 6.0, 12.0
+    return c
+
+
+async def placed(d: Dispatcher, request_id: str = "req-1"):
+    prepared = await d.prepare(inference_pb2.GenerateRequest(model="tiny", prompt="hi", max_tokens=4), ACME)
+    return await d.place_direct(prepared, ACME, request_id, None)
+
+
+async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
+    d = dispatcher()
+    p = await placed(d)
+    assert p.worker.address == "w0:1" and p.request.request_id == "req-1" and p.request.cache_salt == "salt-acme"
+    assert p.fallback is None and p.addresses == "w0:1"  # no other worker to fall back on
+    assert in_flight(d) == 1 and d.in_flight == 1
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0)), 1 << 20, instance="router-0")
+    ep._pending["req-1"] = (p, None)
+    ep.reported(direct.final_summary(final("req-1")))
+    assert in_flight(d) == 0 and d.in_flight == 0 and ep.pending == 0
+    m = d._metrics
+    assert m.requests.labels("tiny", "gold", "length")._value.get() == 1
+    assert m.tokens.labels("tiny", "gold", "completion")._value.get() == 4
+    # The TTFT the tenant saw: everything before the decode.
+    assert m.ttft_seconds.labels("tiny", "gold")._sum.get() == pytest.approx(0.006)
+    # A second report of the same request (or of one it never placed) changes nothing.
+    ep.reported(direct.final_summary(final("req-1")))
+    ep.reported(direct.final_summary(final("req-unknown")))
+    assert m.requests.labels("tiny", "gold", "length")._value.get() == 1
+
+
+class FakeMeter:
+    def __init__(self):
+        self.released = []
+
+    def release_later(self, m):
+        self.released.append(m)
+
+
+async def test_an_end_without_a_report_frees_the_room_and_the_reservation():
+    d = dispatcher()
+    p = await placed(d)
+    meter = FakeMeter()
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
+    reservation = object()
+    ep._pending["req-1"] = (p, reservation)
+    ep._unreported("req-1")
+    assert in_flight(d) == 0 and meter.released == [reservation]
+    assert d._metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
+    # Nothing is counted against the worker: the client may have gone away.
+    assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
+
+
+async def test_a_workers_failure_in_its_trailers_counts_against_it_and_frees_everything():
+    d = dispatcher()
+    p = await placed(d)
+    meter = FakeMeter()
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
+    ep._pending["req-1"] = (p, "reservation")
+    ep._failed("req-1", {"grpc-status": "0"})  # a success waits for the report
+    assert ep.pending == 1
+    ep._failed("req-1", {"grpc-status": str(grpc.StatusCode.INTERNAL.value[0]), "grpc-message": "boom"})
+    assert ep.pending == 0 and in_flight(d) == 0 and meter.released == ["reservation"]
+    assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
+    assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 1
+
+
+async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_counts_against_the_first():
+    d = dispatcher(("w0", "w1"))
+    p = await placed(d)
+    assert p.fallback is not None and p.fallback.worker_id != p.worker.worker_id
+    assert p.addresses == f"{p.worker.address},{p.fallback.address}"
+    first, second = p.worker.worker_id, p.fallback.worker_id
+    assert in_flight(d, first) == 1
+    served = final("req-1")
+    served.worker_id = second
+    p.ended(grpc.StatusCode.OK, "", served)
+    # The room was the first choice's; the first did not take the request: a failure for its breaker.
+    assert in_flight(d, first) == 0
+    assert d.flow.breakers.state()[first].consecutive == 1
+    assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
+
+
+async def test_a_worker_whose_breaker_is_open_is_no_second_choice():
+    d = dispatcher(("w0", "w1"))
+    for _ in range(5):
+        d.flow.breakers.failure(WorkerId("w1"), "down")
+    assert WorkerId("w1") in d.flow.breakers.blocked()
+    p = await placed(d)
+    assert p.worker.worker_id == "w0" and p.fallback is None
