@@ -16,5 +16,5 @@
   kv          gaas kv stats, gaas kv public ...                        (kvcache, control)
   model       gaas model build                                         (gaas.model.build)
   envoy       gaas envoy render                                        (gaas.envoy.config)
-  router_settings  the router's settings the CLI reads from services/router (to move to gaas/settings)
+  router_settings  the router's settings the CLI shows (from gaas/settings/router.py)
 """

@@ -75,7 +75,7 @@ def _check_socket_free(path: Path) -> None:
 
 
 def options_for(service: str, cfg, **extra) -> ServerOptions:
-    """ServerOptions from a service config carrying the base settings (see envconfig.base_settings)."""
+    """ServerOptions from a service's settings (each carries gaas/settings/common.py's fields)."""
     return ServerOptions(
         service=service,
         instance=cfg.instance,

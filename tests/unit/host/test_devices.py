@@ -327,18 +327,18 @@ def test_an_unknown_executor_is_refused():
 
 def test_worker_settings_by_device():
     from gaas.settings.env import ConfigError
-    from services.worker.config import WorkerConfig
+    from gaas.settings.worker import WorkerSettings
 
     base = {"GAAS_MODEL": "m", "GAAS_MODEL_PATH": "/m"}
-    assert WorkerConfig.from_env(base).enforce_eager is None  # auto: decided by the device
-    assert WorkerConfig.from_env({**base, "GAAS_ENFORCE_EAGER": "false"}).enforce_eager is False
+    assert WorkerSettings.from_env(base).enforce_eager is None  # auto: decided by the device
+    assert WorkerSettings.from_env({**base, "GAAS_ENFORCE_EAGER": "false"}).enforce_eager is False
     with pytest.raises(ConfigError, match="GAAS_DEVICE"):
-        WorkerConfig.from_env({**base, "GAAS_DEVICE": "tpu"})
+        WorkerSettings.from_env({**base, "GAAS_DEVICE": "tpu"})
     with pytest.raises(ConfigError, match="GAAS_GPU_MEMORY_UTILIZATION"):
-        WorkerConfig.from_env({**base, "GAAS_GPU_MEMORY_UTILIZATION": "1.5"})
-    assert WorkerConfig.from_env(base).executor == "uni"
+        WorkerSettings.from_env({**base, "GAAS_GPU_MEMORY_UTILIZATION": "1.5"})
+    assert WorkerSettings.from_env(base).executor == "uni"
     with pytest.raises(ConfigError, match="GAAS_EXECUTOR must be one of uni, mp"):
-        WorkerConfig.from_env({**base, "GAAS_EXECUTOR": "ray"})
+        WorkerSettings.from_env({**base, "GAAS_EXECUTOR": "ray"})
 
 
 def test_a_worker_refuses_a_vllm_build_for_the_other_device():
