@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.vllm_bench import run as vllm_bench
     from gaas.sdk.admin import Admin
-    from gaas.launcher.mesh import Mesh, MeshError, free_port_base
+    from gaas.launcher.errors import MeshError
+    from gaas.launcher.mesh import Mesh
+    from gaas.launcher.rundir import free_port_base
     from gaas.model.build import build_model, is_built
 
     check = Check()

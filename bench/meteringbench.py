@@ -26,7 +26,7 @@ from bench.common.output import RESULTS, progress, write_json
 from bench.common.stats import percentile
 from gaas.contracts import pricing, usage as metering
 from gaas.metering import admission
-from gaas.launcher.mesh import redis_answers, redis_server_command
+from gaas.launcher.secrets import redis_answers, redis_server_command
 from gaas.contracts.usage import GROUP, STREAM, UsageEvent
 from gaas.runtime import redisconn
 from gaas.runtime.sql import Database

@@ -33,7 +33,7 @@ from gaas.envoy.listeners import hcm, listener, pipe_address
 from gaas.envoy.routes import grpc_route
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.ops import pki
-from gaas.launcher.mesh import free_port_base
+from gaas.launcher.rundir import free_port_base
 from bench.common.output import RESULTS, progress, write_json
 from bench.common.stats import percentile
 

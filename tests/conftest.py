@@ -65,7 +65,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private, throw-away Redis for the session."""
-    from gaas.launcher.mesh import redis_answers, redis_server_command
+    from gaas.launcher.secrets import redis_answers, redis_server_command
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -151,7 +151,7 @@ def mesh(tmp_path_factory) -> RunningMesh:
 
     GAAS_TEST_MESH=<run dir> points the tests at a mesh already running from that directory
     instead (for working on the tests; run them with -m "not destructive" then)."""
-    from gaas.launcher.mesh import free_port_base
+    from gaas.launcher.rundir import free_port_base
 
     if existing := os.environ.get("GAAS_TEST_MESH"):
         # In-process clients (gaas.sdk.admin, gaas.ops.probe) reach the sidecars as that mesh's operator.

@@ -108,7 +108,7 @@ def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str):
     (its own ports, Redis and run directory; GAAS_HOME left to the session's mesh). port_start:
     below the kernel's ephemeral ports (32768 and up here), or a client's connection may take a
     port the mesh is about to listen on."""
-    from gaas.launcher.mesh import free_port_base
+    from gaas.launcher.rundir import free_port_base
 
     m = start_mesh(run_dir, free_port_base(span=200, start=port_start), "--workers", str(workers),
                    "--ingress-path", ingress_path)

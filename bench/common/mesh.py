@@ -27,7 +27,8 @@ def bench_mesh(
     import yaml
 
     from gaas.ops import topology
-    from gaas.launcher.mesh import Mesh, free_port_base
+    from gaas.launcher.mesh import Mesh
+    from gaas.launcher.rundir import free_port_base
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"gaas-{name}-"))
     os.environ["GAAS_HOME"] = str(run_dir)

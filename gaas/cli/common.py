@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from gaas.launcher.rundir import STATE_FILE
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOPOLOGY = ROOT / "deploy" / "topology.yaml"
 DEFAULT_RUN_DIR = Path(os.environ.get("GAAS_HOME", ROOT / ".gaas"))
@@ -26,7 +28,7 @@ def fail(msg: str, code: int = 1) -> int:
 
 def mesh_state(run_dir: Path) -> dict | None:
     """What a running `gaas up` wrote about itself, if it is still alive."""
-    path = run_dir / "mesh.json"  # gaas.launcher.mesh.STATE_FILE (not imported: every command reads it)
+    path = run_dir / STATE_FILE
     try:
         state = json.loads(path.read_text())
         os.kill(state["pid"], 0)

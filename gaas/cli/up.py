@@ -31,7 +31,9 @@ def _examples(ingress: str, key: str, model: str, scheme: str = "http") -> str:
 def cmd_up(args) -> int:
     """Start the mesh, print where to send requests, keep it running (restarting what exits) until a signal."""
     from gaas.settings.deployspec import SpecError
-    from gaas.launcher.mesh import Mesh, MeshError, lock_run_dir
+    from gaas.launcher.errors import MeshError
+    from gaas.launcher.mesh import Mesh
+    from gaas.launcher.rundir import lock_run_dir
     from gaas.ops.topology import TopologyError, with_worker_options
 
     run_dir = Path(args.run_dir)
@@ -165,7 +167,7 @@ def cmd_up(args) -> int:
 
 def _wait_ready(mesh, stop: threading.Event, timeout: float):
     """mesh.wait_ready, but giving up early when a signal arrives."""
-    from gaas.launcher.mesh import MeshError
+    from gaas.launcher.errors import MeshError
 
     result: dict = {}
 

@@ -1,28 +1,34 @@
 """Running the whole mesh on one machine: Redis (when none answers), every service instance of
 the topology, an Envoy sidecar per instance and the ingress Envoy. What `gaas up` does.
 
-Each child runs in its own process group and gets SIGTERM when this process dies (Linux's
-parent-death signal), so nothing is left behind even if `gaas up` itself is killed.
+Beside it in gaas/launcher: the processes it runs and what a killed one left (children.py), the
+run directory and ports (rundir.py), Redis and each process's secrets (secrets.py), the rolling
+restart (supervisor.py).
 """
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 from gaas.envoy import config as envoyconf
+from gaas.launcher.children import (
+    RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_setup, signal_group, start_ticks, stop_leftovers,
+)
+from gaas.launcher.errors import MeshError
+from gaas.launcher.rundir import STATE_FILE, port_in_use
+from gaas.launcher.secrets import (
+    BARE_ENV, REDIS_CLIENTS, REDIS_PASSWORD_FILE, SECRETS, private_secret, redis_answers, redis_server_command,
+    with_password, without_secrets,
+)
 from gaas.ops import pki, probe, promconf, protogen, redisacl
 from gaas.settings import deployspec
 from gaas.settings import worker as worker_settings
@@ -35,12 +41,6 @@ from gaas.ops.topology import Instance, LocalSockets, Topology, sockets_root
 from gaas.ops.traces import TRACES_FILE, TraceTarget
 
 ROOT = Path(__file__).resolve().parents[2]
-STATE_FILE = "mesh.json"
-# Held (flock) by the `gaas up` that runs from a run directory, for its whole life; the kernel
-# releases it however that process ends, kill -9 included.
-LOCK_FILE = "up.lock"
-# How long a start waits for what a `gaas up` that died (kill -9) left stopping, before killing it.
-LEFTOVER_GRACE_SECONDS = 20.0
 
 # Start order of the services (control first: the others register with or read it).
 SERVICE_MODULES = {
@@ -50,263 +50,6 @@ SERVICE_MODULES = {
     "worker": "services.worker.server",
     "router": "services.router.server",
 }
-
-
-class MeshError(RuntimeError):
-    """The mesh could not start; the message says which piece and where its log is."""
-
-
-def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
-    """What the child runs before exec: get SIGTERM when the parent dies (Linux's parent-death
-    signal), and keep to the given CPUs."""
-
-    def setup() -> None:
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return setup
-
-
-# Restart backoff of a child that exits on its own: 1, 2, 4 ... 30 s; reset once it has run this long.
-RESTART_BACKOFF_MAX = 30.0
-RESTART_STABLE_SECONDS = 60.0
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    # "redis", "envoy" or a service kind.
-    kind: str
-    proc: subprocess.Popen
-    log: Path
-    started: float = field(default_factory=time.monotonic)
-    # How to start it again.
-    cmd: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    cpus: set[int] | None = None
-    # Times it was restarted after exiting on its own; when the next restart is due.
-    restarts: int = 0
-    backoff: float = 0.0
-    restart_at: float = 0.0
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def redis_answers(url: str, timeout: float = 1.0) -> bool:
-    import redis
-
-    try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except (redis.RedisError, OSError):
-        return False
-
-
-def redis_server_command(
-    host: str, port: int, data_dir: Path, durable: bool = False, config: Path | None = None,
-) -> list[str]:
-    """The command line of a local Redis; MeshError when none is installed. durable: an append-only
-    file fsynced every second in data_dir (usage events waiting for billing survive a restart);
-    otherwise nothing is saved. config: a file read first (where a password stays off the command
-    line)."""
-    binary = shutil.which("redis-server") or next(
-        (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None
-    )
-    if binary is None:
-        raise MeshError(
-            "redis-server is not installed: `apt-get install redis-server` (make install does), "
-            "or set GAAS_REDIS_URL to a running Redis"
-        )
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if durable else ["--appendonly", "no"]
-    first = [str(config)] if config else []
-    return [binary, *first, "--port", str(port), "--bind", host, "--save", "", *persistence, "--dir", str(data_dir)]
-
-
-def private_secret(path: Path) -> str:
-    """The secret kept in path (readable by its owner only), made at first use."""
-    import secrets
-
-    if path.exists():
-        return path.read_text().strip()
-    secret = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    return secret
-
-
-def with_password(url: str, password: str) -> str:
-    u = urlparse(url)
-    return u._replace(netloc=f":{password}@{u.hostname}:{u.port or 6379}").geturl()
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
-
-
-def ephemeral_ports() -> tuple[int, int]:
-    """Linux's range of ports for outgoing connections (where a listener may find its port taken)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port_base(host: str = "127.0.0.1", span: int = 200, start: int = 30000) -> int:
-    """A port base with `span` free ports above it (for tests and side-by-side meshes), from start
-    up to the ephemeral range, then below start: never in the ephemeral range, where an outgoing
-    connection may take a port the mesh is about to listen on."""
-    low = ephemeral_ports()[0]
-    floor = 10000
-    bases = [*range(start, low - span + 1, span), *range(start - span, floor - 1, -span)]
-    for base in bases:
-        if not any(port_in_use(host, p) for p in range(base, base + span, 1)):
-            return base
-    raise MeshError(f"no free block of {span} ports found between {floor} and {low} (the ephemeral range begins "
-                    "there); stop what holds them (ss -ltnp shows which process)")
-
-
-def lock_run_dir(run_dir: Path) -> int:
-    """Take run_dir for this process (the returned descriptor holds it until the process ends);
-    MeshError naming the `gaas up` that holds it already. Two starts racing in one run directory
-    cannot both pass, as they could by reading the state file (written only once a start is done)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise MeshError(f"a mesh is already running from {run_dir} (gaas up, pid {holder}): `gaas status` shows it, "
-                        f"`kill {holder}` stops it; or start another with --run-dir DIR and other ports "
-                        "(--port-base, --ingress-port)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def start_ticks(pid: int) -> int | None:
-    """When process pid started (clock ticks since boot, /proc/PID/stat), or None when there is
-    none: with its pid, what tells a process from a later one that got the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _group_members(pgid: int, not_before: int | None) -> list[int]:
-    """The processes of process group pgid (each child of `gaas up` leads its own) that started no
-    earlier than not_before (None: any)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z" and (not_before is None or int(fields[19]) >= not_before):
-            out.append(int(entry))
-    return out
-
-
-def leftovers(state: dict) -> dict[str, list[int]]:
-    """What a `gaas up` that is gone left running, from its state file: child name -> the live
-    processes of its group (a service, its vLLM engine processes, an Envoy, the Redis it started)."""
-    started = state.get("started") or {}
-    out = {}
-    for name, pid in (state.get("children") or {}).items():
-        members = _group_members(int(pid), started.get(name))
-        if members:
-            out[name] = members
-    return out
-
-
-def stop_leftovers(run_dir: Path, progress: Callable[[str], None], grace: float = LEFTOVER_GRACE_SECONDS) -> None:
-    """Before a start: a `gaas up` that died without stopping the mesh (kill -9) left a state file;
-    its children got SIGTERM when it died and may still be draining, holding ports and sockets.
-    Wait for them (SIGTERM again), then kill what is left after grace seconds."""
-    path = run_dir / STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    left = leftovers(state)
-    if left:
-        names = ", ".join(sorted(left))
-        progress(f"the previous gaas up (pid {state.get('pid', '?')}) ended without stopping the mesh; waiting up to "
-                 f"{grace:.0f} s for what it left running to stop ({names})")
-        for name in left:
-            _signal_group(int(state["children"][name]), signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = leftovers(state)
-        if left:
-            progress(f"killing what did not stop in time: {', '.join(sorted(left))}")
-            for name, members in left.items():
-                _signal_group(int(state["children"][name]), signal.SIGKILL)
-                for pid in members:
-                    _signal_pid(pid, signal.SIGKILL)
-    path.unlink(missing_ok=True)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal_pid(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-# Variables holding secrets (or where they live): each goes to the services that need it and to
-# no other process (an Envoy, Redis, the trace collector get none of them).
-SECRETS = {
-    "GAAS_STRIPE_API_KEY": ("billing",),
-    "GAAS_DATABASE_URL": ("control",),
-    "GAAS_BILLING_DATABASE_URL": ("billing",),
-    # (each service that uses Redis gets a URL of its own: its ACL user, gaas.ops.redisacl)
-    "GAAS_REDIS_URL": (),
-    # (the gaas CLI's, never a service's)
-    "GAAS_API_KEY": (),
-}
-# Services that use Redis.
-REDIS_CLIENTS = ("control", "router", "worker", "billing")
-# What the environment of an Envoy or Redis holds (they read their config files; an Envoy its name
-# for the access log too).
-BARE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ")
-
-
-def without_secrets(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in SECRETS}
-
-
-# The password of the Redis `gaas up` starts, in the run directory.
-REDIS_PASSWORD_FILE = "redis-password"
 
 
 # How long stopping the mesh waits for requests in flight through the ingress.
@@ -485,7 +228,7 @@ class Mesh:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: signalled as a whole at the end
-                preexec_fn=_child_setup(cpus),
+                preexec_fn=child_setup(cpus),
             )
         child = Child(name, kind, proc, log, cmd=cmd, env=env, cpus=cpus)
         self.children.append(child)
@@ -493,12 +236,12 @@ class Mesh:
 
     def _respawn(self, child: Child) -> None:
         """Start an exited child again in its place (same command, environment and log)."""
-        _signal_group(child.proc.pid, signal.SIGKILL)  # what the dead leader left behind (an engine's processes)
+        signal_group(child.proc.pid, signal.SIGKILL)  # what the dead leader left behind (an engine's processes)
         with open(child.log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
             child.proc = subprocess.Popen(
                 child.cmd, cwd=ROOT, env=child.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_child_setup(child.cpus),
+                start_new_session=True, preexec_fn=child_setup(child.cpus),
             )
         child.started = time.monotonic()
         child.restarts += 1
@@ -701,7 +444,7 @@ class Mesh:
                     self.progress(f"{c.name} did not stop in time; killing it")
         for c in self.children:
             # The leader may be gone while its own children (vLLM's engine processes) linger.
-            _signal_group(c.proc.pid, signal.SIGKILL)
+            signal_group(c.proc.pid, signal.SIGKILL)
             try:
                 c.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

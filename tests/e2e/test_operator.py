@@ -42,7 +42,7 @@ def home(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ports():
     """Two port blocks (below the kernel's ephemeral range), for a start that moves."""
-    from gaas.launcher.mesh import free_port_base
+    from gaas.launcher.rundir import free_port_base
 
     first = free_port_base(span=200, start=27000)
     return first, free_port_base(span=200, start=first + 200)

@@ -286,7 +286,7 @@ def test_gpu_workers_get_their_gpu_by_uuid_and_settings_for_it(tmp_path, monkeyp
 
 
 def test_more_workers_than_gpus_share_with_split_memory_or_are_refused(tmp_path, monkeypatch):
-    from gaas.launcher.mesh import MeshError
+    from gaas.launcher.errors import MeshError
 
     monkeypatch.setenv("GAAS_GPU_MEMORY_UTILIZATION", "0.8")
     m = _mesh(tmp_path, monkeypatch, GPUS[:1], 2)
