@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gaas.cli.common import add_mesh_args, fail, mesh_state, mesh_topology
+from gaas.cli.common import add_mesh_args, admin_call, fail, mesh_state, mesh_topology
 
 
 def _billing_address(args) -> str:
@@ -19,13 +19,8 @@ def _billing_address(args) -> str:
 
 def _billing_call(args, fn):
     from gaas.sdk.admin import BillingAdmin
-    from gaas.sdk.client import GaasError
 
-    try:
-        with BillingAdmin(_billing_address(args)) as billing:
-            return fn(billing), None
-    except GaasError as exc:
-        return None, fail(f"{exc.code}: {exc.message}", 1)
+    return admin_call(args, fn, BillingAdmin, _billing_address(args))
 
 
 def _tokens(n: int) -> str:

@@ -124,13 +124,14 @@ def _workers_arg(value: str) -> int | str:
     return n
 
 
-def admin_call(args, fn):
-    """fn(admin) against control (control_address); (result, None) or (None, exit code)."""
+def admin_call(args, fn, client=None, address: str | None = None):
+    """fn(admin) against control (control_address), or with another operator's client at address
+    (billing's); (result, None) or (None, exit code)."""
     from gaas.sdk.admin import Admin
     from gaas.sdk.client import GaasError
 
     try:
-        with Admin(control_address(args)) as admin:
+        with (client or Admin)(address or control_address(args)) as admin:
             return fn(admin), None
     except GaasError as exc:
         return None, fail(f"{exc.code}: {exc.message}", 1)
