@@ -43,13 +43,12 @@ from gaas.envoy.ingress import ingress_config, max_http_body
 from gaas.envoy.sidecar import inbound_hcm, sidecar_config
 from gaas.envoy.tracing import OTLP_CLUSTER
 from gaas.ops import pki
-from gaas.ops.pki import issue_certificates
 from gaas.ops.topology import Topology
 from gaas.ops.traces import TraceTarget
 
 # What callers of this module use (the launcher, the CLI, tests, bench/): the builders themselves
 # are in the modules named above.
-__all__ = ["OTLP_CLUSTER", "config_text", "envoy_binary", "inbound_hcm", "ingress_config", "issue_certificates",
+__all__ = ["OTLP_CLUSTER", "config_text", "envoy_binary", "inbound_hcm", "ingress_config",
            "max_http_body", "pipe_cluster", "render", "render_configs", "sidecar_config"]
 
 

@@ -9,7 +9,8 @@ from gaas.envoy.clusters import static_cluster
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, decorator, grpc_route
 from gaas.envoy.tls import client_tls
 from gaas.ops import pki
-from gaas.ops.topology import OPENAI_GENERATION, OPENAI_SERVICE, Topology
+from gaas.contracts.services import OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.ops.topology import Topology
 from gaas.runtime.context import WORKER_HEADER
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"

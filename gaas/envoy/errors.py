@@ -25,7 +25,7 @@ def openai_errors_lua() -> str:
     codes = [(grpc.StatusCode[name].value[0], info) for name, info in STATUS_TABLE.items()]
     http_types = {info.http_status: info.openai_type for _, info in codes} | HTTP_ONLY_TYPES
     header = (
-        "-- Generated from gaas/contracts/errors.py by gaas/envoy/config.py.\n"
+        "-- Generated from gaas/contracts/errors.py by gaas/envoy/errors.py.\n"
         f"local GRPC_CODES = {lua_table((c, i.openai_code) for c, i in codes)}\n"
         f"local TYPES = {lua_table((c, i.openai_type) for c, i in codes)}\n"
         f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n"

@@ -22,7 +22,8 @@ from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, grpc_rout
 from gaas.envoy.tls import client_tls, downstream_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.ops.topology import GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE, LocalSockets, Topology
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.ops.topology import LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
 

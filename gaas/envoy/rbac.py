@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from gaas.ops import access, pki
+from gaas.contracts import identity
+from gaas.ops import access
 
 
 def rbac(kind: str, direct: bool = False) -> dict:
@@ -25,13 +26,13 @@ def rbac(kind: str, direct: bool = False) -> dict:
     policies = {
         f"{caller}-calls": {
             "permissions": [permission(p) for p in sorted(paths)],
-            "principals": [principal(pki.kind_prefix(caller))],
+            "principals": [principal(identity.kind_prefix(caller))],
         }
         for caller, paths in sorted(by_caller.items())
     }
     policies["mesh-health"] = {
         "permissions": [permission("/grpc.health.v1.Health/")],
-        "principals": [principal(pki.MESH_PREFIX)],
+        "principals": [principal(identity.MESH_PREFIX)],
     }
     return {
         "name": "envoy.filters.http.rbac",

@@ -20,7 +20,8 @@ from gaas.envoy.routes import RETRY_UNREACHED, decorator, grpc_route, unreached_
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.ops.topology import GRPC_SERVICE, TALKS_TO, Instance, LocalSockets, Topology
+from gaas.contracts.services import GRPC_SERVICE
+from gaas.ops.topology import TALKS_TO, Instance, LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import WORKER_HEADER
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gaas.contracts import identity
 from gaas.ops import pki
 
 
@@ -35,13 +36,13 @@ def client_tls(creds: pki.Credentials, peer_kind: str) -> dict:
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": pki.SERVER_NAME,
+            "sni": identity.SERVER_NAME,
             "common_tls_context": {
                 "tls_certificates": [certificate(creds.cert, creds.key)],
                 "validation_context": {
                     "trusted_ca": {"filename": str(creds.ca)},
                     "match_typed_subject_alt_names": [
-                        {"san_type": "URI", "matcher": {"prefix": pki.kind_prefix(peer_kind)}}
+                        {"san_type": "URI", "matcher": {"prefix": identity.kind_prefix(peer_kind)}}
                     ],
                 },
                 "alpn_protocols": ["h2"],

@@ -132,7 +132,7 @@ class Mesh:
             os.chmod(d, 0o700)
         os.chmod(self.sockets, 0o700)
         authority = pki.Authority(self.run_dir)
-        envoyconf.issue_certificates(self.topo, authority)
+        pki.issue_certificates(self.topo, authority)
         configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
                                    authority, self.ingress_tls, self.sockets, self.trace)
         promconf.write(self.topo, self.run_dir / "prometheus.yml")

@@ -10,7 +10,7 @@ not named here is the operator's alone; health checks are open to every identity
 
 from __future__ import annotations
 
-from gaas.ops.topology import AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.contracts.services import AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
 
 # Per kind, who may call each method of its own gRPC service (GRPC_SERVICE).
 ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gaas.contracts.identity import (  # noqa: F401 - the identities this CA issues; importable from here too
-    MESH_PREFIX, SERVER_NAME, SIDECAR_SCHEME, TRUST_DOMAIN, Caller, caller_from_xfcc, kind_prefix, spiffe_id,
-)
+from gaas.contracts.identity import SERVER_NAME, SIDECAR_SCHEME, TRUST_DOMAIN, spiffe_id
 
 if TYPE_CHECKING:
     from gaas.ops.topology import Topology

@@ -12,10 +12,6 @@ from pathlib import Path
 
 import yaml
 
-# (What each kind serves, and the router's names at the ingress, are contracts: importable from here too.)
-from gaas.contracts.services import (  # noqa: F401
-    AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE,
-)
 from gaas.settings.worker import EXECUTORS, topology_defaults
 
 # Start order; also the order `gaas status` lists them.

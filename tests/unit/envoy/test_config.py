@@ -6,6 +6,7 @@ import grpc
 import pytest
 import yaml
 
+from gaas.contracts.services import GRPC_SERVICE
 from gaas.contracts import edge
 from gaas.envoy import config as envoyconf
 from gaas.envoy.clusters import static_cluster
@@ -418,5 +419,5 @@ def test_the_access_table_names_only_methods_its_services_have():
         if kind == "router":
             assert set(methods) == {"*"}, "the router's public APIs are open whole, to the ingress"
             continue
-        service = descriptor_pool.Default().FindServiceByName(topology.GRPC_SERVICE[kind])
+        service = descriptor_pool.Default().FindServiceByName(GRPC_SERVICE[kind])
         assert set(methods) <= {m.name for m in service.methods}, kind

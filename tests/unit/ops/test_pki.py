@@ -10,6 +10,7 @@ from cryptography.x509.oid import ExtensionOID
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gaas.contracts import identity
 from gaas.contracts import errors
 from gaas.ops import pki
 from gaas.runtime.context import caller_var
@@ -39,7 +40,7 @@ def test_an_identity_is_the_first_uri_and_a_worker_names_its_sidecar(tmp_path):
     authority.ensure()
     uris, dns, cert = _sans(authority.issue("worker", "worker-3", sidecar="127.0.0.1:20041").cert)
     assert uris == ["spiffe://gaas.local/worker/worker-3", "gaas-sidecar://127.0.0.1:20041"]
-    assert dns == [pki.SERVER_NAME]
+    assert dns == [identity.SERVER_NAME]
     ca = x509.load_pem_x509_certificate(authority.ca_cert.read_bytes())
     cert.verify_directly_issued_by(ca)
     uris, _, _ = _sans(authority.issue(*pki.OPERATOR).cert)
@@ -51,16 +52,16 @@ def _xfcc(*uris: str) -> str:
 
 
 def test_the_caller_is_read_from_what_the_sidecar_verified():
-    c = pki.caller_from_xfcc(_xfcc("spiffe://gaas.local/worker/worker-1", "gaas-sidecar://127.0.0.1:20051"))
+    c = identity.caller_from_xfcc(_xfcc("spiffe://gaas.local/worker/worker-1", "gaas-sidecar://127.0.0.1:20051"))
     assert (c.kind, c.name, c.sidecar) == ("worker", "worker-1", "127.0.0.1:20051")
-    assert pki.caller_from_xfcc("") is None
-    assert pki.caller_from_xfcc("Hash=abc;URI=https://elsewhere/worker/worker-1") is None
+    assert identity.caller_from_xfcc("") is None
+    assert identity.caller_from_xfcc("Hash=abc;URI=https://elsewhere/worker/worker-1") is None
 
 
 @given(st.text(max_size=200))
 def test_any_header_parses_to_a_caller_or_none(value):
-    c = pki.caller_from_xfcc(value)
-    assert c is None or c.identity.startswith(pki.MESH_PREFIX)
+    c = identity.caller_from_xfcc(value)
+    assert c is None or c.identity.startswith(identity.MESH_PREFIX)
 
 
 @pytest.mark.parametrize("xfcc, worker, address, allowed", [

@@ -65,7 +65,7 @@ def test_every_connection_manager_traces_only_when_asked_and_only_the_edge_start
 
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=42000, workers=2)
     authority = pki.Authority(tmp_path)
-    envoyconf.issue_certificates(topo, authority)
+    pki.issue_certificates(topo, authority)
     protogen.generate()
     plain = envoyconf.ingress_config(topo, protogen.DESCRIPTOR_SET, tmp_path, authority)
     assert _tracing(plain) == []
