@@ -77,8 +77,8 @@ class Dispatcher:
         self.preparer = Preparer(directory, scheduler, tokenizer_for, kv, metrics.lookup_seconds)
         self.placer = Placer(directory, scheduler, self._flow, self.hooks, self._inflight, metrics, self.outcomes,
                              self.activity, coalescing)
-        self.relay = Relay(directory, self.placer, worker_stub, self._flow, self.hooks, metrics, self.outcomes,
-                           self.activity, retries=retries, max_stream_seconds=max_stream_seconds)
+        self.relay = Relay(directory, self.placer, worker_stub, self._flow, self.hooks, self._inflight, metrics,
+                           self.outcomes, self.activity, retries=retries, max_stream_seconds=max_stream_seconds)
 
     @property
     def flow(self) -> Flow:

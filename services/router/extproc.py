@@ -39,7 +39,7 @@ from gaas.contracts.services import OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
 from services.router.placement import DirectPlacement
-from services.router.openai_servicer import engine_requests, session_id_of
+from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
 
 log = logging.getLogger(__name__)
@@ -266,10 +266,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         if len(requests) > 1:
             return None  # a batch of prompts: several workers' streams merged, by the router
         note_client_id(parsed.client_request_id)
-        g = await self._pipeline.start(
-            principal, requests, timing,
-            check=lambda prepared: openai_api.check_answer(parsed, [p.request.max_tokens for p in prepared]),
-        )
+        g = await self._pipeline.start(principal, requests, timing, check=answer_check(parsed))
         p = await self._pipeline.place_direct(g)
         return self._direct(g, p, http.data, chat, headers, client_id or parsed.client_request_id), p, g.metered
 

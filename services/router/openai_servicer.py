@@ -49,12 +49,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         metadata = dict(context.invocation_metadata() or ())
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         note_client_id(parsed.client_request_id)
-        session_id = session_id_of(parsed, metadata)
-        g = await self._pipeline.start(
-            principal, engine_requests(parsed), timing, session_id=session_id,
-            # (max_tokens known now for every prompt, a chat's without one included)
-            check=lambda prepared: openai_api.check_answer(parsed, [p.request.max_tokens for p in prepared]),
-        )
+        session_id_of(parsed, metadata)  # (on the engine requests: the pipeline reads it there)
+        g = await self._pipeline.start(principal, engine_requests(parsed), timing, check=answer_check(parsed))
         fmt = openai_api.Formatter(parsed, g.request_id, g.prepared[0].model.name)
         usage = openai_stream.Usage(prompt=sum(p.prompt_tokens for p in g.prepared),
                                     explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
@@ -134,6 +130,12 @@ def session_id_of(parsed: openai_api.OpenAIRequest, metadata: dict) -> str:
                                      param="session_id")
     parsed.generate.session_id = header or body
     return parsed.generate.session_id
+
+
+def answer_check(parsed: openai_api.OpenAIRequest):
+    """The pipeline's check of an OpenAI request: its answer within the limits, with max_tokens
+    known for every prompt once they are prepared (a chat's without one included)."""
+    return lambda prepared: openai_api.check_answer(parsed, [p.request.max_tokens for p in prepared])
 
 
 def engine_requests(parsed: openai_api.OpenAIRequest) -> list[inference_pb2.GenerateRequest]:

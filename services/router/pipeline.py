@@ -122,12 +122,13 @@ class Pipeline:
 
     async def start(
         self, principal: Principal, requests: list[inference_pb2.GenerateRequest], timing: Timing, *,
-        session_id: str = "", check: Callable[[list[Prepared]], None] | None = None,
+        check: Callable[[list[Prepared]], None] | None = None,
     ) -> Generation:
-        """Prepare every prompt (a session's turn with its context), run the adapter's check on them,
-        and admit the request. Every prompt is checked and tokenized before anything is generated."""
+        """Prepare every prompt (a session's turn with its context: a request naming its session),
+        run the adapter's check on them, and admit the request. Every prompt is checked and
+        tokenized before anything is generated."""
         request_id = current_request_id()
-        if session_id and len(requests) > 1:
+        if len(requests) > 1 and any(r.session_id for r in requests):
             raise errors.InvalidArgument("a session turn is one prompt, not a batch", param="prompt")
         plan = None
         if len(requests) == 1 and check_turn(requests[0]):
@@ -136,8 +137,7 @@ class Pipeline:
             timing.tenant_s += plan.tenant_s
         else:
             prepared = [await self.dispatcher.prepare(r, principal) for r in requests]
-        g = Generation(principal, request_id, prepared, timing, session_id or (plan.held.session_id if plan else ""),
-                       plan)
+        g = Generation(principal, request_id, prepared, timing, plan.held.session_id if plan else "", plan)
         try:
             if check is not None:
                 check(prepared)

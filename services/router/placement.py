@@ -105,7 +105,6 @@ class Placer:
         self._outcomes = outcomes
         self.activity = activity
         self._coalescing = coalescing
-        self.inflight = inflight
         self._inflight = inflight
 
     async def context(self, prepared: Prepared, principal: Principal, workers) -> RequestContext:

@@ -42,8 +42,8 @@ ABANDONED_FIRST_CHUNK_S = 35.0
 
 class Relay:
     def __init__(self, directory: MeshDirectory, placer: Placer, worker_stub: worker_pb2_grpc.WorkerStub, flow: Flow,
-                 hooks: Hooks, metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, *, retries: int,
-                 max_stream_seconds: float) -> None:
+                 hooks: Hooks, inflight: Inflight, metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity,
+                 *, retries: int, max_stream_seconds: float) -> None:
         self._directory = directory
         self._placer = placer
         self._workers = worker_stub
@@ -52,7 +52,7 @@ class Relay:
         self._metrics = metrics
         self._outcomes = outcomes
         self.activity = activity
-        self._inflight: Inflight = placer.inflight
+        self._inflight = inflight
         self._retries = retries
         self._max_stream_seconds = max_stream_seconds
         # Calls whose client left before their first chunk, running on to it.

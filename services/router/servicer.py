@@ -20,7 +20,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         timing = Timing()
         principal = await self._pipeline.authenticate(timing)
         note_client_id(request.request_id)
-        g = await self._pipeline.start(principal, [request], timing, session_id=request.session_id)
+        g = await self._pipeline.start(principal, [request], timing)
         async for _, chunk in self._pipeline.stream(g, context.time_remaining(),
                                                     dict(context.invocation_metadata() or ())):
             yield chunk
