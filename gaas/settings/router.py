@@ -89,6 +89,8 @@ class RouterSettings(Settings):
     kv_lookup_timeout_seconds: float = setting("GAAS_KV_LOOKUP_TIMEOUT", 0.05, "seconds to wait for the KV "
                                                "directory's answer before scheduling without it")
     retries: int = setting("GAAS_ROUTER_RETRIES", 2, "other workers tried when one fails before its first token")
+    moves: int = setting("GAAS_ROUTER_STREAM_MOVES", 2, "times a stream whose worker fails after its first token "
+                         "is carried on by another worker (0: the client gets the error)")
     qos: bool = setting("GAAS_QOS", True, "flow control by tier (bands, batching windows, the queue): on, or off "
                         "to compare", kind=ON_OFF)
     max_waiting: int = setting("GAAS_QUEUE_MAX", 256, "most requests waiting for a worker in this router")

@@ -54,6 +54,7 @@ class Dispatcher:
         tokenizer_for: Callable[[ModelEntry], Tokenizer],
         *,
         retries: int,
+        moves: int = 0,
         max_stream_seconds: float,
         kv: KVDirectoryClient | None = None,
         metrics: RouterMetrics = RouterMetrics(),
@@ -78,7 +79,8 @@ class Dispatcher:
         self.placer = Placer(directory, scheduler, self._flow, self.hooks, self._inflight, metrics, self.outcomes,
                              self.activity, coalescing)
         self.relay = Relay(directory, self.placer, worker_stub, self._flow, self.hooks, self._inflight, metrics,
-                           self.outcomes, self.activity, retries=retries, max_stream_seconds=max_stream_seconds)
+                           self.outcomes, self.activity, retries=retries, moves=moves,
+                           max_stream_seconds=max_stream_seconds)
 
     @property
     def flow(self) -> Flow:

@@ -36,7 +36,11 @@ class RouterMetrics:
     # The ingress's arrival to the first token, and the time per output token after it.
     ttft_seconds: Histogram | None = None
     tpot_seconds: Histogram | None = None
-
+    # Streams carried on by another worker after theirs failed mid-stream, by model and outcome
+    # (moved, or failed: no worker could), and the prefill the new workers recomputed (the
+    # mesh's cost, not billed).
+    moves: Counter | None = None
+    moved_prefill_tokens: Counter | None = None
 
 
 class Outcomes:

@@ -1,8 +1,9 @@
 """Stage 5's stream (services/router/pipeline.py): a prepared request taken to the worker the
 placement picks, through the worker's sidecar (naming the worker in x-gaas-worker) with the tier's
 engine priority, its chunks relayed, and the flow told how the worker did (first token time,
-failures: windows and circuit breakers). Retries on another worker only while no token has been
-relayed, so a client never sees a token twice. Also merge(): a request's several prompts' streams
+failures: windows and circuit breakers). Retries on another worker while no token has been
+relayed; after that, a worker that fails is replaced by another that carries the stream on from
+the tokens sent (migration.py), so a client never sees a token twice nor a worker's death. Also merge(): a request's several prompts' streams
 as one."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from services.router.activity import TenantActivity
 from services.router.breakers import prompt_work
 from services.router.directory import MeshDirectory
 from services.router.flow import Flow
+from services.router.migration import Carried
 from services.router.outcomes import Outcomes, RouterMetrics
 from services.router.placement import Inflight, Placer
 from services.router.prepare import Prepared
@@ -43,7 +45,7 @@ ABANDONED_FIRST_CHUNK_S = 35.0
 class Relay:
     def __init__(self, directory: MeshDirectory, placer: Placer, worker_stub: worker_pb2_grpc.WorkerStub, flow: Flow,
                  hooks: Hooks, inflight: Inflight, metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity,
-                 *, retries: int, max_stream_seconds: float) -> None:
+                 *, retries: int, max_stream_seconds: float, moves: int = 0) -> None:
         self._directory = directory
         self._placer = placer
         self._workers = worker_stub
@@ -54,6 +56,8 @@ class Relay:
         self.activity = activity
         self._inflight = inflight
         self._retries = retries
+        # Times a stream is carried on by another worker when its own fails mid-stream (migration.py).
+        self._moves = moves
         self._max_stream_seconds = max_stream_seconds
         # Calls whose client left before their first chunk, running on to it.
         self._abandoned: set[asyncio.Future] = set()
@@ -123,6 +127,11 @@ class Relay:
         tried: set[WorkerId] = set()
         sent_any = False
         started = time.monotonic()
+        # What the client has had, should its worker fail mid-stream and another carry it on.
+        carried = Carried(prepared.prompt_tokens)
+        request = worker_request
+        # Tokens the client had before the worker now serving it (non-zero: a moved stream).
+        before = 0
 
         def remaining() -> float | None:
             return None if time_remaining is None else max(0.0, time_remaining - (time.monotonic() - started))
@@ -134,18 +143,29 @@ class Relay:
                                  "gaas.tier": principal.tier, "gaas.model": model.name,
                                  "gaas.stream_interval": worker_request.stream_interval or 1})
         loop = asyncio.get_running_loop()
-        for attempt in range(self._retries + 1):
+        attempt = 0
+        while True:
             ctx.tried = frozenset(tried)
-            worker, queued_s, token, _ = await self._placer.place(prepared, principal, ctx, workers, remaining(), span, attempt)
+            moved = carried.moves > 0
+            try:
+                worker, queued_s, token, _ = await self._placer.place(prepared, principal, ctx, workers, remaining(),
+                                                                      span, attempt + carried.moves)
+            except errors.GaasError:
+                if not moved:
+                    raise
+                self._count_move(model.name, "failed")
+                raise errors.Unavailable(
+                    f"the worker serving this request failed after it had streamed tokens, and no other worker could "
+                    f"carry it on (request id {request_id}); the request may be retried") from None
             tried.add(worker.worker_id)
             left = remaining()
             timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)
             sent_at = time.perf_counter()
             # The first token's work: the prompt less what the directory says the worker caches.
-            work = prompt_work(prepared.prompt_tokens - ctx.prefix.get(worker.worker_id, 0) * worker.block_size)
+            work = prompt_work(prepared.prompt_tokens + before - ctx.prefix.get(worker.worker_id, 0) * worker.block_size)
             threshold = self._flow.breakers.threshold_ms(worker.worker_id, work)
             watchdog = loop.call_later(threshold / 1000, self._flow.slow, worker.worker_id, threshold)
-            call = self._workers.Generate(worker_request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
+            call = self._workers.Generate(request, timeout=timeout, metadata=((WORKER_HEADER, worker.address),))
             first = True
             handed_off = False
             try:
@@ -160,15 +180,21 @@ class Relay:
                     self._run_to_first_chunk(call, reading, worker.worker_id, token, on_abandoned)
                     raise
                 while chunk is not grpc.aio.EOF:
+                    if moved:
+                        if chunk.HasField("prefill") and self._metrics.moved_prefill_tokens is not None:
+                            self._metrics.moved_prefill_tokens.labels(model.name).inc(carried.recomputed(chunk))
+                        carried.adjust(chunk, before)
                     if first and chunk.token_ids:
                         first = False
                         watchdog.cancel()
                         now = time.perf_counter()
                         # The worker's breaker judges the worker's own time; the window judges what the
                         # tenant waits for, less the queue the window itself decides (the router's
-                        # own delays under load count: a smaller window relieves them too).
-                        self._hooks.first_token(Response(worker.worker_id, principal.tier, (now - sent_at) * 1000,
-                                                         (now - arrived - queued_s) * 1000, work))
+                        # own delays under load count: a smaller window relieves them too). A moved
+                        # stream's client waited for its first token long before this worker.
+                        worker_ms = (now - sent_at) * 1000
+                        waited_ms = worker_ms if moved else (now - arrived - queued_s) * 1000
+                        self._hooks.first_token(Response(worker.worker_id, principal.tier, worker_ms, waited_ms, work))
                     if chunk.HasField("usage"):
                         now = time.perf_counter()
                         latency.complete(chunk.timings, total_s=now - arrived, tenant_s=tenant_s,
@@ -177,9 +203,10 @@ class Relay:
                         if span.is_recording():
                             chunk.timings.trace_id = format(span.get_span_context().trace_id, "032x")
                         log.info(
-                            "served for %s by %s: %d prompt (%d cached, %d blocks predicted) + %d completion "
+                            "served for %s by %s%s: %d prompt (%d cached, %d blocks predicted) + %d completion "
                             "tokens, %s, TTFT %.1f ms at the worker",
-                            principal.tenant, worker.worker_id, chunk.usage.prompt_tokens, chunk.usage.cached_tokens,
+                            principal.tenant, worker.worker_id, f" (moved {carried.moves}x)" if moved else "",
+                            chunk.usage.prompt_tokens, chunk.usage.cached_tokens,
                             ctx.prefix.get(worker.worker_id, 0), chunk.usage.completion_tokens,
                             common_pb2.FinishReason.Name(chunk.finish_reason), chunk.timings.ttft_ms,
                         )
@@ -187,6 +214,7 @@ class Relay:
                             worker.worker_id, principal.tier, cached_tokens=chunk.usage.cached_tokens,
                             confirmed_blocks=ctx.confirmed.get(worker.worker_id, 0), block_size=worker.block_size,
                         ))
+                    carried.seen(chunk)
                     sent_any = True
                     yield chunk
                     chunk = await call.read()
@@ -199,8 +227,26 @@ class Relay:
                 if not sent_any and code in RETRYABLE and attempt < self._retries:
                     log.warning("worker %s failed before its first token (%s: %s); trying another",
                                 worker.worker_id, code.name, exc.details())
+                    attempt += 1
                     continue
-                raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
+                if not (sent_any and carried.can_carry_on(worker_request, code)):
+                    raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
+                if carried.moves >= self._moves:
+                    self._count_move(model.name, "failed")
+                    raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
+                log.warning("worker %s failed after %d tokens of this stream (%s: %s); another worker carries it on",
+                            worker.worker_id, len(carried.sent), code.name, exc.details())
+                carried.moves += 1
+                self._count_move(model.name, "moved")
+                cont = carried.continuation(worker_request)
+                if cont is None:  # its last token went out: only its end is left to tell
+                    ending = carried.ended(request_id, worker.worker_id, model.name, model.version)
+                    latency.complete(ending.timings, total_s=time.perf_counter() - arrived, tenant_s=tenant_s,
+                                     router_queue_s=queued_s, call_s=time.perf_counter() - sent_at, ingress_s=ingress_s)
+                    ending.tenant = principal.tenant
+                    yield ending
+                    return
+                request, before = cont, len(carried.sent)
             finally:
                 watchdog.cancel()
                 if not handed_off:
@@ -208,6 +254,10 @@ class Relay:
                     call.cancel()
                     self._inflight.finish(worker.worker_id, token)
                     self._hooks.ended(Response(worker.worker_id, principal.tier))
+
+    def _count_move(self, model: str, outcome: str) -> None:
+        if self._metrics.moves is not None:
+            self._metrics.moves.labels(model, outcome).inc()
 
     def _run_to_first_chunk(self, call, reading: asyncio.Future, worker: WorkerId, token: int,
                             on_abandoned: Callable[[asyncio.Future], None] | None) -> None:
@@ -234,8 +284,6 @@ class Relay:
             on_abandoned(task)
 
 
-# The prompts of one request that are generated at once (the others wait their turn here, not in
-
     def _worker_failure(self, worker: WorkerId, exc: grpc.aio.AioRpcError, sent_any: bool, request_id: str) -> errors.GaasError:
         """What the client is told when worker failed the request (its detail stays in the log)."""
         code = exc.code()
@@ -253,6 +301,8 @@ class Relay:
                                 request_id=request_id)
 
 
+# The prompts of one request that are generated at once (the others wait their turn here, not in
+# the workers' queues).
 PARTS_AT_ONCE = 8
 
 

@@ -81,6 +81,7 @@ async def serve(cfg: RouterSettings) -> None:
         worker_pb2_grpc.WorkerStub(channel),
         lambda model: tokenizers.get(model.source),
         retries=cfg.retries,
+        moves=cfg.moves,
         max_stream_seconds=cfg.max_stream_seconds,
         kv=kv,
         flow=flow,
@@ -100,6 +101,14 @@ async def serve(cfg: RouterSettings) -> None:
             requests=rt.metrics.counter(
                 "requests_total", "Generation requests by model, tier and outcome (finish reason, status, cancelled)",
                 ("model", "tier", "outcome"),
+            ),
+            moves=rt.metrics.counter(
+                "stream_moves_total", "Streams whose worker failed after their first token, carried on by another "
+                "worker (outcome moved) or not (failed)", ("model", "outcome"),
+            ),
+            moved_prefill_tokens=rt.metrics.counter(
+                "stream_moved_prefill_tokens_total", "Prompt tokens recomputed by the workers that carried moved "
+                "streams on (the mesh's cost; not billed)", ("model",),
             ),
             tokens=rt.metrics.counter(
                 "tokens_total", "Tokens by model, tier and kind (prompt, completion, cached: of the prompt, from the "

@@ -95,7 +95,7 @@ class FakeTokenizer:
         return len(text)
 
 
-async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None):
+async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None, moves=0):
     models = [ModelEntry("tiny", "1.0", 64, True)]
     cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 64) for w in workers]
 
@@ -108,7 +108,7 @@ async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None):
     fake = FakeWorkers(scripts)
     dispatcher = Dispatcher(
         MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
-        retries=retries, max_stream_seconds=30,
+        retries=retries, moves=moves, max_stream_seconds=30,
     )
     servicer = InferenceServicer(Pipeline(dispatcher, Authenticator(lookup, 2.0), meter))
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, edge=True))
