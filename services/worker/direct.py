@@ -63,7 +63,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         async def chunks():
             # A client gone before the first token leaves the request running to it, and billed.
             abandoned = None if record is None else record.abandoned.append
-            async for c in self._worker.Generate(d.generate, context, on_abandoned=abandoned):
+            async for c in self._worker.Generate(d.generate, context, on_abandoned=abandoned, handed_over=False):
                 if c.HasField("usage"):
                     direct.complete(c.timings, d, arrived_unix)
                 yield 0, c

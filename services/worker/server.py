@@ -2,7 +2,8 @@
 
 Starts NOT_SERVING, builds the engine (20-40 s on a CPU), then reports SERVING and registers with
 the control plane through its sidecar, renewing the lease while alive. On SIGTERM: NOT_SERVING,
-deregister, let running streams finish (grace), stop the engine.
+deregister, let running streams finish (grace; routers' streams still running after
+GAAS_HANDOVER_SECONDS end, and each router carries its own on at another worker), stop the engine.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ async def serve(cfg: WorkerSettings) -> None:
             load=servicer.load_report,
         )
         rt.on_stop(keeper.stop)  # runs first: routers stop picking this worker
+    if cfg.handover_seconds >= 0:
+        rt.on_stop(lambda: hand_over_later(servicer, cfg.handover_seconds))
     if rt.stopping:
         await rt.shutdown()
         return
@@ -184,6 +187,17 @@ async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: fl
             rt.request_stop("the engine died; exiting so that a fresh worker is started", ENGINE_DIED_EXIT)
             return
         await asyncio.sleep(every_seconds)
+
+
+async def hand_over_later(servicer: WorkerServicer, after_s: float) -> None:
+    """Stopping: after after_s, the streams routers sent end (UNAVAILABLE) and each router carries
+    its own on at another worker, so that a rolling restart waits for no long stream."""
+
+    def hand_over() -> None:
+        log.info("stopping: the streams still running here are handed over to other workers")
+        servicer.handing_over = True
+
+    asyncio.get_running_loop().call_later(after_s, hand_over)
 
 
 async def _cancel(task: asyncio.Task) -> None:

@@ -42,16 +42,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.relay = relay
         # The device's last sample, kept fresh off the event loop (server.sample_device).
         self.device_sample: DeviceSample | None = None
+        # Stopping: the streams routers sent end with UNAVAILABLE at their next token, and each
+        # router carries its own on at another worker (services/router/migration.py).
+        self.handing_over = False
 
     def _engine(self) -> Engine:
         if self.engine is None:
             raise errors.Unavailable("the engine is still loading; retry shortly")
         return self.engine
 
-    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context, on_abandoned=None):
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context, on_abandoned=None,
+                       handed_over: bool = True):
         """The request's chunks. on_abandoned (a caller in this process that meters the request):
         told, with a future of the first chunk, when its caller leaves before that chunk (the engine
-        runs the request on to it: Engine's GenerationRequest.on_abandoned)."""
+        runs the request on to it: Engine's GenerationRequest.on_abandoned). handed_over: whether
+        the stream ends when this worker hands its streams over (a router's: it carries the stream
+        on elsewhere; not the ingress's, which nobody would)."""
         engine = self._engine()
         info = engine.info
         r = request.request
@@ -94,6 +100,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         waiting = True
         try:
             async for d in engine.generate(gen):
+                if self.handing_over and handed_over and not d.done:
+                    log.info("handing request %s over after %d tokens: this worker is stopping",
+                             request.request_id, produced)
+                    raise errors.Unavailable("this worker is stopping; another worker carries the stream on")
                 if not first_token_ms and d.token_ids:
                     first_token_ms = (time.perf_counter() - started) * 1000
                     self._waiting -= 1

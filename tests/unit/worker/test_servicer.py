@@ -236,3 +236,34 @@ async def test_the_cached_tokens_reported_stay_within_the_cap_the_router_gave():
     assert chunks[0].prefill.cached_tokens == 40 and chunks[-1].usage.cached_tokens == 40
     assert chunks[0].prefill.prompt_tokens == 200
     assert plain[-1].usage.cached_tokens == 192, "without a cap, what the engine served"
+
+
+async def test_a_stopping_worker_hands_its_streams_over_at_the_next_token():
+    engine = FakeEngine(tokens=1000, delay=0.01)
+    servicer = WorkerServicer("worker-7", engine)
+    rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1))
+    rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "gaas.v1.Worker")
+    await rt.start()
+    got = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            call = worker_pb2_grpc.WorkerStub(ch).Generate(wreq(prompt="hi", max_tokens=200), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for c in call:
+                    got.append(c)
+                    if len(got) == 3:
+                        servicer.handing_over = True
+            await asyncio.wait_for(engine.aborted.wait(), timeout=5)
+    finally:
+        await rt.shutdown()
+    # UNAVAILABLE after the tokens sent: what a router carries on at another worker.
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "another worker carries the stream on" in err.value.details()
+    assert 3 <= len(got) < 10
+
+
+async def test_the_ingress_streams_are_not_handed_over():
+    engine = FakeEngine(tokens=5, delay=0.0)
+    servicer = WorkerServicer("worker-7", engine)
+    servicer.handing_over = True
+    chunks = [c async for c in servicer.Generate(wreq(prompt="hi", max_tokens=5), None, handed_over=False)]
+    assert len(chunks) == 5 and chunks[-1].HasField("usage")
