@@ -1,13 +1,15 @@
 """Faults inside the mesh, through the real `gaas up`: a worker's engine never outlives it (kill -9
 of the worker's own process, not its group), a worker whose engine dies leaves the registry and
-is restarted, and SIGTERM on a worker lets the stream it is serving finish before the engine stops, and with control
-paused known keys are still served.
+is restarted, streams survive their worker (killed, or stopping: another worker carries them on,
+their text what an undisturbed run gives, each billed once), and with control paused known keys
+are still served.
 Each ends with worker-1 serving again, for the destructive tests after it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,8 +20,8 @@ from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import process_alive
 from tests.meshutil import gaas, generate
-from tests.e2e.test_metering import (MODEL, Load, children, client, instance, needs_own_mesh, new_tenant,
-                                 wait_restarted, wait_serving)
+from tests.e2e.test_metering import (MODEL, Load, Received, children, client, instance, needs_own_mesh, new_tenant,
+                                 wait_for_ledger, wait_restarted, wait_serving)
 
 pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
 WORKER = "worker-1"
@@ -73,22 +75,112 @@ def ready_worker(mesh) -> int:
     return pid
 
 
-def test_sigterm_on_a_worker_finishes_its_stream_before_the_engine_stops(mesh):
+# Greedy streams long enough to be running when their worker goes.
+STREAM_TOKENS = 256
+GREEDY = dict(model=MODEL, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+
+
+class Streams:
+    """Greedy completion streams run at once, each in its thread: the text and usage each client
+    got, and the errors any got; started tells when every stream has had its first tokens."""
+
+    def __init__(self, c, prompts: list[str]) -> None:
+        self.texts: list[str] = [""] * len(prompts)
+        self.usage: list = [None] * len(prompts)
+        self.errors: list[str] = []
+        self._chunks = [0] * len(prompts)
+        self._threads = [threading.Thread(target=self._run, args=(c, i, p), daemon=True) for i, p in enumerate(prompts)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, c, i: int, prompt: str) -> None:
+        try:
+            for chunk in c.completions.create(prompt=prompt, **GREEDY):
+                if chunk.choices:
+                    self.texts[i] += chunk.choices[0].text
+                    self._chunks[i] += 1
+                if chunk.usage is not None:
+                    self.usage[i] = chunk.usage
+        except Exception as exc:  # noqa: BLE001 - what the client got, for the assertion
+            self.errors.append(f"stream {i}: {type(exc).__name__}: {exc}")
+
+    def wait_started(self, chunks: int = 4, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self._chunks) < chunks and not self.errors:
+            assert time.monotonic() < deadline, f"the streams did not start: {self._chunks}"
+            time.sleep(0.02)
+
+    def join(self, timeout: float = 300.0) -> "Streams":
+        for t in self._threads:
+            t.join(timeout)
+        return self
+
+
+def undisturbed(c, prompts: list[str], received: Received) -> list[str]:
+    streams = Streams(c, prompts).join()
+    assert streams.errors == [], streams.errors
+    for u in streams.usage:
+        received.add(u)
+    return streams.texts
+
+
+def moves_logged(mesh) -> int:
+    return sum((mesh.run_dir / "logs" / f"{r}.log").read_text().count("another worker carries it on")
+               for r in ("router-0",) if (mesh.run_dir / "logs" / f"{r}.log").exists())
+
+
+def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
+    """16 greedy streams on two workers, one worker killed (SIGKILL) while they run: the other
+    carries its streams on from the tokens sent. No client sees an error; each text equals an
+    undisturbed run's; each is billed once, for its prompt and the tokens it received."""
     pid = ready_worker(mesh)
-    prompt = prompt_on_worker(mesh)
-    stream = client(mesh, mesh.api_key).completions.create(
-        model=MODEL, prompt=prompt, max_tokens=300, stream=True, extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    next(chunks)
+    tenant, key = new_tenant(mesh)
+    c = client(mesh, key)
+    prompts = [f"Move test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3 for i in range(16)]
+    received = Received()
+    expected = undisturbed(c, prompts, received)
+    moves = moves_logged(mesh)
+    streams = Streams(c, prompts)
+    streams.wait_started()
+    os.kill(pid, signal.SIGKILL)
+    streams.join()
+    assert streams.errors == [], streams.errors[:3]
+    assert moves_logged(mesh) > moves, "no stream was on the killed worker"
+    for i, (got, want) in enumerate(zip(streams.texts, expected)):
+        assert got == want, f"stream {i}: its text differs from an undisturbed run's"
+    for u in streams.usage:
+        assert u.completion_tokens == STREAM_TOKENS
+        received.add(u)
+    wait_for_ledger(mesh, tenant, received.as_tuple())
+    wait_worker_back(mesh, pid)
+
+
+def test_sigterm_on_a_worker_hands_its_streams_over_and_they_finish_whole(mesh):
+    """A stopping worker (a rolling restart's drain) hands the streams it still serves over after
+    GAAS_HANDOVER_SECONDS; each finishes at the other worker, equal to an undisturbed run, and
+    the engine stops with its worker."""
+    pid = ready_worker(mesh)
+    tenant, key = new_tenant(mesh)
+    c = client(mesh, key)
+    prompts = [prompt_on_worker(mesh) for _ in range(2)]
+    received = Received()
+    expected = undisturbed(c, prompts, received)
+    streams = Streams(c, prompts)
+    streams.wait_started()
     engine = descendants(pid)
     os.kill(pid, signal.SIGTERM)
-    rest = list(chunks)
-    finished = [c for c in rest if c.choices and c.choices[0].finish_reason]
-    assert finished and finished[-1].choices[0].finish_reason == "length", "the stream was cut"
+    streams.join()
+    assert streams.errors == [], streams.errors
+    assert streams.texts == expected
+    assert all(u.completion_tokens == STREAM_TOKENS for u in streams.usage)
+    for u in streams.usage:
+        received.add(u)
     deadline = time.monotonic() + 60
     while any(process_alive(p) for p in engine):
         assert time.monotonic() < deadline, "the engine outlived its worker's shutdown"
         time.sleep(0.5)
+    wait_for_ledger(mesh, tenant, received.as_tuple())
     wait_worker_back(mesh, pid)
 
 
