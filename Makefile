@@ -2,11 +2,12 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: help install proto model run test test-unit bench gpu-check envoy-config clean
+.PHONY: help install proto model run test test-unit test-direct bench gpu-check envoy-config clean
 
 help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers)"
+	@echo "make test-direct   the end-to-end suite against a mesh on the direct path (ingress.path: direct)"
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge (prints tables, writes bench/results/*.json)"
@@ -32,6 +33,10 @@ test: proto
 
 test-unit: proto
 	$(BIN)/python -m pytest tests/unit
+
+# The end-to-end suite against a mesh on the direct path (the ingress streams from the worker).
+test-direct: proto
+	GAAS_TEST_INGRESS_PATH=direct $(BIN)/python -m pytest tests/e2e
 
 bench: proto
 	$(BIN)/python -m bench.run

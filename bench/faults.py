@@ -3,8 +3,9 @@ ingress, with one replica of every service and with two (two workers either way,
 
 For each kill: the requests that failed, split into those that had not yet streamed a token (with
 two replicas of the killed kind the goal is none: the ingress and the sidecars retry what never
-reached an instance, routers retry a worker before its first token) and those cut mid-stream (a
-stream through the process that died; unavoidable); how long until a request sent after the kill
+reached an instance, routers retry a worker before its first token) and those cut mid-stream (goal
+for a worker: none, another worker carries its streams on from the tokens sent; through a router
+or its sidecar that died: unavoidable, no process outlives it in the stream); how long until a request sent after the kill
 got its first token (goal for a worker: at once, from the other worker); how long until `gaas up`
 had the killed instance serving again; and whether any process it owned outlived it.
 

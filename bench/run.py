@@ -168,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
     core, others = worker_cpus(0, 1)  # where gaas places worker-0's engine, and the rest
     vllm_procs: list[subprocess.Popen] = []
-    results: dict = {"serving": {}, "grpc": {}, "cpu": {}, "memory": {}, "host": {}}
+    # Each target's processes whose CPU is its front end's cost (name -> pid), and those of them
+    # whose descendants are its engine (not counted: the engine is the same on both sides).
+    processes: dict[str, dict[str, int]] = {}
+    engines: dict[str, set[str]] = {}
+    # Each target's background CPU (footprint.idle_rates), measured once before its first run.
+    idle: dict[str, dict[str, tuple[float, float]]] = {}
+    results: dict = {"serving": {}, "grpc": {}, "cpu": {}, "cost": {}, "memory": {}, "host": {}}
     targets = {}
     try:
         for name, m in meshes.items():
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             m.wait_ready(300)
             os.environ["GAAS_HOME"] = str(m.run_dir)  # the operator of this mesh, for its admin calls
             targets[name] = (f"http://{m.topo.ingress}", demo_key(m))
+            processes[name] = {c.name: c.proc.pid for c in m.children}
+            engines[name] = {c.name for c in m.children if c.name.startswith("worker-")}
         key = targets[next(iter(meshes))][1]
         os.environ["GAAS_HOME"] = str(run_dir)
         if not args.skip_vllm:
@@ -198,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                         os.sched_setaffinity(proc.pid, others)
                 name = VLLM_TARGETS[variant]
                 targets[name] = (f"http://127.0.0.1:{port}", None)
+                processes[name] = {"api server": proc.pid}
+                engines[name] = {"api server"}
 
         def bench(target: str, backend: str, prompts_n: int, concurrency: int) -> dict:
             url, api_key = targets[target]
@@ -225,8 +235,18 @@ def main(argv: list[str] | None = None) -> int:
                     measured = meshes.get(target) if backend == "openai" else None
                     if measured:
                         cpu_before = {c.name: footprint.cpu_seconds(c.proc.pid) for c in measured.children}
+                    if target not in idle:
+                        settle()
+                        idle[target] = footprint.idle_rates(processes[target])
+                    parts_before = {n: footprint.cpu_parts(pid) for n, pid in processes[target].items()}
                     host = footprint.host_times()
+                    started = time.perf_counter()
                     r = bench(target, backend, args.concurrency * 8, args.concurrency)
+                    wall = time.perf_counter() - started
+                    ok = [n for n, err in zip(r["output_lens"], r["errors"]) if not err]
+                    results["cost"][f"{target} | {backend} | {args.concurrency}"] = footprint.front_cost(
+                        parts_before, {n: footprint.cpu_parts(pid) for n, pid in processes[target].items()},
+                        engines[target], sum(ok), len(ok), idle[target], wall)
                     results["serving"][f"{target} | {backend} | {args.concurrency}"] = merge_detailed([r])
                     results["host"][f"{target} | {backend} | {args.concurrency}"] = footprint.host_load(
                         host, footprint.host_times())
@@ -301,6 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     if steal:
         print(f"\nthe hypervisor's steal during the {args.concurrency}-stream runs: {min(steal):g}-{max(steal):g}% of "
               "the cores' time (figures taken under much of it are slower than the same cores alone give)")
+    if results["cost"]:
+        print(f"\nCPU of each server's own processes during the {args.concurrency}-stream runs: the engine apart "
+              f"(a worker's and vLLM's engine core), and the background apart (what the processes spend with no "
+              f"request, measured for {footprint.IDLE_SECONDS:g} s before: idle, % of one core):")
+        print(f"{'target':<32} {'backend':<12} {'us/token':>9} {'us/request':>11} {'engine s':>9} {'idle %':>7}  where")
+        for name, c in results["cost"].items():
+            target, backend, _ = name.split(" | ")
+            where = "  ".join(f"{n} {v:g}" for n, v in list(c["seconds"].items())[:6] if v > 0)
+            print(f"{target:<32} {backend:<12} {c['us_per_token'] or 0:>9} {c['us_per_request'] or 0:>11} "
+                  f"{c['engine_cpu_s']:>9} {c['idle_core_pct']:>7}  {where}")
     for target, c in results["cpu"].items():
         busy = sorted(c["seconds"].items(), key=lambda kv: -kv[1])
         print(f"CPU seconds, {target}, during the {args.concurrency}-stream /v1/completions run "
@@ -326,6 +356,10 @@ VLLM_TARGETS = {
 WORKER_MEMORY_GOAL_MB = 2300
 SERVICE_MEMORY_GOAL_MB = 150
 ROUTER_TOKENS_PER_CORE_GOAL = 50_000
+# The mesh's own processes (Envoys, router, the worker's front end, the services; engine apart)
+# against vLLM's API server process with the same engine (issue 28).
+CPU_PER_TOKEN_RATIO_GOAL = 1.25
+CPU_PER_REQUEST_EXTRA_GOAL_US = 2000
 
 
 def overhead_goals(results: dict, concurrency: int) -> list[dict]:
@@ -357,6 +391,16 @@ def overhead_goals(results: dict, concurrency: int) -> list[dict]:
                 ratio = round(gaasn["output_tokens_per_s"] / vllmn["output_tokens_per_s"], 3)
                 goal(f"{target}: tokens/s, {concurrency} streams, mesh / vLLM server ({server})", ratio,
                      f"{ratio:.2f}x", ">= 0.95x", ratio >= 0.95)
+        for backend in ("openai", "openai-chat"):
+            mine = results.get("cost", {}).get(f"{target} | {backend} | {concurrency}")
+            vllm = results.get("cost", {}).get(f"{VLLM_TARGETS['engine']} | {backend} | {concurrency}")
+            if mine and vllm and mine["us_per_token"] and vllm["us_per_token"]:
+                ratio = round(mine["us_per_token"] / vllm["us_per_token"], 2)
+                goal(f"{target}: {backend} CPU per output token, mesh / vLLM API server (engines apart)", ratio,
+                     f"{ratio:.2f}x", f"<= {CPU_PER_TOKEN_RATIO_GOAL}x", ratio <= CPU_PER_TOKEN_RATIO_GOAL)
+                extra = mine["us_per_request"] - vllm["us_per_request"]
+                goal(f"{target}: {backend} CPU per request, mesh - vLLM API server", extra, f"{extra / 1000:+.2f} ms",
+                     "<= +2 ms", extra <= CPU_PER_REQUEST_EXTRA_GOAL_US)
         cpu = results.get("cpu", {}).get(target)
         if cpu and cpu["seconds"].get("router-0"):
             rate = round(cpu["output_tokens"] / cpu["seconds"]["router-0"])

@@ -145,6 +145,16 @@ class RunningMesh:
         return self.proc.wait(timeout=timeout)
 
 
+# The ingress path the session's mesh runs (`make test-direct` sets direct; empty: the topology's,
+# the router path). Tests of what only one path does skip on the other (on_router_path).
+INGRESS_PATH = os.environ.get("GAAS_TEST_INGRESS_PATH", "")
+
+
+def on_router_path(why: str):
+    """A mark for a test of what the router path does and the direct path cannot, saying why."""
+    return pytest.mark.skipif(INGRESS_PATH == "direct", reason=f"the router path's own: {why}")
+
+
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory) -> RunningMesh:
     """The whole mesh, started by `gaas up` exactly as a user would (with its own Redis).
@@ -167,7 +177,8 @@ def mesh(tmp_path_factory) -> RunningMesh:
     env = {"GAAS_STRIPE_API_KEY": stripe.api_key, "GAAS_STRIPE_API_BASE": stripe.url,
            "GAAS_STRIPE_WINDOW_SECONDS": "2", "GAAS_STRIPE_GRACE_SECONDS": "1"}
     # Every request traced, as an operator looking into one would run it (tests/e2e/test_traces.py).
-    m = start_mesh(run_dir, free_port_base(span=200, start=31000), "--workers", str(MESH_WORKERS), "--trace",
+    path = ["--ingress-path", INGRESS_PATH] if INGRESS_PATH else []
+    m = start_mesh(run_dir, free_port_base(span=200, start=31000), "--workers", str(MESH_WORKERS), "--trace", *path,
                    timeout=MESH_START_TIMEOUT, env=env)
     m.stripe = stripe
     # In-process clients (gaas.sdk.admin, gaas.ops.probe) reach the sidecars as this mesh's operator.

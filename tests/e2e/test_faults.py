@@ -18,7 +18,7 @@ import pytest
 from gaas.ops import pki
 from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
-from tests.conftest import process_alive
+from tests.conftest import on_router_path, process_alive
 from tests.meshutil import gaas, generate
 from tests.e2e.test_metering import (MODEL, Load, Received, children, client, instance, needs_own_mesh, new_tenant,
                                  wait_for_ledger, wait_restarted, wait_serving)
@@ -130,6 +130,10 @@ def moves_logged(mesh) -> int:
                for r in ("router-0",) if (mesh.run_dir / "logs" / f"{r}.log").exists())
 
 
+ROUTER_IN_THE_STREAM = "a stream outlives its worker only where a process that outlives the worker is in it"
+
+
+@on_router_path(ROUTER_IN_THE_STREAM)
 def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
     """16 greedy streams on two workers, one worker killed (SIGKILL) while they run: the other
     carries its streams on from the tokens sent. No client sees an error; each text equals an
@@ -157,9 +161,10 @@ def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
 
 
 def test_sigterm_on_a_worker_hands_its_streams_over_and_they_finish_whole(mesh):
-    """A stopping worker (a rolling restart's drain) hands the streams it still serves over after
-    GAAS_HANDOVER_SECONDS; each finishes at the other worker, equal to an undisturbed run, and
-    the engine stops with its worker."""
+    """A stopping worker (a rolling restart's drain) hands the streams routers sent it over after
+    GAAS_HANDOVER_SECONDS, and each finishes at the other worker (on the direct path, where the
+    ingress streams from the worker, it finishes them itself within the grace): either way equal
+    to an undisturbed run, and the engine stops with its worker."""
     pid = ready_worker(mesh)
     tenant, key = new_tenant(mesh)
     c = client(mesh, key)
