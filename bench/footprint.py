@@ -102,3 +102,36 @@ def front_cost(before: dict[str, tuple[float, float]], after: dict[str, tuple[fl
         "idle_core_pct": round(background * 100, 1),
         "seconds": {k: round(v, 3) for k, v in sorted(front.items(), key=lambda kv: -kv[1])},
     }
+
+
+def host_times() -> dict[str, list[int]]:
+    """Each core's CPU time so far, from /proc/stat (user, nice, system, idle, iowait, irq, softirq,
+    steal, in clock ticks); host_load() compares two of these."""
+    cores = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                cores[name] = [int(t) for t in ticks[:8]] + [0] * (8 - len(ticks[:8]))
+    return cores
+
+
+def host_load(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict:
+    """Between two host_times(): each core's share busy (user, nice, system, irq, softirq) and the share
+    the hypervisor took (steal), percent. A virtual machine's steal is time its cores wanted and did not
+    get: figures measured under much of it are slower than the same code on the same cores alone."""
+    busy, steal = {}, {}
+    stolen = ticks = 0
+    for core, t1 in after.items():
+        d = [b - a for a, b in zip(before.get(core, [0] * 8), t1)]
+        total = max(1, sum(d))
+        busy[core] = round(100 * (d[0] + d[1] + d[2] + d[5] + d[6]) / total, 1)
+        steal[core] = round(100 * d[7] / total, 1)
+        stolen, ticks = stolen + d[7], ticks + sum(d)
+    return {"busy_pct": busy, "steal_pct": steal, "mean_steal_pct": round(100 * stolen / max(1, ticks), 1)}
+
+
+def describe_host_load(load: dict) -> str:
+    """One line: 'cpu0 93% busy, cpu1 88% busy; the hypervisor took 18% (steal)'."""
+    cores = ", ".join(f"{core} {pct:g}% busy" for core, pct in sorted(load["busy_pct"].items()))
+    return f"{cores}; the hypervisor took {load['mean_steal_pct']:g}% (steal)"

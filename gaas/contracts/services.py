@@ -18,5 +18,8 @@ OPENAI_SERVICE = "gaas.v1.OpenAI"
 # (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
 OPENAI_GENERATION = ("Completions", "ChatCompletions")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Every generation method the ingress asks the router about and may send to a worker straight
+# (ingress.path: direct): both OpenAI routes and the native API's Generate, as gRPC paths.
+DIRECT_GENERATION = (*(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION), f"/{GRPC_SERVICE['router']}/Generate")
 # The router's key check for the ingress, on each request's headers (Envoy's external authorization).
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"

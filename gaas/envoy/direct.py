@@ -1,7 +1,7 @@
 """The direct path (ingress.path: direct): the ingress asks a router where each generation goes
 (Envoy's external processing; services/router/extproc.py) and streams it from the worker the router
-named, the router out of the token stream. Session turns, prompt lists and the native gRPC API go
-through the router either way."""
+named, the router out of the token stream: both OpenAI routes and the native API's Generate.
+Session turns and prompt lists go through the router either way."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gaas.envoy.clusters import static_cluster
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, decorator, grpc_route
 from gaas.envoy.tls import client_tls
 from gaas.ops import pki
-from gaas.contracts.services import OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.contracts.services import DIRECT_GENERATION
 from gaas.ops.topology import Topology
 from gaas.runtime.context import WORKER_HEADER
 
@@ -74,17 +74,16 @@ def direct_routes() -> list[dict]:
     second choice should the first not take it), and to the router (the decision passed it on:
     a session turn, a batch of prompts)."""
     out = []
-    for method in OPENAI_GENERATION:
+    for path in DIRECT_GENERATION:
         out.append({
-            "match": {"path": f"/{OPENAI_SERVICE}/{method}", "grpc": {},
+            "match": {"path": path, "grpc": {},
                       "headers": [{"name": WORKER_HEADER, "present_match": True}]},
             "route": {"cluster": DIRECT_WORKERS, "timeout": "0s", "retry_policy": RETRY_ON_FALLBACK},
             "request_body_buffer_limit": DIRECT_RETRY_BUFFER,
             **decorator("ingress to a worker"),
         })
-    for method in OPENAI_GENERATION:
-        out.append(grpc_route(f"/{OPENAI_SERVICE}/{method}", "router", retry=RETRY_BEFORE_RESPONSE,
-                              operation="ingress"))
+    for path in DIRECT_GENERATION:
+        out.append(grpc_route(path, "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"))
     return out
 
 

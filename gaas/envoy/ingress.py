@@ -22,7 +22,7 @@ from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, grpc_rout
 from gaas.envoy.tls import client_tls, downstream_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.contracts.services import DIRECT_GENERATION, GRPC_SERVICE, OPENAI_SERVICE
 from gaas.ops.topology import LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
@@ -143,7 +143,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
     ]
     if direct:
         # The router is asked about the generation routes only.
-        for route in routes[len(OPENAI_GENERATION) * 2:]:
+        for route in routes[len(DIRECT_GENERATION) * 2:]:
             route["typed_per_filter_config"] = ext_proc_disabled()
     manager = hcm(
         "ingress",

@@ -10,7 +10,7 @@ not named here is the operator's alone; health checks are open to every identity
 
 from __future__ import annotations
 
-from gaas.contracts.services import AUTHZ_SERVICE, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.contracts.services import AUTHZ_SERVICE, DIRECT_GENERATION, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_SERVICE
 
 # Per kind, who may call each method of its own gRPC service (GRPC_SERVICE).
 ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -59,5 +59,5 @@ def method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]:
     paths = {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
     if kind == "worker" and direct:
         # The generations the ingress sends a worker straight.
-        paths.update({f"/{OPENAI_SERVICE}/{m}": ("ingress",) for m in OPENAI_GENERATION})
+        paths.update({path: ("ingress",) for path in DIRECT_GENERATION})
     return paths

@@ -87,12 +87,17 @@ def _tolerant(deserializer: Callable | None) -> Callable | None:
     return deserialize
 
 
+def malformed(type_name: str) -> errors.InvalidArgument:
+    """What a caller is told of a request message that does not parse as type_name."""
+    return errors.InvalidArgument(
+        f"the request message is not a valid {type_name}: check that the client uses GaaS's .proto "
+        "files (gaas.v1) and sends text fields (and the headers the ingress puts in them) as valid UTF-8"
+    )
+
+
 def _check_parsed(request) -> None:
     if isinstance(request, _Malformed):
-        raise errors.InvalidArgument(
-            f"the request message is not a valid {request.type_name}: check that the client uses GaaS's .proto "
-            "files (gaas.v1) and sends text fields as valid UTF-8"
-        )
+        raise malformed(request.type_name)
 
 
 async def _tolerant_iterator(request_iterator) -> AsyncIterator:

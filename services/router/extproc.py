@@ -3,8 +3,8 @@ ingress.path: direct), the way the Gateway API Inference Extension's endpoint pi
 Envoy's external processing protocol (envoy.service.ext_proc.v3; the part of it used here is
 protos/gaas/v1/ext_proc.proto).
 
-For each OpenAI generation, the ingress sends the request's headers and its (transcoded) body
-here. The router authenticates, admits and places it as it does for its own routes, then answers
+For each generation (both OpenAI routes and the native API's Generate), the ingress sends the
+request's headers and its (transcoded) body here. The router authenticates, admits and places it as it does for its own routes, then answers
 with the worker to send it to (x-gaas-worker, which picks the ingress's cluster of that worker's
 sidecar) and the body replaced by a gaas.v1.DirectGenerate: the tokens then stream from the worker
 to the ingress without passing through the router, and the worker formats and meters the answer.
@@ -12,20 +12,23 @@ The worker reports the request's end to this router (gaas/metering/direct.py), w
 one of its own streams (metrics, windows, circuit breakers) and frees its room.
 
 A request the direct path does not serve (a session turn, a batch of prompts) passes on unchanged
-to the router's own route. A refusal answers the client at once: an immediate response with the
-gRPC status, which the ingress's transcoder and error filter turn into OpenAI's error JSON, as
-for the router's own routes.
+to the router's own route. A refusal answers the client at once, in the shape the router's own route would: to an HTTP
+client (an OpenAI route, or the native API's JSON) the HTTP status and the gRPC status as JSON,
+which the ingress's error filter turns into OpenAI's error JSON; to a gRPC client a trailers-only
+response with the status and its details.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import struct
 import time
 
 import grpc
 from google.api import httpbody_pb2
+from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from gaas.metering import direct as direct_contract
@@ -34,10 +37,11 @@ from gaas.openai import api as openai_api
 from gaas.metering.meter import Metered
 from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
+from gaas.runtime.interceptors import malformed
 from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, begin_request, client_request_id_var
-from gaas.contracts.services import OPENAI_SERVICE
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
-from gaas.v1 import ext_proc_pb2_grpc, worker_pb2
+from gaas.v1 import ext_proc_pb2_grpc, inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
@@ -46,11 +50,13 @@ log = logging.getLogger(__name__)
 
 STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
-# The routes the ingress asks the router about, and how their bodies parse.
+# The OpenAI routes the ingress asks the router about, and how their bodies parse.
 PARSERS = {
     f"/{OPENAI_SERVICE}/Completions": (openai_api.parse_completion, False),
     f"/{OPENAI_SERVICE}/ChatCompletions": (openai_api.parse_chat, True),
 }
+# The native API's generation, whose body is the GenerateRequest itself (gaas.contracts.services.DIRECT_GENERATION).
+NATIVE_GENERATE = f"/{GRPC_SERVICE['router']}/Generate"
 
 
 def grpc_frame(message: bytes) -> bytes:
@@ -66,6 +72,15 @@ def grpc_unframe(body: bytes) -> bytes:
     if compressed or len(body) != 5 + size:
         raise errors.InvalidArgument("the request body is not one uncompressed gRPC message")
     return body[5:]
+
+
+def _message(cls, body: bytes):
+    """The request message of a request body of one gRPC frame, refused as the router's own routes
+    refuse one that does not parse (gaas.runtime.interceptors.malformed)."""
+    try:
+        return cls.FromString(grpc_unframe(body))
+    except DecodeError:
+        raise malformed(cls.__name__) from None
 
 
 def _header(key: str, value: str) -> ep.HeaderValueOption:
@@ -88,6 +103,24 @@ def immediate(err: errors.GaasError) -> ep.ProcessingResponse:
         headers=ep.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
         details=err.code,
     ))
+
+
+def immediate_grpc(err: errors.GaasError) -> ep.ProcessingResponse:
+    """A gRPC client's answer to a refused request (the native API's Generate): the trailers-only
+    response the router's own route would give, its status, message and details (retry delay,
+    quota) as the server interceptor sets them."""
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=ep.HttpStatus(code=200),
+        grpc_status=ep.GrpcStatus(status=grpc.StatusCode[err.code].value[0]),
+        body=err.message.encode(),
+        headers=ep.HeaderMutation(set_headers=[_header(status.DETAILS_KEY, base64.b64encode(
+            status.status_details(err)).decode())]),
+        details=err.code,
+    ))
+
+
+# The transcoder keeps a JSON request's own path here: such a native request's client reads HTTP.
+TRANSCODED_HEADER = "x-envoy-original-path"
 
 
 def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
@@ -190,20 +223,24 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                     break
         else:
             return  # the client went away before its body was complete
+        native = headers.get(":path", "") == NATIVE_GENERATE
         try:
-            placement = await self._decide(headers, bytes(body), timing)
+            placement = await (self._decide_native(headers, bytes(body), timing) if native
+                               else self._decide(headers, bytes(body), timing))
         except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
             if (err := status.answer_in_stream(exc)) is None:
                 raise
-            yield immediate(err)
+            yield immediate_grpc(err) if native and TRANSCODED_HEADER not in headers else immediate(err)
             return
         if placement is None:
             for r in _passed_on(bytes(body)):
                 yield r
             return
         direct, p, metered = placement
-        framed = grpc_frame(httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE,
-                                                  data=direct.SerializeToString()).SerializeToString())
+        message = direct.SerializeToString()
+        if not native:
+            message = httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE, data=message).SerializeToString()
+        framed = grpc_frame(message)
         yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=[
                 _header(WORKER_HEADER, p.addresses),
@@ -220,27 +257,36 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             async for req in requests:
                 kind = req.WhichOneof("request")
                 if kind == "response_trailers":
-                    self._failed(request_id, _headers_of(req.response_trailers.trailers))
+                    self._trailers(request_id, _headers_of(req.response_trailers.trailers))
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
                 elif kind == "request_trailers":
                     yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
                 elif kind == "response_headers":
                     if req.response_headers.end_of_stream:  # trailers-only: a refusal
-                        self._failed(request_id, _headers_of(req.response_headers.headers))
+                        self._trailers(request_id, _headers_of(req.response_headers.headers))
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         finally:
             if request_id in self._pending:
                 asyncio.get_running_loop().call_later(direct_contract.REPORT_GRACE_SECONDS, self._unreported,
                                                       request_id)
 
-    def _failed(self, request_id: str, trailers: dict[str, str]) -> None:
+    def _trailers(self, request_id: str, trailers: dict[str, str]) -> None:
         """The worker's status, when the stream's trailers reach the router: a failure ends the
-        request now (a success waits for the worker's report, which carries what it served)."""
+        request now. A success waits for the worker's report, which carries what it served, but
+        the tenant's place is given back at once: the worker recorded the usage before its last
+        chunk (a report lost with Redis restarting would otherwise hold the place until the
+        grace period ends, and the tenant's next requests be refused as too many at once)."""
         try:
             code = STATUS_CODES.get(int(trailers.get("grpc-status", "")))
         except ValueError:
             return
-        if code is None or code == grpc.StatusCode.OK:
+        if code is None:
+            return
+        if code == grpc.StatusCode.OK:
+            entry = self._pending.get(request_id)
+            if entry is not None and entry[1] is not None:
+                self._end(entry[1], release=False)
+                self._pending[request_id] = (entry[0], None)
             return
         entry = self._pending.pop(request_id, None)
         if entry is not None:
@@ -258,7 +304,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         begin_request(headers, edge=True)
         client_id = client_request_id_var.get()
         principal = await self._pipeline.authenticate(timing)
-        http = httpbody_pb2.HttpBody.FromString(grpc_unframe(body))
+        http = _message(httpbody_pb2.HttpBody, body)
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         if session_id_of(parsed, headers):
             return None  # sessions are the router's own (their turns commit after the stream)
@@ -269,6 +315,19 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         g = await self._pipeline.start(principal, requests, timing, check=answer_check(parsed))
         p = await self._pipeline.place_direct(g)
         return self._direct(g, p, http.data, chat, headers, client_id or parsed.client_request_id), p, g.metered
+
+    async def _decide_native(self, headers: dict[str, str], body: bytes, timing: Timing):
+        """_decide for the native API's Generate, whose body is the GenerateRequest."""
+        begin_request(headers, edge=True)
+        client_id = client_request_id_var.get()
+        principal = await self._pipeline.authenticate(timing)
+        request = _message(inference_pb2.GenerateRequest, body)
+        if request.session_id:
+            return None  # sessions are the router's own (their turns commit after the stream)
+        note_client_id(request.request_id)
+        g = await self._pipeline.start(principal, [request], timing)
+        p = await self._pipeline.place_direct(g)
+        return self._direct(g, p, b"", False, headers, client_id or request.request_id), p, g.metered
 
     def _direct(self, g: Generation, p: DirectPlacement, body: bytes, chat: bool, headers: dict[str, str],
                 client_id: str) -> worker_pb2.DirectGenerate:

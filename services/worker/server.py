@@ -24,7 +24,7 @@ from gaas.contracts.services import OPENAI_SERVICE
 from gaas.settings.docs import help_epilog
 from gaas.settings.worker import WorkerSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
-from services.worker.direct import DirectServicer
+from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to_server
 from services.worker.engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
@@ -97,8 +97,9 @@ async def serve(cfg: WorkerSettings) -> None:
             await redis.aclose()
 
         rt.after_stop(stop_meter)
-    rt.add_service(openai_pb2_grpc.add_OpenAIServicer_to_server, DirectServicer(servicer, meter, redis), OPENAI_SERVICE,
-                   listed=False)
+    direct = DirectServicer(servicer, meter, redis)
+    rt.add_service(openai_pb2_grpc.add_OpenAIServicer_to_server, direct, OPENAI_SERVICE, listed=False)
+    rt.add_service(add_native_to_server, direct, NATIVE_SERVICE, listed=False)
     # The port is open (and NOT_SERVING) while the engine loads, so health checks get an answer.
     await rt.start()
     log.info("loading %s from %s", cfg.model, cfg.model_path)

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import grpc
 import openai
 import pytest
 from hypothesis import given
@@ -180,6 +181,43 @@ def test_no_prefill_without_a_bill_on_the_direct_path(direct_mesh):
 
     key = cli_tenant(direct_mesh, "direct-prefill")
     hang_ups_are_billed_for_what_engines_computed(direct_mesh, 2, "direct-prefill", key)
+
+
+def test_the_native_grpc_api_is_served_by_the_worker_and_metered_once(direct_mesh):
+    key = cli_tenant(direct_mesh, "direct-native")
+    md = (("authorization", f"Bearer {key}"),)
+    chunks = generate(direct_mesh, metadata=md, prompt="Once upon a time", max_tokens=6,
+                      sampling=common_pb2.SamplingParams(ignore_eos=True))
+    last = chunks[-1]
+    assert last.usage.completion_tokens == 6 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 6 and last.tenant == "direct-native"
+    assert last.timings.total_ms > 0 and last.worker_id.startswith("worker-")
+    # Over HTTP too (the transcoder's JSON), then both in the ledger, once each.
+    status, body = http(direct_mesh, "/v1/generate", json.dumps({"prompt": "JSON too", "max_tokens": 3}).encode(),
+                        key=key)
+    assert status == 200, body
+    answer = [json.loads(line) for line in body.splitlines() if line.strip()]
+    assert answer[-1]["usage"]["completion_tokens"] <= 3
+    total = cli_usage(direct_mesh, "direct-native", 2)
+    assert (total["requests"], total["completion_tokens"]) == (2, 6 + answer[-1]["usage"]["completion_tokens"])
+    # Sent to the workers' sidecars, not to the router's.
+    workers = {w["address"] for w in direct_mesh.ready["workers"]}
+    log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"path":"/v1/generate"')
+    upstreams = {json.loads(x)["upstream"] for x in log.splitlines()
+                 if '"/gaas.v1.Inference/Generate"' in x or '"/v1/generate"' in x}
+    assert upstreams and upstreams <= workers, upstreams
+
+
+def test_native_refusals_at_the_ingress_come_as_the_routers_own(direct_mesh):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(direct_mesh, prompt="hi", model="no-such-model")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-model" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        generate(direct_mesh, metadata=(("authorization", "Bearer nope"),), prompt="hi")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # An HTTP client of the native API gets the HTTP status and the status as JSON.
+    status, body = http(direct_mesh, "/v1/generate", json.dumps({"prompt": "hi", "model": "no-such-model"}).encode())
+    assert status == 404 and "no-such-model" in body
 
 
 def test_a_session_turn_is_served_through_the_router(direct_mesh):

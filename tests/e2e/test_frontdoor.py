@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.conftest import ROOT
+from tests.conftest import INGRESS_PATH, ROOT
 from tests.meshutil import generate, http
 
 pytestmark = pytest.mark.mesh
@@ -473,8 +473,11 @@ def test_the_mesh_still_serves_after_the_fuzzing(mesh):
 
 
 @pytest.mark.destructive
-def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
-    """Kills worker-1 while it streams (worker-0 stays for the tests after this one)."""
+def test_a_worker_lost_mid_stream_ends_a_stream_nobody_can_carry_on_with_an_openai_error_event(mesh):
+    """Kills worker-1 while it streams (worker-0 stays for the tests after this one) a request of
+    two choices, which no other worker carries on (tests/e2e/test_faults.py has those that are):
+    the client is told in an OpenAI error event. On the direct path no process in the stream
+    outlives the worker and the connection is cut."""
     c = client(mesh)
     # A long prompt is routed where its prefix is cached: find one that worker-1 holds (for up to a
     # minute: a destructive test before this one may have left worker-1 a moment out of the view).
@@ -487,7 +490,7 @@ def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
             pytest.fail("no prompt landed on worker-1 in a minute")
         i += 1
         time.sleep(0.2)
-    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True,
+    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True, n=2,
                                   extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices
     os.killpg(json.loads((mesh.run_dir / "mesh.json").read_text())["children"]["worker-1"], signal.SIGKILL)
@@ -495,5 +498,8 @@ def test_a_worker_lost_mid_stream_ends_it_with_an_openai_error_event(mesh):
         for _ in stream:
             pass
     message = str(err.value)
+    if INGRESS_PATH == "direct":
+        assert isinstance(err.value, openai.APIConnectionError), message
+        return
     assert "failed after it had streamed tokens" in message and "may be retried" in message
     assert "RST_STREAM" not in message and "Stream removed" not in message

@@ -311,15 +311,15 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     assert {d["@type"].rsplit(".", 1)[-1] for d in body["details"]} == {"ErrorInfo", "RetryInfo"}
     routes = _routes(listener)["routes"]
     to_workers = [r for r in routes if r.get("route", {}).get("cluster") == "workers"]
-    assert {r["match"]["path"] for r in to_workers} == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
+    generations = {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions", "/gaas.v1.Inference/Generate"}
+    assert {r["match"]["path"] for r in to_workers} == generations
     assert all(r["match"]["headers"] == [{"name": "x-gaas-worker", "present_match": True}] for r in to_workers)
     # A request no worker answered goes to the router's second choice, once; never after an answer began.
     retry = to_workers[0]["route"]["retry_policy"]
     assert retry["num_retries"] == 1 and "reset" in retry["retry_on"] and "unavailable" in retry["retry_on"]
     # The router is asked about generations only.
     asked = [r for r in routes if "typed_per_filter_config" not in r]
-    assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == {
-        "/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
+    assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == generations
     # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity, in the
     # order the router names them.
     cluster = _clusters(configs["ingress-0"])["workers"]
@@ -342,7 +342,8 @@ def test_direct_path_lets_the_ingress_call_only_what_it_needs(rendered, rendered
 
     _, direct, _ = rendered_direct
     _, routed, _ = rendered
-    assert ingress_paths(direct, "worker-0") == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions"}
+    assert ingress_paths(direct, "worker-0") == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions",
+                                                 "/gaas.v1.Inference/Generate"}
     assert ingress_paths(routed, "worker-0") == set()
     assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" in ingress_paths(direct, "router-0")
     assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" not in ingress_paths(routed, "router-0")

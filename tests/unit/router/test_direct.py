@@ -83,9 +83,13 @@ async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
 class FakeMeter:
     def __init__(self):
         self.released = []
+        self.done = []
 
     def release_later(self, m):
         self.released.append(m)
+
+    def ended(self, m):
+        self.done.append(m)
 
 
 async def test_an_end_without_a_report_frees_the_room_and_the_reservation():
@@ -108,12 +112,24 @@ async def test_a_workers_failure_in_its_trailers_counts_against_it_and_frees_eve
     meter = FakeMeter()
     ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
     ep._pending["req-1"] = (p, "reservation")
-    ep._failed("req-1", {"grpc-status": "0"})  # a success waits for the report
-    assert ep.pending == 1
-    ep._failed("req-1", {"grpc-status": str(grpc.StatusCode.INTERNAL.value[0]), "grpc-message": "boom"})
+    ep._trailers("req-1", {"grpc-status": str(grpc.StatusCode.INTERNAL.value[0]), "grpc-message": "boom"})
     assert ep.pending == 0 and in_flight(d) == 0 and meter.released == ["reservation"]
     assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 1
+
+
+async def test_a_success_in_the_trailers_gives_the_tenants_place_back_and_still_waits_for_the_report():
+    d = dispatcher()
+    p = await placed(d)
+    meter = FakeMeter()
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
+    ep._pending["req-1"] = (p, "reservation")
+    ep._trailers("req-1", {"grpc-status": "0"})
+    # The worker recorded the usage: the place is back, nothing is released, the report still awaited.
+    assert meter.done == ["reservation"] and meter.released == [] and ep.pending == 1
+    ep.reported(direct.final_summary(final("req-1")))
+    assert ep.pending == 0 and in_flight(d) == 0 and meter.done == ["reservation"]
+    assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 
 async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_counts_against_the_first():
@@ -139,3 +155,22 @@ async def test_a_worker_whose_breaker_is_open_is_no_second_choice():
     assert WorkerId("w1") in d.flow.breakers.blocked()
     p = await placed(d)
     assert p.worker.worker_id == "w0" and p.fallback is None
+
+
+def test_a_native_grpc_refusal_at_the_ingress_is_a_trailers_only_grpc_status_with_its_details():
+    import base64
+
+    from google.rpc import status_pb2
+
+    from gaas.contracts import errors
+    from services.router.extproc import immediate_grpc
+
+    err = errors.ResourceExhausted("tenant x has made 3 requests", reason="rate_limit_exceeded", retry_after=2.0)
+    r = immediate_grpc(err).immediate_response
+    assert r.grpc_status.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and r.status.code == 200
+    assert r.body == b"tenant x has made 3 requests"
+    (header,) = r.headers.set_headers
+    assert header.header.key == "grpc-status-details-bin"
+    details = status_pb2.Status.FromString(base64.b64decode(header.header.raw_value))
+    kinds = {d.type_url.rsplit(".", 1)[-1] for d in details.details}
+    assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "RetryInfo" in kinds
