@@ -37,15 +37,26 @@ PUBLIC_GRPC_EXTRAS = edge.OPEN_GRPC_SERVICES
 AUTHZ_CLUSTER = "router_authz"
 
 
+# When the request arrived at the ingress, Unix seconds (Envoy's formatter).
+INGRESS_START_VALUE = "%START_TIME(%s.%6f)%"
+
+
 def internal_headers_dropped() -> dict:
     """Only the router may say who the tenant is, which worker serves, or what GaaS's own request
     id is; never a client: the ingress drops what a client sent of them before anything else
-    (so that what the router says at the ingress, on the direct path, reaches the worker)."""
+    (so that what the router says at the ingress, on the direct path, reaches the worker), and
+    stamps the request's arrival over whatever a client sent as one."""
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": h} for h in (TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER)]},
+            "mutations": {"request_mutations": [
+                *({"remove": h} for h in (TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER)),
+                # The request's arrival, stamped before any filter reads it (a client's own value
+                # overwritten): the router's decision on the direct path reads it here.
+                {"append": {"header": {"key": INGRESS_START_HEADER, "value": INGRESS_START_VALUE},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+            ]},
         },
     }
 
@@ -159,7 +170,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
                # The request's arrival here, where its latency decomposition starts (a client's
                # own value is overwritten).
                "request_headers_to_add": [{
-                   "header": {"key": INGRESS_START_HEADER, "value": "%START_TIME(%s.%6f)%"},
+                   "header": {"key": INGRESS_START_HEADER, "value": INGRESS_START_VALUE},
                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                }]},
         # The client's x-request-id is kept (not replaced by Envoy's) and echoed in the response,

@@ -12,9 +12,9 @@ import logging
 import time
 
 import grpc
-
 from google.api import httpbody_pb2
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -88,6 +88,10 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
                 if c.HasField("usage"):
                     direct.complete(c.timings, d, arrived_unix)
                     c.tenant = d.metering.tenant
+                    # The request's trace (the ingress's, which the worker's server span joined).
+                    span = trace.get_current_span()
+                    if span.is_recording():
+                        c.timings.trace_id = format(span.get_span_context().trace_id, "032x")
                 yield 0, c
 
         def summary(c) -> None:

@@ -26,7 +26,7 @@ from gaas.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.conftest import MESH_WORKERS, ROOT, process_alive
+from tests.conftest import INGRESS_PATH, MESH_WORKERS, ROOT, process_alive
 from tests.meshutil import gaas, generate, http, wait_for_lines, wait_workers_idle, worker_addresses
 
 pytestmark = pytest.mark.mesh
@@ -266,7 +266,9 @@ def test_services_expose_metrics(mesh):
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base, workers=MESH_WORKERS)
     router = topo.instance("router-0")
     body = urllib.request.urlopen(f"http://{router.host}:{router.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'gaas_router_grpc_requests_total{code="OK",method="Generate"}' in body
+    # Through the router it serves the generations; on the direct path it decides them at the ingress.
+    method = "Process" if INGRESS_PATH == "direct" else "Generate"
+    assert f'gaas_router_grpc_requests_total{{code="OK",method="{method}"}}' in body
     worker = topo.instance("worker-0")
     body = urllib.request.urlopen(f"http://{worker.host}:{worker.metrics_port}/metrics", timeout=5).read().decode()
     assert "gaas_worker_grpc_requests_total" in body and "vllm:" in body  # vLLM's own metrics too
@@ -279,9 +281,17 @@ def test_access_logs_show_the_path_under_gaas_own_id(mesh):
     assert rid.startswith("req-") and "client" not in rid, "GaaS names requests itself"
     logs = mesh.run_dir / "logs"
     wait_for_lines(logs / "envoy-ingress-access.log", "/gaas.v1.Inference/Generate", "client-trace-me")
-    router_sidecar = wait_for_lines(logs / "envoy-router-0-access.log", rid, "/gaas.v1.Worker/Generate")
-    wait_for_lines(logs / f"envoy-{final.worker_id}-access.log", rid)
+    # Through the router, its sidecar carries the call to the worker; on the direct path the ingress
+    # sends it to the worker itself, under the id the router gave it at the ingress.
+    worker_call = "/gaas.v1.Inference/Generate" if INGRESS_PATH == "direct" else "/gaas.v1.Worker/Generate"
+    wait_for_lines(logs / f"envoy-{final.worker_id}-access.log", rid, worker_call)
+    router_sidecar = wait_for_lines(logs / "envoy-router-0-access.log", "/gaas.v1.Control/")
     assert "Health/Check" not in router_sidecar  # health checks are filtered out
+    if INGRESS_PATH == "direct":
+        # The ingress's log names both ids (the client's, and GaaS's as the router set it there).
+        line = wait_for_lines(logs / "envoy-ingress-access.log", rid, "client-trace-me")
+        assert any(json.loads(x).get("envoy_request_id") == "client-trace-me" for x in line.splitlines() if rid in x)
+        return
     # The router's log names both ids, so a client's id leads to GaaS's.
     line = wait_for_lines(logs / "router-0.log", rid, "client-trace-me")
     assert any(json.loads(x).get("client_request_id") == "client-trace-me" for x in line.splitlines() if rid in x)

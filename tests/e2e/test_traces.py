@@ -13,6 +13,7 @@ import pytest
 
 from gaas.ops import traces
 from gaas.ops.traces import TraceError
+from tests.conftest import INGRESS_PATH
 from tests.meshutil import gaas, generate
 
 # ------------------------------------------------------------------ where spans go
@@ -40,6 +41,16 @@ def test_one_request_is_one_trace_across_every_envoy_and_service_it_crossed(mesh
     final = chunks[-1]
     assert final.timings.trace_id, "the final chunk names the request's trace"
     worker = final.worker_id
+    if INGRESS_PATH == "direct":
+        # The ingress asks the router (ext_proc, through its sidecar) and sends the request to the
+        # worker's sidecar itself: one trace, the worker's final chunk naming it.
+        want = {"envoy-ingress-0", "envoy-sidecar-router-0", f"envoy-sidecar-{worker}"}
+        t = _wait_for_trace(mesh.run_dir / traces.TRACES_FILE, request_id, want)
+        assert t.trace_id == final.timings.trace_id
+        (root,) = t.roots()
+        assert (root.service, root.name) == ("envoy-ingress-0", "ingress to a worker")
+        assert any(s.service == "envoy-ingress-0" and "ExternalProcessor.Process" in s.name for s in t.spans)
+        return
     # (control's Authenticate is in it too unless the router had the key cached)
     want = {"envoy-ingress-0", "envoy-sidecar-router-0", "gaas-router", f"envoy-sidecar-{worker}", "gaas-worker"}
     t = _wait_for_trace(mesh.run_dir / traces.TRACES_FILE, request_id, want)

@@ -109,8 +109,12 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     # A client's say on the trusted headers is dropped before any other filter sees the request.
     first = hcm["http_filters"][0]
     assert first["name"] == "envoy.filters.http.header_mutation"
-    removed = {m["remove"] for m in first["typed_config"]["mutations"]["request_mutations"]}
+    mutations = first["typed_config"]["mutations"]["request_mutations"]
+    removed = {m["remove"] for m in mutations if "remove" in m}
     assert removed == {"x-gaas-tenant", "x-gaas-worker", "x-gaas-request-id"}
+    # The arrival stamp, set over a client's before any filter (the direct path's decision) reads it.
+    (stamp,) = [m["append"] for m in mutations if "append" in m]
+    assert stamp["header"]["key"] == "x-gaas-ingress-start" and stamp["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
     assert hcm["codec_type"] == "AUTO"
     # The client's x-request-id survives and comes back in the response.
     assert hcm["preserve_external_request_id"] and hcm["always_set_request_id_in_response"]
