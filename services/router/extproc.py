@@ -4,18 +4,19 @@ Envoy's external processing protocol (envoy.service.ext_proc.v3; the part of it 
 protos/gaas/v1/ext_proc.proto).
 
 For each generation (both OpenAI routes and the native API's Generate), the ingress sends the
-request's headers and its (transcoded) body here. The router authenticates, admits and places it as it does for its own routes, then answers
-with the worker to send it to (x-gaas-worker, which picks the ingress's cluster of that worker's
-sidecar) and the body replaced by a gaas.v1.DirectGenerate: the tokens then stream from the worker
-to the ingress without passing through the router, and the worker formats and meters the answer.
-The worker reports the request's end to this router (gaas/metering/direct.py), which then records it as
-one of its own streams (metrics, windows, circuit breakers) and frees its room.
+request's headers and its (transcoded) body here. The router authenticates, admits and places it as
+it does for its own routes, then answers with the worker to send it to (x-gaas-worker, which picks
+the ingress's cluster of that worker's sidecar) and the body replaced by a gaas.v1.DirectGenerate:
+the tokens then stream from the worker to the ingress without passing through the router, and the
+worker formats and meters the answer. The worker reports the request's end to this router
+(gaas/metering/direct.py), which then records it as one of its own streams (metrics, windows,
+circuit breakers) and frees its room.
 
-A request the direct path does not serve (a session turn, a batch of prompts) passes on unchanged
-to the router's own route. A refusal answers the client at once, in the shape the router's own route would: to an HTTP
-client (an OpenAI route, or the native API's JSON) the HTTP status and the gRPC status as JSON,
-which the ingress's error filter turns into OpenAI's error JSON; to a gRPC client a trailers-only
-response with the status and its details.
+A request the direct path does not serve (a session turn, a batch of prompts) passes on unchanged to
+the router's own route. A refusal answers the client at once, in the shape the router's own route
+would: to an HTTP client (an OpenAI route, or the native API's JSON) the HTTP status and the gRPC
+status as JSON, which the ingress's error filter turns into OpenAI's error JSON; to a gRPC client a
+trailers-only response with the status and its details.
 """
 
 from __future__ import annotations

@@ -23,11 +23,14 @@ import grpc
 from gaas.v1 import common_pb2, worker_pb2
 
 # Failures of a worker after tokens went out that another worker can carry on from: the worker or
-# its sidecar gone (UNAVAILABLE, a reset stream: INTERNAL, UNKNOWN, CANCELLED), or the worker
-# handing its streams over as it stops (UNAVAILABLE, ABORTED). A deadline is the request's own.
+# its sidecar gone (UNAVAILABLE, a reset stream: INTERNAL, UNKNOWN, CANCELLED), the worker
+# handing its streams over as it stops (UNAVAILABLE, ABORTED), or the worker asked to carry a
+# stream on refusing it as busy or serving another model (RESOURCE_EXHAUSTED, FAILED_PRECONDITION:
+# the next may take it). A deadline is the request's own.
 CARRIED_ON = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
 })
 
 

@@ -3,8 +3,8 @@ placement picks, through the worker's sidecar (naming the worker in x-gaas-worke
 engine priority, its chunks relayed, and the flow told how the worker did (first token time,
 failures: windows and circuit breakers). Retries on another worker while no token has been
 relayed; after that, a worker that fails is replaced by another that carries the stream on from
-the tokens sent (migration.py), so a client never sees a token twice nor a worker's death. Also merge(): a request's several prompts' streams
-as one."""
+the tokens sent (migration.py), so a client never sees a token twice nor a worker's death. Also
+merge(): a request's several prompts' streams as one."""
 
 from __future__ import annotations
 
