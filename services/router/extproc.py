@@ -142,7 +142,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         # This router's name: the workers report its requests' ends on its channel.
         self._instance = instance
         # Requests sent straight to a worker and not yet reported ended: request id -> (placement,
-        # its usage record, which the worker commits).
+        # its usage record, which the worker commits; None once the tenant's place was given back).
         self._pending: dict[str, tuple[DirectPlacement, Metered | None]] = {}
 
     @property
@@ -301,10 +301,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
         if parse is None:
             return None
-        # The headers of the HTTP request this stream decides come in its first message.
-        begin_request(headers, edge=True)
-        client_id = client_request_id_var.get()
-        principal = await self._pipeline.authenticate(timing)
+        principal, client_id = await self._caller(headers, timing)
         http = _message(httpbody_pb2.HttpBody, body)
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         if session_id_of(parsed, headers):
@@ -312,23 +309,33 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         requests = engine_requests(parsed)
         if len(requests) > 1:
             return None  # a batch of prompts: several workers' streams merged, by the router
-        note_client_id(parsed.client_request_id)
-        g = await self._pipeline.start(principal, requests, timing, check=answer_check(parsed))
-        p = await self._pipeline.place_direct(g)
-        return self._direct(g, p, http.data, chat, headers, client_id or parsed.client_request_id), p, g.metered
+        return await self._placed(principal, requests, timing, headers, client_id or parsed.client_request_id,
+                                  parsed.client_request_id, http.data, chat, check=answer_check(parsed))
 
     async def _decide_native(self, headers: dict[str, str], body: bytes, timing: Timing):
         """_decide for the native API's Generate, whose body is the GenerateRequest."""
-        begin_request(headers, edge=True)
-        client_id = client_request_id_var.get()
-        principal = await self._pipeline.authenticate(timing)
+        principal, client_id = await self._caller(headers, timing)
         request = _message(inference_pb2.GenerateRequest, body)
         if request.session_id:
             return None  # sessions are the router's own (their turns commit after the stream)
-        note_client_id(request.request_id)
-        g = await self._pipeline.start(principal, [request], timing)
+        return await self._placed(principal, [request], timing, headers, client_id or request.request_id,
+                                  request.request_id)
+
+    async def _caller(self, headers: dict[str, str], timing: Timing):
+        """(who calls, the client's request id from its headers) of the request this stream decides,
+        whose headers came in its first message."""
+        begin_request(headers, edge=True)
+        client_id = client_request_id_var.get()
+        return await self._pipeline.authenticate(timing), client_id
+
+    async def _placed(self, principal, requests, timing: Timing, headers: dict[str, str], client_id: str,
+                      body_client_id: str, body: bytes = b"", chat: bool = False, check=None):
+        """A request admitted and placed: (DirectGenerate, DirectPlacement, Metered or None).
+        body_client_id: the client's id for its request as its body named it (for the logs)."""
+        note_client_id(body_client_id)
+        g = await self._pipeline.start(principal, requests, timing, check=check)
         p = await self._pipeline.place_direct(g)
-        return self._direct(g, p, b"", False, headers, client_id or request.request_id), p, g.metered
+        return self._direct(g, p, body, chat, headers, client_id), p, g.metered
 
     def _direct(self, g: Generation, p: DirectPlacement, body: bytes, chat: bool, headers: dict[str, str],
                 client_id: str) -> worker_pb2.DirectGenerate:

@@ -8,7 +8,7 @@ greedy decoding its tokens are those an undisturbed run would have produced. The
 stream: the continuation's first chunk loses its prefill (the client's request had one already),
 and its usage says the client's prompt, as cached as the first worker found it, and every token the
 client received; the recomputed prefill (the prompt plus the tokens sent, less what the new worker
-had cached) is the mesh's cost, counted apart (RouterMetrics.migrated_prefill_tokens), not billed.
+had cached) is the mesh's cost, counted apart (RouterMetrics.moved_prefill_tokens), not billed.
 
 Only a single-choice request is carried on (n > 1 runs its choices together on one worker). Its
 limits: a stop string that would have spanned the two workers' texts is not seen, and a seeded

@@ -145,25 +145,17 @@ async def test_with_no_other_worker_the_client_is_told_the_stream_cannot_go_on()
     assert len(fake.calls) == 1
 
 
-async def test_a_worker_refusing_mid_stream_is_not_carried_on():
-    w0 = [tok(40, "a", prefill=(3, 0)), rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad")]
+@pytest.mark.parametrize("w0, extra", [
+    # A worker's own answer mid-stream is not a failure another worker could carry on from.
+    ([tok(40, "a", prefill=(3, 0)), rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad")], {}),
+    # Several choices run together on one worker: not carried on.
+    (worker_dies_after(tok(40, "a", prefill=(3, 0))), {"n": 2}),
+], ids=["a worker refusing mid-stream", "several choices"])
+async def test_a_stream_that_cannot_be_carried_on_fails_on_its_first_worker(w0, extra):
     rt, fake = await serve({"w0": w0, "w1": [tok(41, "b", final=(3, 0, 1))]}, moves=2)
     try:
         with pytest.raises(grpc.aio.AioRpcError):
-            await collect(rt, prompt="hi", max_tokens=4)
+            await collect(rt, prompt="hi", max_tokens=4, **extra)
     finally:
         await rt.shutdown()
     assert len(fake.calls) == 1
-
-
-async def test_several_choices_are_not_carried_on():
-    w0 = worker_dies_after(tok(40, "a", prefill=(3, 0)))
-    rt, fake = await serve({"w0": w0, "w1": [tok(41, "b", final=(3, 0, 1))]}, moves=2)
-    try:
-        with pytest.raises(grpc.aio.AioRpcError):
-            await collect(rt, prompt="hi", max_tokens=4, n=2)
-    finally:
-        await rt.shutdown()
-    assert len(fake.calls) == 1
-
-
