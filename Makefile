@@ -2,12 +2,12 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: help install proto model run test test-unit test-direct bench gpu-check envoy-config clean
+.PHONY: help install proto model run test test-unit test-router bench gpu-check envoy-config clean
 
 help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers), then"
-	@echo "             the end-to-end half again on the direct path (make test-direct runs that alone)"
+	@echo "             the end-to-end half again on the router path (make test-router runs that alone)"
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge (prints tables, writes bench/results/*.json)"
@@ -30,14 +30,14 @@ run: proto
 
 test: proto
 	$(BIN)/python -m pytest tests
-	GAAS_TEST_INGRESS_PATH=direct $(BIN)/python -m pytest tests/e2e
+	GAAS_TEST_INGRESS_PATH=router $(BIN)/python -m pytest tests/e2e
 
 test-unit: proto
 	$(BIN)/python -m pytest tests/unit
 
-# The end-to-end suite against a mesh on the direct path (the ingress streams from the worker).
-test-direct: proto
-	GAAS_TEST_INGRESS_PATH=direct $(BIN)/python -m pytest tests/e2e
+# The end-to-end suite against a mesh on the router path (the router relays every stream).
+test-router: proto
+	GAAS_TEST_INGRESS_PATH=router $(BIN)/python -m pytest tests/e2e
 
 bench: proto
 	$(BIN)/python -m bench.run

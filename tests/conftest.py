@@ -145,14 +145,20 @@ class RunningMesh:
         return self.proc.wait(timeout=timeout)
 
 
-# The ingress path the session's mesh runs (`make test-direct` sets direct; empty: the topology's,
-# the router path). Tests of what only one path does skip on the other (on_router_path).
-INGRESS_PATH = os.environ.get("GAAS_TEST_INGRESS_PATH", "")
+# The ingress path the session's mesh runs: the topology's default, direct, unless
+# GAAS_TEST_INGRESS_PATH says router (`make test` runs the end-to-end half on both). Tests of what
+# only one path does skip on the other (on_router_path, on_direct_path).
+INGRESS_PATH = os.environ.get("GAAS_TEST_INGRESS_PATH") or "direct"
 
 
 def on_router_path(why: str):
     """A mark for a test of what the router path does and the direct path cannot, saying why."""
     return pytest.mark.skipif(INGRESS_PATH == "direct", reason=f"the router path's own: {why}")
+
+
+def on_direct_path(why: str):
+    """A mark for a test of what only the direct path does, saying why."""
+    return pytest.mark.skipif(INGRESS_PATH != "direct", reason=f"the direct path's own: {why}")
 
 
 @pytest.fixture(scope="session")
@@ -177,7 +183,7 @@ def mesh(tmp_path_factory) -> RunningMesh:
     env = {"GAAS_STRIPE_API_KEY": stripe.api_key, "GAAS_STRIPE_API_BASE": stripe.url,
            "GAAS_STRIPE_WINDOW_SECONDS": "2", "GAAS_STRIPE_GRACE_SECONDS": "1"}
     # Every request traced, as an operator looking into one would run it (tests/e2e/test_traces.py).
-    path = ["--ingress-path", INGRESS_PATH] if INGRESS_PATH else []
+    path = ["--ingress-path", INGRESS_PATH]
     m = start_mesh(run_dir, free_port_base(span=200, start=31000), "--workers", str(MESH_WORKERS), "--trace", *path,
                    timeout=MESH_START_TIMEOUT, env=env)
     m.stripe = stripe

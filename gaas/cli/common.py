@@ -144,9 +144,9 @@ def add_mesh_args(sp, *, workers: bool = True) -> None:
     sp.add_argument("--port-base", type=int, default=None, help="first port of the instances' port blocks (env GAAS_PORT_BASE; default from the topology)")
     sp.add_argument("--ingress-port", type=int, default=None, help="ingress port (env GAAS_INGRESS_PORT; default 8080)")
     sp.add_argument("--ingress-path", choices=("router", "direct"), default=None,
-                    help="how OpenAI generations reach their worker: router, through the router, or direct, from "
-                    "the ingress straight to the worker the router picked there (the tokens never pass through "
-                    "the router) (env GAAS_INGRESS_PATH; default from the topology: router)")
+                    help="how generations reach their worker: direct, from the ingress straight to the worker the "
+                    "router picked there (the tokens never pass through the router), or router, through the "
+                    "router, which relays every token (env GAAS_INGRESS_PATH; default from the topology: direct)")
     if workers:
         sp.add_argument("--workers", type=_workers_arg, default=None,
                         help="worker replicas, or auto: one per GPU on a GPU host, else one (env GAAS_WORKERS; "

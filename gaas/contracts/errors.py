@@ -89,6 +89,9 @@ class GaasError(Exception):
     code: ClassVar[str] = "UNKNOWN"
     # Whether the same request may succeed if sent again (elsewhere or later).
     retryable: ClassVar[bool] = False
+    # Whether nothing of the request was done (a service refusing what it did not start: busy, not
+    # ready): the hop before it may send it to another replica at once (headers.UNREACHED_HEADER).
+    untaken: ClassVar[bool] = False
 
     def __init__(
         self, message: str, *, param: str | None = None, reason: str | None = None, retry_after: float | None = None,

@@ -15,3 +15,7 @@ CLIENT_REQUEST_ID_HEADER = "x-request-id"
 # Who called, as the inbound sidecar verified the caller's certificate (Envoy sets it, replacing
 # anything the caller sent); gaas.contracts.identity.caller_from_xfcc reads it.
 CALLER_HEADER = "x-forwarded-client-cert"
+# Marks an answer that says nothing of the request was done (a sidecar's own reply for a service it
+# could not reach, or a service refusing a request it did not start: a worker busy or without its
+# engine), so the hop before it may send it to another replica.
+UNREACHED_HEADER = "x-gaas-unreached"

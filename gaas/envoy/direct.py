@@ -55,10 +55,12 @@ def ext_proc_disabled() -> dict:
 
 # On the direct path, a generation that never reached its worker (no connection, a refused or
 # reset stream before any answer, the worker's sidecar answering for a dead worker, the worker
-# refusing it as busy or unavailable) goes to the router's second choice, named after the first
-# in x-gaas-worker; never one that may have streamed a token (nothing has answered yet).
+# refusing what it did not start: busy, or without its engine; UNREACHED_HEADER on both) goes to
+# the router's second choice, named after the first in x-gaas-worker; never one that may have
+# streamed a token (nothing has answered yet), nor one whose worker failed it after doing it (a
+# non-streamed answer that could not be finished: its status alone would not say).
 RETRY_ON_FALLBACK = {
-    "retry_on": "connect-failure,refused-stream,reset,retriable-headers,unavailable,resource-exhausted",
+    "retry_on": "connect-failure,refused-stream,reset,retriable-headers",
     "retriable_headers": [{"name": UNREACHED_HEADER, "present_match": True}],
     "num_retries": 1,
 }

@@ -4,6 +4,8 @@ request gets on each route."""
 
 from __future__ import annotations
 
+from gaas.contracts.headers import UNREACHED_HEADER
+
 # A request that never reached an instance (no connection, a refused stream, a reset before the
 # request was sent) is tried on another replica; one that may have started work never is.
 RETRY_UNREACHED = {
@@ -18,8 +20,7 @@ RETRY_UNREACHED = {
 
 # A sidecar's own answer when its service could not be reached or died before answering (Envoy's
 # response flags: UF connection failure, UC connection terminated, UH no healthy upstream) carries
-# this header, so the hop before it knows nothing was served and may try another replica.
-UNREACHED_HEADER = "x-gaas-unreached"
+# UNREACHED_HEADER, so the hop before it knows nothing was served and may try another replica.
 UNREACHED_FLAGS = ["UF", "UC", "UH"]
 
 # At the ingress, a router that dies before answering anything (no response header yet: no token

@@ -60,6 +60,10 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
                 else static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
 
     peers = TALKS_TO[inst.service]
+    if inst.service == "worker" and topo.ingress_path == "direct":
+        # A worker the ingress streams from carries a stream its engine cannot finish on at
+        # another worker (services/worker/carryon.py).
+        peers = (*peers, "worker")
     if peers:
         routes = []
         for peer in peers:

@@ -12,6 +12,12 @@ Keys (a tenant's share a Redis Cluster hash slot, {tenant}):
   gaas:rpm:{t}, gaas:tpm:{t}  second -> requests / tokens admitted in it (the last 60 s count)
   gaas:budget:{t}          the monthly budget, micro-dollars (absent: none)
   gaas:spend:{t}:YYYYMM    what the tenant's requests cost this month
+  gaas:direct:{t}:<id>     a request the ingress streams from a worker (the direct path): the tokens
+                           its client has been sent so far, "completion cached", as the worker
+                           streaming it writes them every PROGRESS_SECONDS; "billed" once its usage
+                           event is appended. Should the worker die mid-stream, the router that
+                           admitted it appends the event from these figures (RECORD's "claim"), so a
+                           request is billed once whichever of them records it.
 A request's tokens (prompt + the most it may generate) are reserved at admission and settled to
 what it used when its event is appended; a request that produced nothing gets them back.
 Minute windows are sliding, in one-second buckets. Billing rebuilds a lost spend counter from the
@@ -55,12 +61,27 @@ def tpm_key(tenant: str) -> str:
     return f"gaas:tpm:{{{tenant}}}"
 
 
-def admit_keys(tenant: str, month: str) -> list[str]:
-    return [budget_key(tenant), spend_key(tenant, month), inflight_key(tenant), inflight_exp_key(tenant),
+def progress_key(tenant: str, request_id: str) -> str:
+    return f"gaas:direct:{{{tenant}}}:{request_id}"
+
+
+# How often a worker writes the progress of the streams it serves on the direct path: what a
+# request whose worker died within this of its last tokens may go unbilled for.
+PROGRESS_SECONDS = 0.25
+# How long a progress key lasts (its request's reservation's life), "billed" included.
+PROGRESS_TTL_SECONDS = 900
+BILLED = "billed"
+
+
+def admit_keys(tenant: str, month: str, request_id: str | None = None) -> list[str]:
+    """ADMIT's keys; request_id: a request the ingress will stream from a worker, whose progress
+    key is made with its admission."""
+    keys = [budget_key(tenant), spend_key(tenant, month), inflight_key(tenant), inflight_exp_key(tenant),
             rpm_key(tenant), tpm_key(tenant)]
+    return keys if request_id is None else [*keys, progress_key(tenant, request_id)]
 
 
-# KEYS: budget, spend, inflight, inflight-exp, rpm, tpm.
+# KEYS: budget, spend, inflight, inflight-exp, rpm, tpm, and a direct request's progress key.
 # ARGV: request id, cost estimate (micro-$), tokens estimate, now ms, expiry ms, rpm, tpm, concurrency
 # limits (0: none), sequences. -> {answer, a, b, c, retry ms}: ADMITTED with the budget (-1: none),
 # spend and what requests in flight hold; otherwise which limit refused, with its figures (see
@@ -135,9 +156,11 @@ if tpm > 0 then
 end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. ' ' .. reserved .. ' ' .. now_s .. ' ' .. sequences)
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+if KEYS[7] then redis.call('SET', KEYS[7], '0 0', 'EX', %(progress_ttl)d) end
 return {%(admitted)d, budget, spend, held, 0}
 """ % {"window": WINDOW_SECONDS, "concurrency": OVER_CONCURRENCY, "rpm": OVER_RPM, "tpm": OVER_TPM,
-       "too_large": TOO_LARGE_FOR_TPM, "budget": OVER_BUDGET, "admitted": ADMITTED, "too_many": TOO_MANY_SEQUENCES}
+       "too_large": TOO_LARGE_FOR_TPM, "budget": OVER_BUDGET, "admitted": ADMITTED, "too_many": TOO_MANY_SEQUENCES,
+       "progress_ttl": PROGRESS_TTL_SECONDS}
 
 # Give back what a request in flight holds: its place, and its reserved tokens less `used`.
 _SETTLE = """
@@ -154,16 +177,33 @@ local function settle(inflight, inflight_exp, tpm, id, used)
 end
 """
 
-# KEYS: stream, spend, inflight, inflight-exp, tpm. ARGV: request id, cost, spend ttl, tokens used,
-# then the event's field/value pairs. Appends the event, adds its cost, settles its admission: all
-# or nothing.
+# KEYS: stream, spend, inflight, inflight-exp, tpm, and with a mode, the request's progress key.
+# ARGV: request id, cost, spend ttl, tokens used, mode, then the event's field/value pairs. Appends
+# the event, adds its cost, settles its admission: all or nothing. Modes: "" (a request the router
+# streams); "own" (the worker streaming a direct request: unless the router already billed it);
+# "claim" (the router, for a direct request whose worker went silent: only if the worker's
+# progress is there and not billed). -> the entry's id, or nil when the request was billed already.
 RECORD = _SETTLE + """
+local mode = ARGV[5]
+if mode ~= '' then
+  local v = redis.call('GET', KEYS[6])
+  if v == '%(billed)s' or (mode == 'claim' and not v) then return false end
+  redis.call('SET', KEYS[6], '%(billed)s', 'EX', %(progress_ttl)d)
+end
 settle(KEYS[3], KEYS[4], KEYS[5], ARGV[1], tonumber(ARGV[4]))
-local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
+local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 6))
 redis.call('INCRBY', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return entry
-"""
+""" % {"billed": BILLED, "progress_ttl": PROGRESS_TTL_SECONDS}
+
+# KEYS: a direct request's progress key. ARGV: "completion cached". Written unless it is billed (or
+# gone: its admission lapsed).
+PROGRESS = """
+local v = redis.call('GET', KEYS[1])
+if v and v ~= '%(billed)s' then redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL') end
+return 1
+""" % {"billed": BILLED}
 
 # KEYS: inflight, inflight-exp, tpm. ARGV: request id, tokens used (absent: none). A request that
 # ends without a usage event: having produced nothing, or a /tokenize (its tokens count a minute).
@@ -173,16 +213,29 @@ return 1
 """
 
 
-def record_args(event: UsageEvent) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of RECORD for an event."""
+def record_args(event: UsageEvent, mode: str = "") -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of RECORD for an event (mode: RECORD's)."""
     flat: list[str] = []
     for k, v in event.to_fields().items():
         flat += [k, v]
     t = event.tenant
     keys = [metering.STREAM, spend_key(t, metering.month_of(event.finished_ms)), inflight_key(t), inflight_exp_key(t),
             tpm_key(t)]
+    if mode:
+        keys.append(progress_key(t, event.request_id))
     used = event.prompt_tokens + event.completion_tokens
-    return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), str(used), *flat]
+    return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), str(used), mode, *flat]
+
+
+def read_progress(value: str | None) -> tuple[int, int] | None:
+    """(completion, cached) tokens of a progress key's value; None: gone, billed, or unreadable."""
+    if value is None or value == BILLED:
+        return None
+    try:
+        completion, cached = (int(x) for x in value.split())
+    except ValueError:
+        return None
+    return completion, cached
 
 
 def release_keys(tenant: str) -> list[str]:

@@ -41,10 +41,11 @@ def metered(d: worker_pb2.DirectGenerate, arrived: float) -> Metered:
     """The usage record of a direct generation, as the router admitted it. arrived: the
     request's arrival at the ingress, on this process's perf_counter clock."""
     m = d.metering
-    principal = Principal(tenant=m.tenant, tier=m.tier, key_id=m.key_id, cache_salt=d.generate.cache_salt)
+    principal = Principal(tenant=m.tenant, tier=m.tier, key_id=m.key_id,
+                          cache_salt=d.prompts[0].cache_salt if d.prompts else "")
     price = pricing.Price(input=m.price_input, cached_input=m.price_cached_input, output=m.price_output)
-    out = Metered(d.generate.request_id, principal, m.model, m.model_version, price, 1, m.client_request_id, arrived,
-                  prompt_tokens=m.prompt_tokens)
+    out = Metered(d.request_id, principal, m.model, m.model_version, price, max(1, len(d.prompts)),
+                  m.client_request_id, arrived, prompt_tokens=m.prompt_tokens, session_id=d.session.session_id)
     out.admitted = m.admitted
     return out
 
@@ -72,19 +73,30 @@ def complete(t: common_pb2.Timings, d: worker_pb2.DirectGenerate, worker_arrived
     t.total_ms = sum(latency.part_ms(t, p) for p in latency.PARTS)
 
 
-def final_summary(chunk: common_pb2.GenerateChunk) -> str:
-    """A report of a request's final chunk (base64: Redis clients here decode text)."""
-    out = common_pb2.GenerateChunk()
-    out.CopyFrom(chunk)
+def report(final: common_pb2.GenerateChunk, finals: list[common_pb2.GenerateChunk] = (),
+           session_reply: str = "", committed_ms: int = 0, request_id: str = "") -> str:
+    """The report of a request's end (base64: Redis clients here decode text): its final chunk
+    without the text, under the request's id (request_id; a prompt list's final chunks carry
+    their own engine requests'), its usage the sum of every prompt's (finals: each prompt's final
+    chunk, for a prompt list), and a committed session turn's reply."""
+    out = worker_pb2.DirectReport(session_reply=session_reply, session_committed_ms=committed_ms)
+    out.final.CopyFrom(final)
+    if request_id:
+        out.final.request_id = request_id
     for name in ("text", "token_ids", "logprobs"):
-        out.ClearField(name)
+        out.final.ClearField(name)
+    if len(finals) > 1:
+        u = out.final.usage
+        u.prompt_tokens = sum(c.usage.prompt_tokens for c in finals)
+        u.cached_tokens = sum(c.usage.cached_tokens for c in finals)
+        u.completion_tokens = sum(c.usage.completion_tokens for c in finals)
     return base64.b64encode(out.SerializeToString()).decode()
 
 
-def read_final(value: str) -> common_pb2.GenerateChunk | None:
-    """The final chunk of a report; None if unreadable."""
+def read_report(value: str) -> worker_pb2.DirectReport | None:
+    """A report of a request's end; None if unreadable."""
     try:
         raw = base64.b64decode(value + "=" * (-len(value) % 4))
-        return common_pb2.GenerateChunk.FromString(raw)
+        return worker_pb2.DirectReport.FromString(raw)
     except (ValueError, DecodeError):
         return None

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gaas.contracts import errors, latency, pricing, usage as metering
 from gaas.metering import admission
@@ -108,7 +108,7 @@ class Metered:
 
 class Meter:
     def __init__(self, redis: Redis, spool_dir: Path, clock: Callable[[], int] = metering.now_ms,
-                 local: "LocalQuotas | None" = None) -> None:
+                 local: "LocalQuotas | None" = None, streams_direct: bool = False) -> None:
         # Unix ms (tests move it).
         self._clock = clock
         self._redis = redis
@@ -117,6 +117,10 @@ class Meter:
         self._admit = Script(redis, admission.ADMIT)
         self._record = Script(redis, admission.RECORD)
         self._release = Script(redis, admission.RELEASE)
+        self._progress = Script(redis, admission.PROGRESS)
+        # This process streams the direct path's requests (a worker's): each record marks its
+        # request billed, and is skipped if the router billed it already (admission.RECORD's "own").
+        self._mode = "own" if streams_direct else ""
         spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._spool = spool_dir / "usage.spool"
         self._spool_lock = asyncio.Lock()
@@ -133,11 +137,12 @@ class Meter:
     async def admit(
         self, principal: Principal, request_id: str, model: str, model_version: str, price: pricing.Price,
         prompt_tokens: int, max_completion_tokens: int, parts: int, client_request_id: str, arrived: float,
-        sequences: int = 0,
+        sequences: int = 0, direct: bool = False,
     ) -> Metered:
         """Admit a request against its tenant's quotas and budget, reserving its place (sequences:
         its prompts' choices, parts by default), its tokens and its most possible cost;
-        errors.ResourceExhausted (naming the limit, with when to retry) when one does not fit."""
+        errors.ResourceExhausted (naming the limit, with when to retry) when one does not fit.
+        direct: a worker will stream it (the direct path): its progress key is made with it."""
         m = Metered(request_id, principal, model, model_version, price, parts, client_request_id, arrived,
                     prompt_tokens=prompt_tokens, sequences=sequences or parts)
         estimate = pricing.estimate_micros(price, prompt_tokens, max_completion_tokens)
@@ -146,7 +151,7 @@ class Meter:
         limits = principal.limits
         try:
             answer, a, b, c, retry_ms = await self._admit(
-                keys=admission.admit_keys(principal.tenant, metering.month_of(now)),
+                keys=admission.admit_keys(principal.tenant, metering.month_of(now), request_id if direct else None),
                 args=[request_id, estimate, tokens, now, now + RESERVATION_SECONDS * 1000, limits.rpm, limits.tpm,
                       limits.concurrency, m.sequences],
             )
@@ -192,13 +197,67 @@ class Meter:
         if not m.finals and not m.relayed:  # ended before producing anything: nothing to bill
             await self.release(m)
             return
-        event = m.event(outcome)
+        await self._commit_event(m.event(outcome), self._mode)
+
+    async def _commit_event(self, event: UsageEvent, mode: str) -> None:
         try:
-            keys, args = admission.record_args(event)
+            keys, args = admission.record_args(event, mode)
             await self._record(keys=keys, args=args)
         except RedisError as exc:
+            if mode == "claim":  # (the worker's own record, or its progress, is what there is)
+                log.warning("cannot bill %s for what its worker sent before it went silent (%s)", event.request_id, exc)
+                return
             log.warning("cannot append usage of %s to Redis (%s); spooled until it answers", event.request_id, exc)
             await self._write_spool(event)
+
+    async def claim(self, m: Metered) -> None:
+        """A direct request whose worker went silent (no report of its end): billed for what the
+        worker's last progress says its client was sent, unless the worker billed it (it is then
+        only out of this process's count); one that was sent nothing gives its reservation back."""
+        if m.done:
+            return
+        try:
+            progress = admission.read_progress(
+                await self._redis.get(admission.progress_key(m.principal.tenant, m.request_id)))
+        except RedisError:
+            progress = None
+        if progress is None or not progress[0]:
+            await self.release(m)
+            return
+        m.done = True
+        m.relayed, m.cached_prompts = progress
+        self.ended(m)
+        await self._commit_event(m.event("failed"), "claim")
+
+    def claim_later(self, m: Metered) -> None:
+        """claim() from a request being given up: runs to its end regardless."""
+        task = asyncio.create_task(self.claim(m))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def write_progress(self, streams: list[Metered]) -> None:
+        """What the clients of these direct requests have been sent so far, for the router to bill
+        should this worker die (admission.PROGRESS); one round trip for all of them."""
+        if not streams:
+            return
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            for m in streams:
+                pipe.evalsha(self._progress.sha, 1, admission.progress_key(m.principal.tenant, m.request_id),
+                             f"{m.relayed} {m.cached_prompts}")
+            try:
+                await pipe.execute()
+                return
+            except NoScriptError:  # a restarted Redis: load it, once
+                if attempt:
+                    return
+                try:
+                    await self._progress.load()
+                except RedisError:
+                    return
+            except RedisError as exc:
+                log.debug("cannot write the progress of %d streams (%s)", len(streams), exc)
+                return
 
     def commit_later(self, m: Metered, outcome: str) -> None:
         """commit() from a request being torn down (a cancelled stream): runs to its end regardless."""
@@ -241,7 +300,7 @@ class Meter:
             try:
                 for line in lines:
                     event = UsageEvent(**json.loads(line))
-                    keys, args = admission.record_args(event)
+                    keys, args = admission.record_args(event, self._mode)
                     await self._record(keys=keys, args=args)
                     sent += 1
             except RedisError:

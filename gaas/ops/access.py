@@ -58,6 +58,9 @@ def method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]:
     allowed = ALLOWED_CALLERS.get(kind, {})
     paths = {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
     if kind == "worker" and direct:
-        # The generations the ingress sends a worker straight.
+        # The generations the ingress sends a worker straight, and the streams other workers
+        # carry on here when their engine stops (services/worker/carryon.py).
         paths.update({path: ("ingress",) for path in DIRECT_GENERATION})
+        path = f"/{service.full_name}/Generate"
+        paths[path] = (*paths[path], "worker")
     return paths

@@ -25,13 +25,15 @@ from dataclasses import dataclass
 PERMISSIONS: dict[str, tuple[str, ...]] = {
     # Worker registrations and leases.
     "control": ("~gaas:worker:*", "~gaas:workers", "~gaas:control:*"),
-    # Admission (quotas, budgets, spend), the usage stream, sessions, and the workers' reports of
-    # direct requests' ends.
+    # Admission (quotas, budgets, spend), the usage stream, sessions, and on the direct path the
+    # workers' reports of requests' ends and their streams' progress.
     "router": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:rpm:*", "~gaas:tpm:*", "~gaas:budget:*",
-               "~gaas:spend:*", "~gaas:usage", "~gaas:session:*", "~gaas:sessions:*", "&gaas:direct:*"),
-    # On the direct path: a request's usage appended (settling its admission), its end reported.
-    "worker": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:tpm:*", "~gaas:spend:*", "~gaas:usage",
+               "~gaas:spend:*", "~gaas:usage", "~gaas:session:*", "~gaas:sessions:*", "~gaas:direct:*",
                "&gaas:direct:*"),
+    # On the direct path: a request's usage appended (settling its admission), its progress, a
+    # session turn's reply committed, its end reported.
+    "worker": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:tpm:*", "~gaas:spend:*", "~gaas:usage",
+               "~gaas:direct:*", "~gaas:session:*", "~gaas:sessions:*", "&gaas:direct:*"),
     # The usage stream (read by a consumer group), budgets and spend.
     "billing": ("~gaas:usage", "~gaas:spend:*", "~gaas:budget:*"),
 }

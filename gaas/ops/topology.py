@@ -144,9 +144,9 @@ class Topology:
     port_base: int
     ingress_port: int
     instances: tuple[Instance, ...]
-    # How generations reach their worker (INGRESS_PATHS): through the router, or from the ingress
-    # straight to the worker the router picked at the ingress.
-    ingress_path: str = "router"
+    # How generations reach their worker (INGRESS_PATHS): from the ingress straight to the worker
+    # the router picked at the ingress, or through the router.
+    ingress_path: str = "direct"
 
     @property
     def ingress_admin_port(self) -> int:
@@ -231,7 +231,7 @@ def build(
     base = port_base if port_base is not None else _int(doc.get("port_base", 20000), "port_base", 1024)
     ingress = doc.get("ingress") or {}
     ingress_port = ingress_port if ingress_port is not None else _int(ingress.get("port", 8080), "ingress.port", 1)
-    ingress_path = ingress_path or str(ingress.get("path", "router"))
+    ingress_path = ingress_path or str(ingress.get("path", "direct"))
     if ingress_path not in INGRESS_PATHS:
         raise TopologyError(f"ingress.path must be one of {', '.join(INGRESS_PATHS)}, got {ingress_path!r}")
 

@@ -42,6 +42,14 @@ class Script:
         self._source = source
         self._sha = hashlib.sha1(source.encode()).hexdigest()
 
+    @property
+    def sha(self) -> str:
+        """Its SHA, for an EVALSHA in a pipeline (load() it when Redis does not know it)."""
+        return self._sha
+
+    async def load(self) -> None:
+        await self._redis.script_load(self._source)
+
     async def __call__(self, keys: list[str], args: list) -> object:
         try:
             return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)

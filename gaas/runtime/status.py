@@ -25,6 +25,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from gaas.contracts import errors
+from gaas.contracts.headers import UNREACHED_HEADER
 from gaas.runtime.context import answered_var, request_id_var
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,10 @@ def status_json(err: errors.GaasError) -> str:
 
 async def abort(context: grpc.aio.ServicerContext, err: errors.GaasError) -> None:
     """End the call with err's status (raises grpc.aio.AbortError, as context.abort does)."""
-    await context.abort(grpc.StatusCode[err.code], err.message, trailing_metadata=((DETAILS_KEY, status_details(err)),))
+    metadata = ((DETAILS_KEY, status_details(err)),)
+    if err.untaken:
+        metadata += ((UNREACHED_HEADER, "1"),)
+    await context.abort(grpc.StatusCode[err.code], err.message, trailing_metadata=metadata)
 
 
 def _details(metadata) -> dict:

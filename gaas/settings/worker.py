@@ -64,10 +64,10 @@ class WorkerSettings(Settings):
     max_num_seqs: int = setting("GAAS_MAX_NUM_SEQS", 64, "most sequences batched together")
     max_num_batched_tokens: int = setting("GAAS_MAX_NUM_BATCHED_TOKENS", 0, "most tokens in one engine step "
                                           "(0: vLLM's default)")
-    handover_seconds: float = setting("GAAS_HANDOVER_SECONDS", 2.0, "a stopping worker lets the streams routers "
-                                      "sent it run this long, then hands the rest over: each router carries its "
-                                      "streams on at another worker from the tokens sent (-1: never; they finish "
-                                      "here, within the grace)")
+    handover_seconds: float = setting("GAAS_HANDOVER_SECONDS", 2.0, "a stopping worker lets its streams run this "
+                                      "long, then hands the rest over: each is carried on at another worker from the "
+                                      "tokens sent, by the router streaming it or by this worker's front end (-1: "
+                                      "never; they finish here, within the grace)")
     max_waiting: int = setting("GAAS_MAX_WAITING", 128, "most requests waiting for their first token; more get "
                                "RESOURCE_EXHAUSTED, which the router takes elsewhere (0: no bound)")
     stream_interval: int = setting(

@@ -33,7 +33,7 @@ from services.router.kvclient import KVDirectoryClient
 from services.router.outcomes import Outcomes, RouterMetrics
 from services.router.placement import DirectPlacement, Inflight, Placer
 from services.router.prepare import Prepared, Preparer
-from services.router.relay import Relay, merge
+from services.router.relay import Relay
 from services.router.scheduling.hooks import Hooks
 from services.router.scheduling.hooks.flow_accounting import FlowAccounting
 from services.router.scheduling.hooks.inflight import InflightSince
@@ -42,7 +42,7 @@ from services.router.scheduling.hooks.prefix_lookup import PrefixLookup
 from services.router.scheduling.hooks.provision import Provision
 from services.router.scheduling.hooks.routed import Routed
 
-__all__ = ["Dispatcher", "DirectPlacement", "Prepared", "RouterMetrics", "merge"]
+__all__ = ["Dispatcher", "DirectPlacement", "Prepared", "RouterMetrics"]
 
 
 class Dispatcher:
@@ -131,6 +131,10 @@ class Dispatcher:
     async def place_direct(self, prepared: Prepared, principal: Principal, request_id: str,
                            time_remaining: float | None) -> DirectPlacement:
         return await self.placer.place_direct(prepared, principal, request_id, time_remaining)
+
+    def worker_request(self, prepared: Prepared, principal: Principal, request_id: str):
+        """What a worker is sent for a prepared request (placement.Placer.worker_request)."""
+        return self.placer.worker_request(prepared, principal, request_id)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None) -> None:

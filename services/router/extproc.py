@@ -12,8 +12,9 @@ worker formats and meters the answer. The worker reports the request's end to th
 (gaas/metering/direct.py), which then records it as one of its own streams (metrics, windows,
 circuit breakers) and frees its room.
 
-A request the direct path does not serve (a session turn, a batch of prompts) passes on unchanged to
-the router's own route. A refusal answers the client at once, in the shape the router's own route
+Every generation takes this path: a session's turn too (the router takes the turn and renews its
+hold until the worker's report; the worker commits the reply) and a completion's prompt list (all
+its prompts on the one worker placed). A refusal answers the client at once, in the shape the router's own route
 would: to an HTTP client (an OpenAI route, or the native API's JSON) the HTTP status and the gRPC
 status as JSON, which the ingress's error filter turns into OpenAI's error JSON; to a gRPC client a
 trailers-only response with the status and its details.
@@ -26,6 +27,7 @@ import base64
 import logging
 import struct
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.api import httpbody_pb2
@@ -46,6 +48,7 @@ from gaas.v1 import ext_proc_pb2_grpc, inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
+from services.router.sessions import Held
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +138,16 @@ def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
 
 
 class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, pipeline: Pipeline, max_body_bytes: int, instance: str = "") -> None:
+    def __init__(self, pipeline: Pipeline, max_body_bytes: int, instance: str = "", moves: int = 0) -> None:
         self._pipeline = pipeline
+        # Times a stream may be carried on at another worker (the workers it may move to are listed).
+        self._moves = moves
         self._max_body = max_body_bytes
         self._meter = pipeline.meter
         # This router's name: the workers report its requests' ends on its channel.
         self._instance = instance
-        # Requests sent straight to a worker and not yet reported ended: request id -> (placement,
-        # its usage record, which the worker commits; None once the tenant's place was given back).
-        self._pending: dict[str, tuple[DirectPlacement, Metered | None]] = {}
+        # Requests sent straight to a worker and not yet reported ended, by request id.
+        self._pending: dict[str, _Pending] = {}
 
     @property
     def pending(self) -> int:
@@ -151,14 +155,25 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
 
     def reported(self, summary: str) -> None:
         """A worker's report of a request's end (gaas.metering.direct.report_channel)."""
-        final = direct_contract.read_final(summary)
-        if final is None:
+        report = direct_contract.read_report(summary)
+        if report is None:
             log.warning("a worker's report of a request's end is unreadable; ignored")
             return
+        final = report.final
         entry = self._pending.pop(final.request_id, None)
-        if entry is not None:
-            entry[0].ended(grpc.StatusCode.OK, "", final)
-            self._end(entry[1], release=False)
+        if entry is None:
+            return
+        entry.placement.ended(grpc.StatusCode.OK, "", final)
+        self._end(entry.metered, release=False)
+        if entry.turn is not None:
+            if final.HasField("session") and report.session_committed_ms:
+                # The worker committed the reply: this router's copy becomes what the session holds.
+                turn = entry.turn
+                turn.reply[:] = [report.session_reply]
+                self._pipeline.sessions.committed(turn, final.session.version,
+                                                  turn.extended(final, report.session_committed_ms))
+            else:
+                self._pipeline.sessions.release_later(entry.turn)
 
     def _end(self, metered: Metered | None, release: bool) -> None:
         """A request of this router's is over at its worker: out of this router's own count, and
@@ -172,15 +187,19 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
 
     def _unreported(self, request_id: str) -> None:
         """No report within the grace period of the stream's end: the request ended unknown (the
-        client went away, the worker died or never got it); its room and reservation go back now
-        rather than when the reservation lapses (a worker still recording it settles nothing
-        twice: gaas.metering.admission)."""
+        client went away, the worker died or never got it); its room goes back now, and its usage
+        is settled: billed for what the worker's last progress says the client was sent, should
+        the worker not have billed it (it died mid-stream), else its reservation given back
+        (gaas.metering.admission: whichever records it, it is billed once); and its session's
+        turn (a turn the worker committed is not this request's any more: nothing changes)."""
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return
-        p, metered = entry
-        p.ended(None)
-        self._end(metered, release=True)
+        entry.placement.ended(None)
+        if entry.metered is not None and self._meter is not None:
+            self._meter.claim_later(entry.metered)
+        if entry.turn is not None:
+            self._pipeline.sessions.release_later(entry.turn)
 
     async def run_reports(self, redis_url: str) -> None:
         """Hear the workers' reports of this router's requests' ends, until cancelled (reconnecting
@@ -237,7 +256,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             for r in _passed_on(bytes(body)):
                 yield r
             return
-        direct, p, metered = placement
+        direct, p, g = placement
         message = direct.SerializeToString()
         if not native:
             message = httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE, data=message).SerializeToString()
@@ -245,15 +264,15 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=[
                 _header(WORKER_HEADER, p.addresses),
-                _header(REQUEST_ID_HEADER, direct.generate.request_id),
+                _header(REQUEST_ID_HEADER, direct.request_id),
                 _header(TENANT_HEADER, p.principal.tenant),
             ]),
             clear_route_cache=True,
         )))
         yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
             body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=framed, end_of_stream=True)))))
-        request_id = direct.generate.request_id
-        self._pending[request_id] = (p, metered)
+        request_id = direct.request_id
+        self._pending[request_id] = _Pending(p, g.metered, g.plan.held if g.plan is not None else None)
         try:
             async for req in requests:
                 kind = req.WhichOneof("request")
@@ -285,39 +304,35 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             return
         if code == grpc.StatusCode.OK:
             entry = self._pending.get(request_id)
-            if entry is not None and entry[1] is not None:
-                self._end(entry[1], release=False)
-                self._pending[request_id] = (entry[0], None)
+            if entry is not None and entry.metered is not None:
+                self._end(entry.metered, release=False)
+                entry.metered = None
             return
         entry = self._pending.pop(request_id, None)
         if entry is not None:
-            p, metered = entry
-            p.ended(code, trailers.get("grpc-message", ""))
-            self._end(metered, release=True)
+            entry.placement.ended(code, trailers.get("grpc-message", ""))
+            self._end(entry.metered, release=True)
+            if entry.turn is not None:
+                self._pipeline.sessions.release_later(entry.turn)
 
     async def _decide(self, headers: dict[str, str], body: bytes, timing: Timing):
-        """(DirectGenerate, DirectPlacement, Metered or None) for the worker; None: the router's own
-        route serves it."""
+        """(DirectGenerate, DirectPlacement, Generation) for the worker; None: the router's own
+        route serves it (a path this router does not decide)."""
         parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
         if parse is None:
             return None
         principal, client_id = await self._caller(headers, timing)
         http = _message(httpbody_pb2.HttpBody, body)
         parsed = parse(jsonbody.parse(http.data, self._max_body))
-        if session_id_of(parsed, headers):
-            return None  # sessions are the router's own (their turns commit after the stream)
-        requests = engine_requests(parsed)
-        if len(requests) > 1:
-            return None  # a batch of prompts: several workers' streams merged, by the router
-        return await self._placed(principal, requests, timing, headers, client_id or parsed.client_request_id,
-                                  parsed.client_request_id, http.data, chat, check=answer_check(parsed))
+        session_id_of(parsed, headers)  # (on the engine requests: the pipeline reads it there)
+        return await self._placed(principal, engine_requests(parsed), timing, headers,
+                                  client_id or parsed.client_request_id, parsed.client_request_id, http.data, chat,
+                                  check=answer_check(parsed))
 
     async def _decide_native(self, headers: dict[str, str], body: bytes, timing: Timing):
         """_decide for the native API's Generate, whose body is the GenerateRequest."""
         principal, client_id = await self._caller(headers, timing)
         request = _message(inference_pb2.GenerateRequest, body)
-        if request.session_id:
-            return None  # sessions are the router's own (their turns commit after the stream)
         return await self._placed(principal, [request], timing, headers, client_id or request.request_id,
                                   request.request_id)
 
@@ -330,24 +345,26 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
 
     async def _placed(self, principal, requests, timing: Timing, headers: dict[str, str], client_id: str,
                       body_client_id: str, body: bytes = b"", chat: bool = False, check=None):
-        """A request admitted and placed: (DirectGenerate, DirectPlacement, Metered or None).
+        """A request admitted and placed: (DirectGenerate, DirectPlacement, Generation).
         body_client_id: the client's id for its request as its body named it (for the logs)."""
         note_client_id(body_client_id)
-        g = await self._pipeline.start(principal, requests, timing, check=check)
+        g = await self._pipeline.start(principal, requests, timing, check=check, direct=True)
         p = await self._pipeline.place_direct(g)
-        return self._direct(g, p, body, chat, headers, client_id), p, g.metered
+        return self._direct(g, p, body, chat, headers, client_id), p, g
 
     def _direct(self, g: Generation, p: DirectPlacement, body: bytes, chat: bool, headers: dict[str, str],
                 client_id: str) -> worker_pb2.DirectGenerate:
         """What the ingress sends the worker: the placed request with the OpenAI body it formats the
-        answer for, and what the worker meters it with."""
-        prepared, principal, timing, metered = g.prepared[0], g.principal, g.timing, g.metered
-        model = prepared.model
+        answer for, what the worker meters it with, a session turn's part, and where its stream
+        is carried on should the worker's engine stop."""
+        principal, timing, metered = g.principal, g.timing, g.metered
+        model = g.prepared[0].model
         direct = worker_pb2.DirectGenerate(
-            generate=p.request, openai_body=body, chat=chat,
+            prompts=p.prompts, openai_body=body, chat=chat, request_id=g.request_id,
             ingress_ms=timing.ingress_s(headers) * 1000,
             tenant_ms=timing.tenant_s * 1000, router_queue_ms=p.queued_s * 1000,
             explain=headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"), router=self._instance,
+            carry_on=[w.address for w in p.others[:self._moves]],
         )
         m = direct.metering
         m.tenant, m.tier, m.key_id = principal.tenant, principal.tier, principal.key_id
@@ -357,8 +374,26 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 metered.price.input, metered.price.cached_input, metered.price.output)
             m.admitted = metered.admitted
         m.client_request_id = client_id
-        m.prompt_tokens = prepared.prompt_tokens
+        m.prompt_tokens = sum(pp.prompt_tokens for pp in g.prepared)
+        if g.plan is not None:
+            held, policy = g.plan.held, self._pipeline.sessions.policy
+            s = direct.session
+            s.session_id, s.version, s.context, s.keep_from = held.session_id, held.version, held.context.to_json(), \
+                held.keep_from
+            s.new.extend(inference_pb2.ChatMessage(role=r, content=c) for r, c in held.new)
+            s.ttl_seconds, s.truncation = policy.ttl_seconds, policy.truncation
         direct.router_ms = max(0.0, (time.perf_counter() - timing.arrived) * 1000 - direct.tenant_ms
                                - direct.router_queue_ms)
         direct.decided_unix = time.time()
         return direct
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request sent straight to a worker, until the worker's report of its end."""
+
+    placement: DirectPlacement
+    # Its usage record, which the worker commits (None: none, or the tenant's place already given back).
+    metered: Metered | None
+    # A session's turn: held (and renewed) by this router until then.
+    turn: Held | None = None

@@ -38,7 +38,7 @@ from services.router.auth import Authenticator, Principal
 from services.router.dispatch import Dispatcher
 from services.router.placement import DirectPlacement
 from services.router.prepare import Prepared
-from services.router.relay import merge
+from gaas.runtime.streams import merge
 from services.router.sessions import SessionStore, TurnPlan, available, check_turn, committing, plan_turn
 
 
@@ -122,11 +122,11 @@ class Pipeline:
 
     async def start(
         self, principal: Principal, requests: list[inference_pb2.GenerateRequest], timing: Timing, *,
-        check: Callable[[list[Prepared]], None] | None = None,
+        check: Callable[[list[Prepared]], None] | None = None, direct: bool = False,
     ) -> Generation:
         """Prepare every prompt (a session's turn with its context: a request naming its session),
         run the adapter's check on them, and admit the request. Every prompt is checked and
-        tokenized before anything is generated."""
+        tokenized before anything is generated. direct: a worker will stream it (place_direct)."""
         request_id = current_request_id()
         if len(requests) > 1 and any(r.session_id for r in requests):
             raise errors.InvalidArgument("a session turn is one prompt, not a batch", param="prompt")
@@ -142,14 +142,14 @@ class Pipeline:
             if check is not None:
                 check(prepared)
             with timing.on_tenant():
-                g.metered = await self._admit(g)
+                g.metered = await self._admit(g, direct)
         except BaseException:
             if plan is not None:
                 self.sessions.release_later(plan.held)
             raise
         return g
 
-    async def _admit(self, g: Generation) -> Metered | None:
+    async def _admit(self, g: Generation, direct: bool = False) -> Metered | None:
         """The tenant's quotas and budget checked, and the request's place, its prompt tokens, the
         most it can generate and its most possible cost reserved."""
         if self.meter is None:
@@ -158,7 +158,7 @@ class Pipeline:
         m = await self.meter.admit(
             g.principal, g.request_id, model.name, model.version, model.prices.get(g.principal.tier, FREE),
             sum(p.prompt_tokens for p in g.prepared), g.max_tokens, len(g.prepared), client_request_id_var.get(),
-            g.timing.arrived, sequences=sum(p.request.n or 1 for p in g.prepared),
+            g.timing.arrived, sequences=sum(p.request.n or 1 for p in g.prepared), direct=direct,
         )
         m.session_id = g.session_id
         return m
@@ -182,13 +182,20 @@ class Pipeline:
 
     async def place_direct(self, g: Generation) -> DirectPlacement:
         """Stage 5 of the direct path: the request placed on a worker, which the ingress then sends
-        it to; its reservation given back if it cannot be placed."""
+        it to (a prompt list whole, its prompts' engine requests beside the first); its reservation
+        and its session's turn given back if it cannot be placed."""
         try:
-            return await self.dispatcher.place_direct(g.prepared[0], g.principal, g.request_id, None)
+            p = await self.dispatcher.place_direct(g.prepared[0], g.principal, g.request_id, None)
         except BaseException:
             if g.metered is not None:
                 await self.meter.release(g.metered)
+            if g.plan is not None:
+                self.sessions.release_later(g.plan.held)
             raise
+        if len(g.prepared) > 1:
+            p.requests = [self.dispatcher.worker_request(pp, g.principal, f"{g.request_id}-{i}")
+                          for i, pp in enumerate(g.prepared)]
+        return p
 
     # ------------------------------------------------------------ counting without generating
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -75,9 +75,22 @@ class DirectPlacement:
     token: int
     # Leading blocks of the prompt the KV directory said the worker holds.
     confirmed_blocks: int = 0
-    # Where the ingress sends it should the worker not take it (None: no other worker).
-    fallback: Candidate | None = None
+    # Every engine request it is (a prompt list's, in order; empty: request alone).
+    requests: list[worker_pb2.WorkerGenerateRequest] = field(default_factory=list)
+    # The other workers that may serve it, best first: the first is where the ingress sends it
+    # should the worker not take it; the worker carries its stream on at them should its engine
+    # stop mid-stream.
+    others: list[Candidate] = field(default_factory=list)
     done: bool = False
+
+    @property
+    def prompts(self) -> list[worker_pb2.WorkerGenerateRequest]:
+        """What the worker runs: every engine request of it, in order."""
+        return self.requests or [self.request]
+
+    @property
+    def fallback(self) -> Candidate | None:
+        return self.others[0] if self.others else None
 
     @property
     def addresses(self) -> str:
@@ -175,13 +188,14 @@ class Placer:
         except BaseException:
             self.activity.finished(principal.tenant, 0)
             raise
-        # The second choice, should the first not take the request (the ingress then sends it there):
-        # the best-scored other worker whose breaker lets requests through.
+        # The other workers whose breakers let requests through, best-scored first: the second
+        # choice, should the first not take the request (the ingress then sends it there), and
+        # where the worker carries its stream on should its engine stop mid-stream.
         blocked = self._flow.breakers.blocked()
-        others = [w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked]
-        fallback = max(others, key=lambda w: scores.get(w.worker_id, float("-inf")), default=None)
+        others = sorted((w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked),
+                        key=lambda w: scores.get(w.worker_id, float("-inf")), reverse=True)
         return DirectPlacement(self, prepared, principal, worker, self.worker_request(prepared, principal, request_id),
-                               queued_s, token, ctx.confirmed.get(worker.worker_id, 0), fallback)
+                               queued_s, token, ctx.confirmed.get(worker.worker_id, 0), others=others)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None) -> None:

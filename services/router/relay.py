@@ -3,8 +3,7 @@ placement picks, through the worker's sidecar (naming the worker in x-gaas-worke
 engine priority, its chunks relayed, and the flow told how the worker did (first token time,
 failures: windows and circuit breakers). Retries on another worker while no token has been
 relayed; after that, a worker that fails is replaced by another that carries the stream on from
-the tokens sent (migration.py), so a client never sees a token twice nor a worker's death. Also
-merge(): a request's several prompts' streams as one."""
+the tokens sent (gaas.contracts.continuation), so a client never sees a token twice nor a worker's death."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from gaas.contracts import errors, finish, latency
+from gaas.contracts.continuation import Carried
 from gaas.contracts.principal import Principal
 from gaas.runtime import status
 from gaas.runtime.context import WORKER_HEADER
@@ -25,7 +25,6 @@ from services.router.activity import TenantActivity
 from services.router.breakers import prompt_work
 from services.router.directory import MeshDirectory
 from services.router.flow import Flow
-from services.router.migration import Carried
 from services.router.outcomes import Outcomes, RouterMetrics
 from services.router.placement import Inflight, Placer
 from services.router.prepare import Prepared
@@ -56,7 +55,7 @@ class Relay:
         self.activity = activity
         self._inflight = inflight
         self._retries = retries
-        # Times a stream is carried on by another worker when its own fails mid-stream (migration.py).
+        # Times a stream is carried on by another worker when its own fails mid-stream.
         self._moves = moves
         self._max_stream_seconds = max_stream_seconds
         # Calls whose client left before their first chunk, running on to it.
@@ -229,7 +228,7 @@ class Relay:
                                 worker.worker_id, code.name, exc.details())
                     attempt += 1
                     continue
-                if not (sent_any and carried.can_carry_on(worker_request, code)):
+                if not (sent_any and carried.can_carry_on(worker_request, code.name)):
                     raise self._worker_failure(worker.worker_id, exc, sent_any, request_id) from None
                 if carried.moves >= self._moves:
                     self._count_move(model.name, "failed")
@@ -299,49 +298,3 @@ class Relay:
                                 unanswered=status.UNANSWERED | {"CANCELLED"},
                                 message="no worker could take the request right now; retry shortly",
                                 request_id=request_id)
-
-
-# The prompts of one request that are generated at once (the others wait their turn here, not in
-# the workers' queues).
-PARTS_AT_ONCE = 8
-
-
-async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]],
-                at_once: int = PARTS_AT_ONCE) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:
-    """(which stream, chunk) of several streams as their chunks arrive; the first failure ends all.
-    At most at_once streams run at a time (a stream starts when it is first read: a request's
-    prompts go to the workers a few at a time, in order). Bounded: while the consumer (a slow
-    client) is behind, the streams wait, and the workers' streams with them, rather than their
-    chunks piling up here."""
-    if len(streams) == 1:
-        async for c in streams[0]:
-            yield 0, c
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
-    turns = asyncio.Semaphore(max(1, at_once))
-    done = object()
-
-    async def pump(i: int, s: AsyncIterator) -> None:
-        try:
-            async with turns:
-                async for c in s:
-                    await queue.put((i, c))
-            await queue.put((i, done))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, who re-raises it
-            await queue.put((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -158,7 +158,7 @@ async def serve(cfg: RouterSettings) -> None:
     # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
     rt.add_service(
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server,
-        extproc := ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance), EXT_PROC_SERVICE,
+        extproc := ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance, cfg.moves), EXT_PROC_SERVICE,
         listed=False,
     )
     rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity, sessions), "gaas.v1.Router",

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas.contracts import errors, genrequest, latency, sessions, usage as metering
+from gaas.contracts import errors, genrequest, sessions, usage as metering
 from gaas.contracts.sessions import Context, SessionPolicy
 from gaas.model.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.principal import Principal
 from services.router.prepare import Prepared
 from gaas.runtime.redisconn import Script
+from gaas.sessions.turns import OpenTurn, TurnEnds, committing as committing_turn, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,10 @@ def _unavailable() -> errors.Unavailable:
 
 
 @dataclass(slots=True)
-class Held:
-    """A session's turn, held by one request."""
+class Held(OpenTurn):
+    """A session's turn as this router took it: the turn (gaas.sessions.turns), and what the router
+    keeps beside it."""
 
-    tenant: str
-    session_id: str
-    request_id: str
-    # The version the turn read (0: the session is new), and its context then.
-    version: int
-    context: Context | None
     # How the session's last prompt was tokenized (this router's copy): reused by the next one.
     prefix: PromptPrefix = field(default_factory=PromptPrefix)
     renewing: asyncio.Task | None = None
@@ -63,21 +59,17 @@ class Held:
 
 @dataclass(slots=True)
 class TurnPlan:
-    """A turn ready to go: the request to prepare, and what to commit once the reply is in."""
+    """A turn ready to go: its held turn (context, new part, the first turn kept, then its reply),
+    and its request prepared."""
 
     held: Held
-    context: Context
-    # The turn's own part (its messages, or its prompt), and the first context turn kept.
-    new: list[tuple[str, str]]
-    keep_from: int = 0
     prepared: Prepared | None = None
     # Time taken by the session's store before the turn (the tenant's part of its latency).
     tenant_s: float = 0.0
-    reply: list[str] = field(default_factory=list)
 
     @property
     def created(self) -> bool:
-        return self.held.version == 0
+        return self.held.created
 
 
 SESSION_OUTCOMES = ("committed", "busy", "changed", "released", "unavailable")
@@ -108,8 +100,7 @@ class SessionStore:
         self._clock = clock
         self._begin = Script(redis, sessions.BEGIN)
         self._renew = Script(redis, sessions.RENEW)
-        self._commit = Script(redis, sessions.COMMIT)
-        self._release = Script(redis, sessions.RELEASE)
+        self.ends = TurnEnds(redis, clock)
         self._list = Script(redis, sessions.LIST)
         self._cache: OrderedDict[tuple[str, str], tuple[int, Context, PromptPrefix]] = OrderedDict()
         self._cache_size = cache_size
@@ -174,7 +165,7 @@ class SessionStore:
         else:
             context = cached[1]
             self._cache.move_to_end(key)
-        held = Held(tenant, session_id, request_id, version, context, prefix)
+        held = Held(tenant, session_id, request_id, version, context, prefix=prefix)
         held.renewing = asyncio.create_task(self._keep(held), name=f"session-lease-{session_id}")
         return held
 
@@ -201,36 +192,27 @@ class SessionStore:
         new version. errors.Aborted when it moved (the turn's reply is then not in the session)."""
         self._stop(held)
         key = (held.tenant, held.session_id)
-        summary = [v for pair in context.summary().items() for v in pair]
         try:
-            answer = await self._commit(
-                keys=[sessions.session_key(held.tenant, held.session_id), sessions.index_key(held.tenant)],
-                args=[held.request_id, held.version, context.to_json(), self._clock(), self.ttl_ms, held.session_id,
-                      *summary],
-            )
+            version = await self.ends.commit(held, context, self.ttl_ms)
         except RedisError as exc:
             log.warning("cannot commit a turn of session %s (%s)", held.session_id, exc)
             self.metrics.count("unavailable")
             self._cache.pop(key, None)
             self.release_later(held, force=True)
-            raise errors.Unavailable(
-                "this turn's reply could not be added to its session: Redis does not answer; the session is as it "
-                "was before this turn"
-            ) from None
-        version = int(answer[0])
-        if version < 0:
+            raise unavailable() from None
+        except errors.Aborted:
             self.metrics.count("changed")
             self._cache.pop(key, None)
-            why = ("another turn was committed meanwhile" if version == -1
-                   else "the session was deleted, or its hold lapsed and another turn took it")
-            raise errors.Aborted(
-                f"this turn's reply was not added to session {held.session_id!r}: {why}; read it again "
-                "(GET /v1/gaas/sessions/ID) before the next turn",
-                reason="session_changed",
-            )
-        self._remember(key, version, context, held.prefix)
-        self.metrics.count("committed")
+            raise
+        self.committed(held, version, context)
         return version
+
+    def committed(self, held: Held, version: int, context: Context) -> None:
+        """The turn's reply is in the session (committed here, or by the worker that streamed it):
+        this router's copy is the session's as it now is."""
+        self._stop(held)
+        self._remember((held.tenant, held.session_id), version, context, held.prefix)
+        self.metrics.count("committed")
 
     def release_later(self, held: Held, force: bool = False) -> None:
         """Give back a turn that will not commit (from a stream's cleanup: it does not wait)."""
@@ -244,10 +226,7 @@ class SessionStore:
         task.add_done_callback(self._tasks.discard)
 
     async def _give_back(self, held: Held) -> None:
-        try:
-            await self._release(keys=[sessions.session_key(held.tenant, held.session_id)], args=[held.request_id])
-        except RedisError as exc:
-            log.warning("cannot release the turn of session %s (%s); it lapses by itself", held.session_id, exc)
+        await self.ends.release(held)
 
     def _remember(self, key: tuple[str, str], version: int, context: Context, prefix: PromptPrefix) -> None:
         self._cache[key] = (version, context, prefix)
@@ -418,31 +397,32 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
         if not new:
             raise errors.InvalidArgument("a session's first turn needs a message besides the system prompt",
                                          param="messages")
-    plan = TurnPlan(held, context, new)
+    held.context, held.new = context, new
+    plan = TurnPlan(held)
     limit = model.max_model_len
     want = request.max_tokens or store.policy.reply_reserve_tokens
     for _ in range(FIT_ATTEMPTS):
-        full = turn_request(request, context, new, plan.keep_from)
+        full = turn_request(request, context, new, held.keep_from)
         try:
             plan.prepared = await dispatcher.prepare(full, principal, held.prefix)
             room, too_long = limit - plan.prepared.prompt_tokens, None
         except genrequest.ContextTooLong as exc:
             plan.prepared, room, too_long = None, limit - exc.prompt_tokens, exc
-        if not limit or room >= want or plan.keep_from >= len(context.turns):
+        if not limit or room >= want or held.keep_from >= len(context.turns):
             if too_long is not None:
                 raise too_long
             break
-        plan.keep_from = context.drop_for(want - room, plan.keep_from)
+        held.keep_from = context.drop_for(want - room, held.keep_from)
     else:
         if plan.prepared is None:
             raise errors.InvalidArgument(f"session {held.session_id!r} cannot be shortened to fit the model's context; "
                                          "start another session", param="session_id")
     plan.prepared.session_worker = context.worker
-    if plan.keep_from:
+    if held.keep_from:
         if store.metrics.dropped_turns is not None:
-            store.metrics.dropped_turns.inc(plan.keep_from)
+            store.metrics.dropped_turns.inc(held.keep_from)
         log.info("session %s: dropped its %d oldest turn(s) (about %d tokens) to fit %s's %d tokens", held.session_id,
-                 plan.keep_from, sessions.dropped_tokens(context, plan.keep_from), model.name, limit)
+                 held.keep_from, sessions.dropped_tokens(context, held.keep_from), model.name, limit)
     return plan
 
 
@@ -465,25 +445,10 @@ def turn_request(request: inference_pb2.GenerateRequest, context: Context, new: 
 async def committing(store: SessionStore, plan: TurnPlan,
                      chunks: AsyncIterator[common_pb2.GenerateChunk]) -> AsyncIterator[common_pb2.GenerateChunk]:
     """Relay a turn's chunks, committing its reply to the session before the last one is released
-    (which then says what the turn did to the session). A turn that ends otherwise gives the
-    session back unchanged."""
+    (gaas.sessions.turns.committing). A turn that ends otherwise gives the session back unchanged."""
     held = plan.held
     try:
-        async for chunk in chunks:
-            plan.reply.append(chunk.text)
-            if chunk.HasField("usage"):
-                started = time.perf_counter()
-                context = plan.context.committed(
-                    plan.new, "".join(plan.reply), plan.keep_from, chunk.usage.prompt_tokens,
-                    chunk.usage.completion_tokens, chunk.worker_id, store.now_ms(),
-                )
-                version = await store.commit(held, context)
-                latency.add_tenant(chunk.timings, time.perf_counter() - started)
-                chunk.session.CopyFrom(common_pb2.SessionTurn(
-                    session_id=held.session_id, version=version, turns=len(context.turns),
-                    context_tokens=context.tokens, created=plan.created, dropped_turns=plan.keep_from,
-                    dropped_tokens=sessions.dropped_tokens(plan.context, plan.keep_from),
-                ))
+        async for chunk in committing_turn(held, chunks, lambda context: store.commit(held, context), store.now_ms):
             yield chunk
     finally:
         store.release_later(held)

@@ -1,15 +1,18 @@
 """gaas.v1.OpenAI's generation methods and gaas.v1.Inference's Generate on a worker, for requests
 the router decided at the ingress (topology: ingress.path: direct; gaas/metering/direct.py): the
-body is a DirectGenerate the router put there, never a client's. The worker generates, formats the
-OpenAI answer (the native API's chunks go out as they come), appends the usage event before the
-last chunk (gaas.metering.meter, as the router does on its own routes) and reports the request's
-end to the router that decided it (gaas.metering.direct.report_channel)."""
+body is a DirectGenerate the router put there, never a client's. The worker generates (every prompt
+of a prompt list; a stream its engine cannot finish carried on at another worker: carryon.py),
+formats the OpenAI answer (the native API's chunks go out as they come), commits a session turn's
+reply and appends the usage event before the last chunk (gaas.sessions.turns, gaas.metering.meter,
+as the router does on its own routes) and reports the request's end to the router that decided
+it (gaas.metering.direct.report_channel)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.api import httpbody_pb2
@@ -19,12 +22,18 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gaas.contracts import errors, jsonbody
+from gaas.contracts.sessions import Context
 from gaas.metering import direct
 from gaas.openai import api as openai_api, stream as openai_stream
-from gaas.metering.meter import Meter, metered
+from gaas.metering.admission import PROGRESS_SECONDS
+from gaas.metering.meter import Meter, Metered, metered
 from gaas.runtime.context import request_id_var, tenant_var
+from gaas.runtime.streams import merge
+from gaas.sessions import turns
+from gaas.sessions.turns import TurnEnds
 from gaas.contracts.services import GRPC_SERVICE
 from gaas.v1 import common_pb2, openai_pb2_grpc, worker_pb2
+from services.worker.carryon import CarryOn
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -36,12 +45,31 @@ NATIVE_SERVICE = GRPC_SERVICE["router"]
 
 
 class DirectServicer(openai_pb2_grpc.OpenAIServicer):
-    def __init__(self, worker: WorkerServicer, meter: Meter | None, redis: Redis | None = None) -> None:
+    def __init__(self, worker: WorkerServicer, meter: Meter | None, redis: Redis | None = None,
+                 carry_on: CarryOn | None = None) -> None:
         self._worker = worker
         self._meter = meter
-        # Where the routers hear of their requests' ends (gaas.metering.direct.report_channel).
+        # Where the routers hear of their requests' ends (gaas.metering.direct.report_channel), and
+        # where a session turn's reply is committed.
         self._redis = redis
+        self._turns = TurnEnds(redis) if redis is not None else None
+        # How a stream outlives this worker's engine (carried on at another worker).
+        self._carry_on = carry_on or CarryOn(worker, None)
         self._reports: set[asyncio.Task] = set()
+        # The usage records of the streams running here, whose progress is written for the router
+        # to bill from should this process die (run_progress).
+        self._live: dict[str, Metered] = {}
+
+    async def run_progress(self, every_s: float = PROGRESS_SECONDS) -> None:
+        """Write what each running stream's client has been sent, every every_s, until cancelled
+        (gaas.metering.admission's progress keys; nothing while no stream runs)."""
+        sent: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(every_s)
+            moved = [m for rid, m in self._live.items() if sent.get(rid) != m.relayed]
+            sent = {rid: m.relayed for rid, m in self._live.items()}
+            if moved and self._meter is not None:
+                await self._meter.write_progress(moved)
 
     async def Completions(self, request: httpbody_pb2.HttpBody, context):
         async for body in self._serve(request, context, openai_api.parse_completion):
@@ -55,8 +83,9 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         """gaas.v1.Inference's Generate as a router decided it at the ingress: the native API's
         chunks as they come (the router's route sends them alike), metered here."""
         arrived, arrived_unix = time.perf_counter(), time.time()
-        if not d.generate.request_id or not d.metering.tenant:
-            raise errors.FailedPrecondition("a worker serves the native API only as a router decided it at the ingress")
+        _check(d)
+        if len(d.prompts) != 1:
+            raise errors.InvalidArgument("the native API's Generate is one prompt")
         async for _, c in self._metered(d, context, arrived, arrived_unix):
             yield c
 
@@ -68,23 +97,27 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
             d = worker_pb2.DirectGenerate.FromString(http.data)
         except DecodeError:
             raise errors.InvalidArgument("the request is not a DirectGenerate") from None
+        _check(d)
         parsed = parse(jsonbody.parse(d.openai_body, MAX_BODY_BYTES))
-        fmt = openai_api.Formatter(parsed, d.generate.request_id, d.metering.model)
+        fmt = openai_api.Formatter(parsed, d.request_id, d.metering.model)
         usage = openai_stream.Usage(prompt=d.metering.prompt_tokens, explain=d.explain)
-        async for body in openai_stream.respond(parsed, fmt, usage, self._metered(d, context, arrived, arrived_unix)):
+        async for body in openai_stream.respond(parsed, fmt, usage, self._metered(d, context, arrived, arrived_unix),
+                                                d.session.truncation):
             yield body
 
     def _metered(self, d: worker_pb2.DirectGenerate, context, arrived: float, arrived_unix: float):
-        """(0, chunk) of the generation, its usage event appended before its last chunk goes out
-        and its end then reported to the router that decided it."""
-        request_id_var.set(d.generate.request_id)
+        """(which prompt, chunk) of the generation, its usage event appended before its last chunk
+        goes out (a session turn's reply committed before that) and its end then reported to the
+        router that decided it."""
+        request_id_var.set(d.request_id)
         tenant_var.set(d.metering.tenant)
         record = direct.metered(d, direct.arrived_at(d, arrived, arrived_unix)) if self._meter is not None else None
+        # A client gone before the first token leaves the request running to it, and billed.
+        abandoned = None if record is None else record.abandoned.append
+        turn = self._turn(d)
 
-        async def chunks():
-            # A client gone before the first token leaves the request running to it, and billed.
-            abandoned = None if record is None else record.abandoned.append
-            async for c in self._worker.Generate(d.generate, context, on_abandoned=abandoned, handed_over=False):
+        async def prompt(r: worker_pb2.WorkerGenerateRequest):
+            async for c in self._carry_on.stream(r, list(d.carry_on), context, on_abandoned=abandoned):
                 if c.HasField("usage"):
                     direct.complete(c.timings, d, arrived_unix)
                     c.tenant = d.metering.tenant
@@ -92,22 +125,91 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
                     span = trace.get_current_span()
                     if span.is_recording():
                         c.timings.trace_id = format(span.get_span_context().trace_id, "032x")
-                yield 0, c
+                yield c
 
-        def summary(c) -> None:
-            # metered() calls this once the usage event is written (its time is in the decomposition).
-            if self._redis is not None and d.router:
-                task = asyncio.create_task(self._report(d.router, direct.final_summary(c)))
+        streams = [prompt(r) for r in d.prompts]
+        if turn is not None:
+            streams = [self._committing(turn, streams[0], d.session.ttl_seconds * 1000)]
+        finals: list[common_pb2.GenerateChunk] = []
+
+        def ended(c) -> None:
+            # metered() calls this with each prompt's final chunk, the last once the usage event is
+            # written (its time is in the decomposition).
+            finals.append(c)
+            if len(finals) == len(d.prompts) and self._redis is not None and d.router:
+                reply, at = ("".join(turn.reply), turn.committed_ms) if turn is not None and c.HasField("session") \
+                    else ("", 0)
+                task = asyncio.create_task(self._report(d.router, direct.report(c, finals, reply, at, d.request_id)))
                 self._reports.add(task)
                 task.add_done_callback(self._reports.discard)
 
-        return metered(self._meter, record, chunks(), chunk_of=lambda p: p[1], on_last=summary)
+        return self._watched(record, metered(self._meter, record, merge(streams), chunk_of=lambda p: p[1],
+                                             on_last=ended))
+
+    async def _watched(self, record: Metered | None, items):
+        """items, with record among the streams whose progress is written while they run."""
+        if record is not None:
+            self._live[record.request_id] = record
+        try:
+            async for item in items:
+                yield item
+        finally:
+            if record is not None:
+                self._live.pop(record.request_id, None)
+            await items.aclose()
+
+    def _turn(self, d: worker_pb2.DirectGenerate) -> "_Turn | None":
+        """The session turn a request is, as the router began it (None: it is none)."""
+        s = d.session
+        if not s.session_id:
+            return None
+        if self._turns is None:
+            raise errors.Unavailable("this worker cannot reach the sessions' store (it has no Redis); another "
+                                     "worker may serve the turn")
+        return _Turn(tenant=d.metering.tenant, session_id=s.session_id, request_id=d.request_id, version=s.version,
+                     context=Context.from_json(s.context), new=[(m.role, m.content) for m in s.new],
+                     keep_from=s.keep_from)
+
+    async def _committing(self, turn: "_Turn", chunks, ttl_ms: int):
+        """The turn's chunks, its reply committed before the last (gaas.sessions.turns.committing);
+        a turn that ends otherwise given back at once (the router that holds it would give it back
+        only once the stream's end has gone unreported)."""
+        try:
+            async for c in turns.committing(turn, chunks, lambda ctx: self._commit(turn, ctx, ttl_ms),
+                                            self._turns.now_ms):
+                yield c
+        finally:
+            if not turn.committed_ms:
+                task = asyncio.create_task(self._turns.release(turn))
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+
+    async def _commit(self, turn: "_Turn", context: Context, ttl_ms: int) -> int:
+        try:
+            version = await self._turns.commit(turn, context, ttl_ms)
+        except RedisError as exc:
+            log.warning("cannot commit a turn of session %s (%s)", turn.session_id, exc)
+            raise turns.unavailable() from None
+        turn.committed_ms = context.updated_ms
+        return version
 
     async def _report(self, router: str, summary: str) -> None:
         try:
             await self._redis.publish(direct.report_channel(router), summary)
         except RedisError as exc:  # the router ends the request unknown after a grace period
             log.warning("cannot report a request's end to %s (%s)", router, exc)
+
+
+@dataclass(slots=True)
+class _Turn(turns.OpenTurn):
+    """A session turn this worker streams; when its reply was committed (Unix ms, 0: not yet)."""
+
+    committed_ms: int = 0
+
+
+def _check(d: worker_pb2.DirectGenerate) -> None:
+    if not d.request_id or not d.metering.tenant or not d.prompts:
+        raise errors.FailedPrecondition("a worker serves a generation at the ingress only as a router decided it")
 
 
 def add_native_to_server(servicer: DirectServicer, server) -> None:

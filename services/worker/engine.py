@@ -33,11 +33,16 @@ class InvalidRequest(errors.InvalidArgument):
 
 
 class EngineUnavailable(errors.Unavailable):
-    """The engine is not running (not started yet, shutting down, or dead); try another worker."""
+    """The engine is not running (not started yet, shutting down, or dead); try another worker.
+    Raised before a request's first token, nothing of it was done (untaken)."""
+
+    untaken = True
 
 
 class EngineBusy(errors.ResourceExhausted):
     """The engine's queue is full; another worker (or a later retry) may take the request."""
+
+    untaken = True
 
 
 class EngineFailed(errors.Internal):

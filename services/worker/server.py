@@ -24,6 +24,7 @@ from gaas.contracts.services import OPENAI_SERVICE
 from gaas.settings.docs import help_epilog
 from gaas.settings.worker import WorkerSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
+from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to_server
 from services.worker.engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
@@ -87,7 +88,7 @@ async def serve(cfg: WorkerSettings) -> None:
     meter = redis = None
     if cfg.redis_url:
         redis = redisconn.connect(cfg.redis_url, timeout=1.0)
-        meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance)
+        meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance, streams_direct=True)
         spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
 
         async def stop_meter() -> None:
@@ -97,7 +98,19 @@ async def serve(cfg: WorkerSettings) -> None:
             await redis.aclose()
 
         rt.after_stop(stop_meter)
-    direct = DirectServicer(servicer, meter, redis)
+    # Its sidecar's outbound: control (the lease), and the other workers (streams carried on there).
+    channel = rt.channel(cfg.outbound) if cfg.outbound else None
+    carry_on = CarryOn(servicer, worker_pb2_grpc.WorkerStub(channel) if channel is not None else None, cfg.advertise,
+                       CarryOnMetrics(
+                           moves=rt.metrics.counter(
+                               "stream_moves_total", "Streams whose engine stopped after their first token, carried on "
+                               "by another worker (moved) or not (failed)", ("outcome",)),
+                           moved_prefill_tokens=rt.metrics.counter(
+                               "stream_moved_prefill_tokens_total", "Prompt tokens recomputed by the workers that "
+                               "carried this worker's streams on (the mesh's cost, not billed)")))
+    direct = DirectServicer(servicer, meter, redis, carry_on)
+    progress = asyncio.create_task(direct.run_progress(), name="stream-progress")
+    rt.after_stop(lambda: _cancel(progress))
     rt.add_service(openai_pb2_grpc.add_OpenAIServicer_to_server, direct, OPENAI_SERVICE, listed=False)
     rt.add_service(add_native_to_server, direct, NATIVE_SERVICE, listed=False)
     # The port is open (and NOT_SERVING) while the engine loads, so health checks get an answer.
@@ -136,9 +149,7 @@ async def serve(cfg: WorkerSettings) -> None:
             source.close()
 
         rt.on_stop(stop_relay)
-    channel = None
-    if cfg.outbound:
-        channel = rt.channel(cfg.outbound)
+    if channel is not None:
         info = engine.info
         keeper = LeaseKeeper(
             control_pb2_grpc.ControlStub(channel),
@@ -191,8 +202,9 @@ async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: fl
 
 
 async def hand_over_later(servicer: WorkerServicer, after_s: float) -> None:
-    """Stopping: after after_s, the streams routers sent end (UNAVAILABLE) and each router carries
-    its own on at another worker, so that a rolling restart waits for no long stream."""
+    """Stopping: after after_s, the streams still running end (UNAVAILABLE) at their next token and
+    whoever is in each carries it on at another worker: a router its own, this worker's front end
+    the ingress's (services/worker/carryon.py), so that no long stream holds the engine."""
 
     def hand_over() -> None:
         log.info("stopping: the streams still running here are handed over to other workers")

@@ -10,7 +10,7 @@ from gaas.contracts import errors, finish, genrequest
 from gaas.runtime.context import current_tenant
 from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.engine import Delta, Engine, GenerationRequest
+from services.worker.engine import Delta, Engine, EngineBusy, EngineUnavailable, GenerationRequest
 from services.worker.kvevents import KVEventRelay
 
 log = logging.getLogger(__name__)
@@ -42,22 +42,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.relay = relay
         # The device's last sample, kept fresh off the event loop (server.sample_device).
         self.device_sample: DeviceSample | None = None
-        # Stopping: the streams routers sent end with UNAVAILABLE at their next token, and each
-        # router carries its own on at another worker (services/router/migration.py).
+        # Stopping: the streams end with UNAVAILABLE at their next token, and whoever is in each
+        # carries it on at another worker (a router, or this worker's front end on the direct path:
+        # gaas.contracts.continuation).
         self.handing_over = False
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
 
     def _engine(self) -> Engine:
         if self.engine is None:
-            raise errors.Unavailable("the engine is still loading; retry shortly")
+            raise EngineUnavailable("the engine is still loading; retry shortly")
         return self.engine
 
-    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context, on_abandoned=None,
-                       handed_over: bool = True):
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context, on_abandoned=None):
         """The request's chunks. on_abandoned (a caller in this process that meters the request):
         told, with a future of the first chunk, when its caller leaves before that chunk (the engine
-        runs the request on to it: Engine's GenerationRequest.on_abandoned). handed_over: whether
-        the stream ends when this worker hands its streams over (a router's: it carries the stream
-        on elsewhere; not the ingress's, which nobody would)."""
+        runs the request on to it: Engine's GenerationRequest.on_abandoned). When this worker hands
+        its streams over (it is stopping), the stream ends with UNAVAILABLE at its next token, and
+        whoever is in it carries it on elsewhere."""
         engine = self._engine()
         info = engine.info
         r = request.request
@@ -89,7 +93,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Under a public prefix's salt, a hit past the prefix would be another tenant's continuation.
         cap = request.cached_tokens_cap if request.HasField("cached_tokens_cap") else None
         if self._max_waiting and self._waiting >= self._max_waiting:
-            raise errors.ResourceExhausted(
+            raise EngineBusy(
                 f"this worker's queue is full ({self._waiting} requests waiting for their first token); another "
                 "worker, or a retry shortly, may serve it", reason="worker_busy", retry_after=1.0,
             )
@@ -100,10 +104,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         waiting = True
         try:
             async for d in engine.generate(gen):
-                if self.handing_over and handed_over and not d.done:
+                if self.handing_over and not d.done:
                     log.info("handing request %s over after %d tokens: this worker is stopping",
                              request.request_id, produced)
-                    raise errors.Unavailable("this worker is stopping; another worker carries the stream on")
+                    raise EngineUnavailable("this worker is stopping; another worker carries the stream on")
                 if not first_token_ms and d.token_ids:
                     first_token_ms = (time.perf_counter() - started) * 1000
                     self._waiting -= 1

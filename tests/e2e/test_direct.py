@@ -21,6 +21,7 @@ from gaas.contracts import errors, pricing
 from gaas.metering import direct
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
+from tests.conftest import INGRESS_PATH
 from tests.meshutil import (
     cli_tenant, cli_usage, generate, http, openai_client, own_mesh, refused_on_headers, served_again,
     wait_for_lines,
@@ -76,15 +77,15 @@ def test_the_report_of_a_requests_end_carries_no_text_and_reads_back():
                                  finish_reason=common_pb2.FINISH_REASON_STOP)
     c.usage.prompt_tokens, c.usage.completion_tokens = 7, 2
     c.timings.ttft_ms = 3.5
-    back = direct.read_final(direct.final_summary(c))
+    back = direct.read_report(direct.report(c)).final
     assert back.request_id == "req-1" and back.usage.completion_tokens == 2 and back.timings.ttft_ms == 3.5
     assert not back.text and not back.token_ids
-    assert direct.read_final("not base64 of a chunk!") is None
+    assert direct.read_report("not base64 of a report!") is None
 
 
 def test_a_worker_meters_a_direct_generation_as_the_router_admitted_it():
-    d = worker_pb2.DirectGenerate()
-    d.generate.request_id = "req-9"
+    d = worker_pb2.DirectGenerate(request_id="req-9")
+    d.prompts.add(request_id="req-9", cache_salt="salt-acme")
     m = d.metering
     m.tenant, m.tier, m.key_id, m.model, m.model_version = "acme", "gold", "key_1", MODEL, "1.0.0"
     m.price_input, m.price_cached_input, m.price_output, m.admitted, m.prompt_tokens = 0.6, 0.06, 2.4, True, 12
@@ -99,7 +100,10 @@ def test_a_worker_meters_a_direct_generation_as_the_router_admitted_it():
 
 @pytest.fixture(scope="module")
 def direct_mesh(tmp_path_factory):
-    """A mesh with two workers on the direct path, started by `gaas up` as a user would."""
+    """A mesh with two workers on the direct path, started by `gaas up` as a user would (not
+    again when the suite runs on the router path: the direct path's tests ran in its own run)."""
+    if INGRESS_PATH != "direct":
+        pytest.skip("the direct path's own mesh: run with the suite on the direct path (the default)")
     with own_mesh(tmp_path_factory.mktemp("direct-mesh"), port_start=29000, workers=2, ingress_path="direct") as m:
         yield m
 
@@ -220,15 +224,54 @@ def test_native_refusals_at_the_ingress_come_as_the_routers_own(direct_mesh):
     assert status == 404 and "no-such-model" in body
 
 
-def test_a_session_turn_is_served_through_the_router(direct_mesh):
+def test_a_session_turn_is_committed_by_the_worker_that_streamed_it(direct_mesh):
+    """The router takes the turn at the ingress, the worker commits the reply before its last
+    chunk: the next turn, sent as soon as the answer is in, finds it there (never session_busy),
+    through the router's copy of the context too (it follows the worker's report, not a reload)."""
     c = openai_client(direct_mesh)
     first = c.completions.create(model=MODEL, prompt="My name is Ada.", max_tokens=3,
                                  extra_headers={"x-gaas-session": "direct-s1"})
     second = c.completions.create(model=MODEL, prompt="What is my name?", max_tokens=3,
                                   extra_headers={"x-gaas-session": "direct-s1"})
     turn1, turn2 = first.model_extra["gaas_session"], second.model_extra["gaas_session"]
-    assert (turn1["turns"], turn2["turns"]) == (1, 2)
+    assert (turn1["turns"], turn1["version"], turn2["turns"], turn2["version"]) == (1, 1, 2, 2)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the first turn came before it
+    chat = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"turn {i}"}], max_tokens=2,
+                                      stream=i == 1, extra_headers={"x-gaas-session": "direct-s2"})
+            for i in range(3)]
+    streamed = [ch for ch in chat[1] if ch.choices]
+    assert streamed[-1].model_extra["gaas_session"]["turns"] == 2
+    assert chat[2].model_extra["gaas_session"]["turns"] == 3
+    # Every generation went to a worker, none to the router's own route.
+    log = wait_for_lines(direct_mesh.run_dir / "logs" / "envoy-ingress-access.log", '"path":"/v1/chat/completions"')
+    workers = {w["address"] for w in direct_mesh.ready["workers"]}
+    served = [json.loads(x) for x in log.splitlines() if "completions" in x]
+    assert {x["upstream"] for x in served if x["status"] == 200} <= workers
+    metrics = http(direct_mesh, "/metrics", method="GET", key="")[1]
+    assert 'gaas_router_session_turns_total{outcome="committed"} 5.0' in metrics
+    reloads = float(next(x for x in metrics.splitlines() if x.startswith("gaas_router_session_reloads_total ")).split()[1])
+    # (a next turn may outrun the report of the last one now and then, and be read from Redis)
+    assert reloads <= 1, f"{reloads:.0f} of 5 turns reloaded: the router's copy did not follow the worker's commits"
+
+
+def test_a_prompt_list_is_served_whole_by_one_worker_and_billed_once(direct_mesh):
+    key = cli_tenant(direct_mesh, "direct-list")
+    c = openai_client(direct_mesh, key)
+    r = c.completions.create(model=MODEL, prompt=["one", "two two", "three three three"], max_tokens=4,
+                             extra_body={"ignore_eos": True})
+    assert sorted(x.index for x in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 12
+    chunks = list(c.completions.create(model=MODEL, prompt=["four", "five"], max_tokens=3, n=2, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert {x.index for ch in chunks for x in ch.choices} == {0, 1, 2, 3}
+    assert chunks[-1].usage.completion_tokens == 12
+    total = cli_usage(direct_mesh, "direct-list", 2)
+    assert (total["requests"], total["completion_tokens"]) == (2, 24)
+    assert total["prompt_tokens"] == r.usage.prompt_tokens + chunks[-1].usage.prompt_tokens
+    # The router recorded each as one of its own, from the worker's one report (none went unreported).
+    router_log, deadline = direct_mesh.run_dir / "logs" / "router-0.log", time.monotonic() + 10
+    while router_log.read_text().count("served for direct-list") < 2:
+        assert time.monotonic() < deadline, "the router did not record both requests from the worker's reports"
+        time.sleep(0.2)
 
 
 def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(direct_mesh):

@@ -18,9 +18,10 @@ import pytest
 from gaas.ops import pki
 from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
-from tests.conftest import on_router_path, process_alive
+from tests.conftest import INGRESS_PATH, on_direct_path, process_alive
 from tests.meshutil import gaas, generate
-from tests.e2e.test_metering import (MODEL, Load, Received, children, client, instance, needs_own_mesh, new_tenant,
+from tests.e2e.test_metering import (MODEL, Load, Received, children, client, instance, ledger_totals, needs_own_mesh,
+                                 new_tenant,
                                  wait_for_ledger, wait_restarted, wait_serving)
 
 pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
@@ -89,7 +90,7 @@ class Streams:
         self.texts: list[str] = [""] * len(prompts)
         self.usage: list = [None] * len(prompts)
         self.errors: list[str] = []
-        self._chunks = [0] * len(prompts)
+        self.chunks = [0] * len(prompts)
         self._threads = [threading.Thread(target=self._run, args=(c, i, p), daemon=True) for i, p in enumerate(prompts)]
         for t in self._threads:
             t.start()
@@ -99,7 +100,7 @@ class Streams:
             for chunk in c.completions.create(prompt=prompt, **GREEDY):
                 if chunk.choices:
                     self.texts[i] += chunk.choices[0].text
-                    self._chunks[i] += 1
+                    self.chunks[i] += 1
                 if chunk.usage is not None:
                     self.usage[i] = chunk.usage
         except Exception as exc:  # noqa: BLE001 - what the client got, for the assertion
@@ -107,8 +108,8 @@ class Streams:
 
     def wait_started(self, chunks: int = 4, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        while min(self._chunks) < chunks and not self.errors:
-            assert time.monotonic() < deadline, f"the streams did not start: {self._chunks}"
+        while min(self.chunks) < chunks and not self.errors:
+            assert time.monotonic() < deadline, f"the streams did not start: {self.chunks}"
             time.sleep(0.02)
 
     def join(self, timeout: float = 300.0) -> "Streams":
@@ -125,19 +126,34 @@ def undisturbed(c, prompts: list[str], received: Received) -> list[str]:
     return streams.texts
 
 
+# What each process in a stream logs when it carries the stream on at another worker: the router
+# on its own path, the worker's front end on the direct path.
+MOVED = {"router-0": "another worker carries it on", WORKER: "carries the stream on"}
+
+
 def moves_logged(mesh) -> int:
-    return sum((mesh.run_dir / "logs" / f"{r}.log").read_text().count("another worker carries it on")
-               for r in ("router-0",) if (mesh.run_dir / "logs" / f"{r}.log").exists())
+    logs = mesh.run_dir / "logs"
+    return sum((logs / f"{name}.log").read_text().count(line) for name, line in MOVED.items()
+               if (logs / f"{name}.log").exists())
 
 
-ROUTER_IN_THE_STREAM = "a stream outlives its worker only where a process that outlives the worker is in it"
+def engine_core(pid: int) -> int:
+    core = [p for p in descendants(pid) if "EngineCore" in process_name(p)]
+    assert core, [process_name(p) for p in descendants(pid)]
+    return core[0]
 
 
-@on_router_path(ROUTER_IN_THE_STREAM)
+# Killed mid-stream: through the router, the worker's whole process (the router, outside it, carries
+# its streams on); on the direct path, the worker's engine (its front end, which the ingress streams
+# from, carries them on; its own death is test_kill_9_of_a_worker_front_end_cuts_its_streams_and_bills_them).
+KILLED = "the worker's process" if INGRESS_PATH == "router" else "the worker's engine"
+
+
 def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
-    """16 greedy streams on two workers, one worker killed (SIGKILL) while they run: the other
-    carries its streams on from the tokens sent. No client sees an error; each text equals an
-    undisturbed run's; each is billed once, for its prompt and the tokens it received."""
+    """16 greedy streams on two workers, one worker killed (SIGKILL: on the router path its
+    process, on the direct path its engine) while they run: the other carries its streams on from
+    the tokens sent. No client sees an error; each text equals an undisturbed run's; each is billed
+    once, for its prompt and the tokens it received."""
     pid = ready_worker(mesh)
     tenant, key = new_tenant(mesh)
     c = client(mesh, key)
@@ -147,10 +163,10 @@ def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
     moves = moves_logged(mesh)
     streams = Streams(c, prompts)
     streams.wait_started()
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid if INGRESS_PATH == "router" else engine_core(pid), signal.SIGKILL)
     streams.join()
     assert streams.errors == [], streams.errors[:3]
-    assert moves_logged(mesh) > moves, "no stream was on the killed worker"
+    assert moves_logged(mesh) > moves, f"no stream was on the killed worker ({KILLED})"
     for i, (got, want) in enumerate(zip(streams.texts, expected)):
         assert got == want, f"stream {i}: its text differs from an undisturbed run's"
     for u in streams.usage:
@@ -160,11 +176,43 @@ def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
     wait_worker_back(mesh, pid)
 
 
+@on_direct_path("only there is the worker's front end the one process in the stream besides the Envoys")
+def test_kill_9_of_a_worker_front_end_cuts_its_streams_and_bills_what_each_got(mesh):
+    """What the direct path cannot carry on: the worker's own process (the front end the ingress
+    streams from) killed. Its streams end with an error the client sees (never a silent short
+    answer); each is billed once all the same, by the router that admitted it, for what the
+    worker's last progress says it was sent (gaas.metering.admission); the other worker's streams
+    finish whole."""
+    pid = ready_worker(mesh)
+    tenant, key = new_tenant(mesh)
+    c = client(mesh, key)
+    prompts = [f"Front end test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3
+               for i in range(8)]
+    streams = Streams(c, prompts)
+    streams.wait_started()
+    os.kill(pid, signal.SIGKILL)
+    streams.join()
+    cut = len(streams.errors)
+    assert cut >= 1, "no stream was on the killed worker"
+    whole = [u for u in streams.usage if u is not None]
+    assert len(whole) + cut == len(prompts) and all(u.completion_tokens == STREAM_TOKENS for u in whole)
+    deadline = time.monotonic() + 60
+    while True:
+        requests, _, _, completion = ledger_totals(mesh, tenant)
+        if requests == len(prompts):
+            break
+        assert time.monotonic() < deadline, f"{requests} of {len(prompts)} requests in the ledger"
+        time.sleep(0.25)
+    # The cut streams' share: something each, less than whole (their progress, written every 0.25 s).
+    assert STREAM_TOKENS * len(whole) + cut <= completion < STREAM_TOKENS * len(prompts)
+    wait_worker_back(mesh, pid)
+
+
 def test_sigterm_on_a_worker_hands_its_streams_over_and_they_finish_whole(mesh):
-    """A stopping worker (a rolling restart's drain) hands the streams routers sent it over after
-    GAAS_HANDOVER_SECONDS, and each finishes at the other worker (on the direct path, where the
-    ingress streams from the worker, it finishes them itself within the grace): either way equal
-    to an undisturbed run, and the engine stops with its worker."""
+    """A stopping worker (a rolling restart's drain) hands its streams over after
+    GAAS_HANDOVER_SECONDS, and each finishes at the other worker (carried on by the router on its
+    path, by the stopping worker's front end on the direct path), equal to an undisturbed run, and
+    the engine stops with its worker."""
     pid = ready_worker(mesh)
     tenant, key = new_tenant(mesh)
     c = client(mesh, key)
@@ -205,9 +253,7 @@ def test_kill_9_of_a_worker_takes_its_engine_processes_with_it(mesh):
 
 def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
     pid = ready_worker(mesh)
-    core = [p for p in descendants(pid) if "EngineCore" in process_name(p)]
-    assert core, [process_name(p) for p in descendants(pid)]
-    os.kill(core[0], signal.SIGKILL)
+    os.kill(engine_core(pid), signal.SIGKILL)
     deadline = time.monotonic() + 20
     while process_alive(pid):
         assert time.monotonic() < deadline, "the worker went on without its engine"

@@ -318,9 +318,12 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     generations = {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions", "/gaas.v1.Inference/Generate"}
     assert {r["match"]["path"] for r in to_workers} == generations
     assert all(r["match"]["headers"] == [{"name": "x-gaas-worker", "present_match": True}] for r in to_workers)
-    # A request no worker answered goes to the router's second choice, once; never after an answer began.
+    # A request no worker answered, or one refused as not taken (x-gaas-unreached), goes to the router's
+    # second choice, once; never after an answer began, nor on a failure's status alone (a
+    # non-streamed answer's work may be done).
     retry = to_workers[0]["route"]["retry_policy"]
-    assert retry["num_retries"] == 1 and "reset" in retry["retry_on"] and "unavailable" in retry["retry_on"]
+    assert retry["num_retries"] == 1 and "reset" in retry["retry_on"] and "unavailable" not in retry["retry_on"]
+    assert retry["retriable_headers"] == [{"name": "x-gaas-unreached", "present_match": True}]
     # The router is asked about generations only.
     asked = [r for r in routes if "typed_per_filter_config" not in r]
     assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == generations

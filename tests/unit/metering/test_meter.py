@@ -268,3 +268,71 @@ async def test_a_client_that_hangs_up_before_its_first_token_is_billed_for_the_p
     assert len(events) == 1, events
     [e] = events
     assert (e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.outcome) == (9, 4, 1, "cancelled")
+
+
+# ------------------------------------------------------------------ the direct path: billed once, whoever records
+
+
+async def direct_request(router: Meter, tenant: str, rid: str, prompt=10):
+    return await router.admit(principal(tenant), rid, "m", "1", PRICE, prompt, 20, 1, "client-1", time.perf_counter(),
+                              direct=True)
+
+
+def worker_record(redis, tmp_path, m):
+    """The worker's own record of the same request (it meters what it streams)."""
+    from gaas.metering import direct as direct_contract
+    from gaas.v1 import worker_pb2
+
+    d = worker_pb2.DirectGenerate(request_id=m.request_id)
+    d.prompts.add(request_id=m.request_id)
+    mm = d.metering
+    mm.tenant, mm.tier, mm.key_id, mm.model, mm.model_version, mm.prompt_tokens = (m.principal.tenant, "gold", "key_t",
+                                                                                     "m", "1", m.prompt_tokens)
+    mm.price_input, mm.price_cached_input, mm.price_output, mm.admitted = PRICE.input, PRICE.cached_input, \
+        PRICE.output, True
+    return Meter(redis, tmp_path / "worker-spool", streams_direct=True), direct_contract.metered(d, time.perf_counter())
+
+
+async def test_a_direct_request_the_worker_billed_is_not_billed_again_by_the_router(meter, redis, tmp_path):
+    tenant = fresh_tenant()
+    m = await direct_request(meter, tenant, f"{tenant}-r")
+    assert await redis.get(admission.progress_key(tenant, m.request_id)) == "0 0"
+    worker, w = worker_record(redis, tmp_path, m)
+    async for _ in metered(worker, w, _agen([chunk(2), chunk(3, usage=(10, 0, 5))])):
+        pass
+    await meter.claim(m)  # the router heard nothing (its report was lost): what the worker did stands
+    [e] = await stream_events(redis, m.request_id)
+    assert (e.completion_tokens, e.outcome) == (5, "finished")
+    assert await redis.hlen(admission.inflight_key(tenant)) == 0
+
+
+async def test_a_direct_request_whose_worker_died_is_billed_by_the_router_from_its_last_progress(meter, redis,
+                                                                                               tmp_path):
+    tenant = fresh_tenant()
+    await redis.set(admission.budget_key(tenant), 10**9)
+    m = await direct_request(meter, tenant, f"{tenant}-r", prompt=9)
+    worker, w = worker_record(redis, tmp_path, m)
+    gen = metered(worker, w, _agen([chunk(2), chunk(3), chunk(4), chunk(1, usage=(9, 0, 10))]))
+    await gen.__anext__()
+    await gen.__anext__()
+    await worker.write_progress([w])  # then the worker dies: its record never made
+    await meter.claim(m)
+    [e] = await stream_events(redis, m.request_id)
+    assert (e.prompt_tokens, e.completion_tokens, e.outcome) == (9, 5, "failed")
+    assert await redis.get(admission.progress_key(tenant, m.request_id)) == admission.BILLED
+    assert await redis.hlen(admission.inflight_key(tenant)) == 0
+    spend = int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms()))))
+    # A worker that was only slow, recording after the router did (a spool replayed), changes nothing.
+    await worker.write_progress([w])
+    assert await redis.get(admission.progress_key(tenant, m.request_id)) == admission.BILLED
+    await worker.commit(w, "cancelled")
+    assert len(await stream_events(redis, m.request_id)) == 1
+    assert int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms())))) == spend
+
+
+async def test_a_direct_request_that_was_sent_nothing_gives_its_reservation_back(meter, redis):
+    tenant = fresh_tenant()
+    m = await direct_request(meter, tenant, f"{tenant}-r")
+    await meter.claim(m)
+    assert await stream_events(redis, m.request_id) == []
+    assert await redis.hlen(admission.inflight_key(tenant)) == 0

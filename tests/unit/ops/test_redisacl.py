@@ -26,10 +26,13 @@ def _made_by() -> dict[str, list[str]]:
                        prompt_tokens=1, cached_tokens=0, completion_tokens=1, cost_input_micros=0, cost_cached_micros=0,
                        cost_output_micros=0, outcome="finished", worker="w", finished_ms=1_800_000_000_000)
     record_keys, _ = admission.record_args(event)
+    claim_keys, _ = admission.record_args(event, "claim")
     return {
-        "router": [*admission.admit_keys(TENANT, "202612"), *record_keys, *admission.release_keys(TENANT),
+        "router": [*admission.admit_keys(TENANT, "202612", "r1"), *record_keys, *claim_keys,
+                   *admission.release_keys(TENANT), sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT),
+                   "&" + direct.report_channel("router-0")],
+        "worker": [*admission.record_args(event, "own")[0], admission.progress_key(TENANT, "r1"),
                    sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT), "&" + direct.report_channel("router-0")],
-        "worker": [*record_keys, "&" + direct.report_channel("router-0")],
         "billing": [metering.STREAM, admission.spend_key(TENANT, "202612"), admission.budget_key(TENANT)],
         "control": [registry._KEY.format("worker-0"), registry._INDEX, registry._ALIVE],
     }
@@ -79,12 +82,16 @@ def test_each_user_does_its_job_and_nothing_beside_it(acl):
     assert billing.xrange(metering.STREAM)
     billing.set(admission.budget_key(TENANT), 5)
     for client, key in ((billing, sessions.session_key(TENANT, "s")), (billing, registry._INDEX),
-                        (router, registry._INDEX), (worker, sessions.session_key(TENANT, "s")),
+                        (router, registry._INDEX), (worker, registry._INDEX), (worker, admission.budget_key(TENANT)),
                         (control, admission.budget_key(TENANT))):
         with pytest.raises(redis_sync.exceptions.NoPermissionError):
             client.get(key)
-    # A worker reports a direct request's end on a router's channel; no admin command for anyone.
+    # On the direct path a worker commits a session's turn, writes its streams' progress, records
+    # their usage and reports their ends on a router's channel.
+    worker.hset(sessions.session_key(TENANT, "s"), "v", 1)
+    worker.eval(admission.PROGRESS, 1, admission.progress_key(TENANT, "r1"), "3 0")
     worker.publish(direct.report_channel("router-0"), "x")
+    # No admin command for anyone.
     for client in c.values():
         for command in (("FLUSHALL",), ("CONFIG", "GET", "maxmemory"), ("KEYS", "*"), ("SHUTDOWN",), ("ACL", "LIST")):
             with pytest.raises(redis_sync.exceptions.NoPermissionError):

@@ -110,11 +110,13 @@ def test_every_command_that_reads_a_malformed_topology_says_what_is_wrong_and_ex
     assert "'services' must map service names" in capsys.readouterr().err
 
 
-def test_the_ingress_path_is_the_router_unless_the_topology_or_the_environment_says_direct(tmp_path):
-    assert topology.build(DOC).ingress_path == "router"
+def test_the_ingress_path_is_direct_unless_the_topology_or_the_environment_says_router(tmp_path):
+    assert topology.build(DOC).ingress_path == "direct"
+    assert topology.build({**DOC, "ingress": {"port": 8080, "path": "router"}}).ingress_path == "router"
     assert topology.build({**DOC, "ingress": {"port": 8080, "path": "direct"}}).ingress_path == "direct"
     assert topology.build({**DOC, "ingress": {"port": 8080, "path": "direct"}}, ingress_path="router").ingress_path == "router"
     with pytest.raises(TopologyError, match="ingress.path must be one of router, direct, got 'sideways'"):
         topology.build({**DOC, "ingress": {"port": 8080, "path": "sideways"}})
     assert topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "direct"}).ingress_path == "direct"
-    assert topology.load(ROOT / "deploy" / "topology.yaml", env={}).ingress_path == "router"
+    assert topology.load(ROOT / "deploy" / "topology.yaml", env={}).ingress_path == "direct"
+    assert topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "router"}).ingress_path == "router"

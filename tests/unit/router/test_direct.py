@@ -13,7 +13,7 @@ from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Authenticator
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher, RouterMetrics
-from services.router.extproc import ExternalProcessor
+from services.router.extproc import ExternalProcessor, _Pending
 from services.router.pipeline import Pipeline
 from services.router.scheduling import Candidate, WorkerId, make_scheduler
 from tests.unit.router.test_servicer import FakeTokenizer
@@ -66,8 +66,8 @@ async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
     assert p.fallback is None and p.addresses == "w0:1"  # no other worker to fall back on
     assert in_flight(d) == 1 and d.in_flight == 1
     ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0)), 1 << 20, instance="router-0")
-    ep._pending["req-1"] = (p, None)
-    ep.reported(direct.final_summary(final("req-1")))
+    ep._pending["req-1"] = _Pending(p, None)
+    ep.reported(direct.report(final("req-1")))
     assert in_flight(d) == 0 and d.in_flight == 0 and ep.pending == 0
     m = d._metrics
     assert m.requests.labels("tiny", "gold", "length")._value.get() == 1
@@ -75,32 +75,37 @@ async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
     # The TTFT the tenant saw: everything before the decode.
     assert m.ttft_seconds.labels("tiny", "gold")._sum.get() == pytest.approx(0.006)
     # A second report of the same request (or of one it never placed) changes nothing.
-    ep.reported(direct.final_summary(final("req-1")))
-    ep.reported(direct.final_summary(final("req-unknown")))
+    ep.reported(direct.report(final("req-1")))
+    ep.reported(direct.report(final("req-unknown")))
     assert m.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 
 class FakeMeter:
     def __init__(self):
         self.released = []
+        self.claimed = []
         self.done = []
 
     def release_later(self, m):
         self.released.append(m)
 
+    def claim_later(self, m):
+        self.claimed.append(m)
+
     def ended(self, m):
         self.done.append(m)
 
 
-async def test_an_end_without_a_report_frees_the_room_and_the_reservation():
+async def test_an_end_without_a_report_frees_the_room_and_settles_the_usage_from_the_workers_progress():
     d = dispatcher()
     p = await placed(d)
     meter = FakeMeter()
     ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
     reservation = object()
-    ep._pending["req-1"] = (p, reservation)
+    ep._pending["req-1"] = _Pending(p, reservation)
     ep._unreported("req-1")
-    assert in_flight(d) == 0 and meter.released == [reservation]
+    # Billed for what the worker's progress says was sent, unless the worker billed it itself.
+    assert in_flight(d) == 0 and meter.claimed == [reservation] and meter.released == []
     assert d._metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
     # Nothing is counted against the worker: the client may have gone away.
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
@@ -111,7 +116,7 @@ async def test_a_workers_failure_in_its_trailers_counts_against_it_and_frees_eve
     p = await placed(d)
     meter = FakeMeter()
     ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
-    ep._pending["req-1"] = (p, "reservation")
+    ep._pending["req-1"] = _Pending(p, "reservation")
     ep._trailers("req-1", {"grpc-status": str(grpc.StatusCode.INTERNAL.value[0]), "grpc-message": "boom"})
     assert ep.pending == 0 and in_flight(d) == 0 and meter.released == ["reservation"]
     assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
@@ -123,11 +128,11 @@ async def test_a_success_in_the_trailers_gives_the_tenants_place_back_and_still_
     p = await placed(d)
     meter = FakeMeter()
     ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
-    ep._pending["req-1"] = (p, "reservation")
+    ep._pending["req-1"] = _Pending(p, "reservation")
     ep._trailers("req-1", {"grpc-status": "0"})
     # The worker recorded the usage: the place is back, nothing is released, the report still awaited.
     assert meter.done == ["reservation"] and meter.released == [] and ep.pending == 1
-    ep.reported(direct.final_summary(final("req-1")))
+    ep.reported(direct.report(final("req-1")))
     assert ep.pending == 0 and in_flight(d) == 0 and meter.done == ["reservation"]
     assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 

@@ -340,7 +340,7 @@ async def test_merged_streams_wait_for_a_slow_consumer_instead_of_piling_up():
     import asyncio
 
     from gaas.v1 import common_pb2
-    from services.router.dispatch import merge
+    from gaas.runtime.streams import merge
 
     produced = [0, 0, 0]
 

@@ -1,8 +1,9 @@
-"""Sessions (gaas/contracts/sessions.py, services/router/sessions.py) against a real Redis, with the router's
-real dispatcher and the workers faked: a turn gets the stored context before its new part, the
-version compare-and-set under turns racing through two router replicas, a concurrent turn refused,
-a lapsed hold, TTL expiry, the truncation policy, tenant isolation, a replica's stale copy reloaded,
-and session affinity in the scheduler."""
+"""Sessions (gaas/contracts/sessions.py, gaas/sessions/turns.py, services/router/sessions.py) against a
+real Redis, with the router's real dispatcher and the workers faked: a turn gets the stored context
+before its new part, the version compare-and-set under turns racing through two router replicas, a
+concurrent turn refused, a lapsed hold, TTL expiry, the truncation policy, tenant isolation, a
+replica's stale copy reloaded, session affinity in the scheduler, and on the direct path a turn
+the worker commits, which the router's copy follows from its report."""
 
 import asyncio
 import time
@@ -20,6 +21,11 @@ from gaas.contracts.principal import Principal
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.dispatch import Dispatcher
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
+from gaas.metering import direct
+from gaas.sessions.turns import OpenTurn, TurnEnds, committing as committing_turn
+from services.router.auth import Authenticator
+from services.router.extproc import ExternalProcessor, _Pending
+from services.router.pipeline import Pipeline
 from services.router.sessions import SessionStore, committing, plan_turn
 from tests.fakeclock import FakeClock
 from tests.unit.router.test_servicer import FakeTokenizer, FakeWorkers, chunk
@@ -417,3 +423,58 @@ async def test_a_tenant_keeps_at_most_its_sessions_and_one_more_is_refused_namin
     await turn(store, disp, session_id="k1", prompt=" more", max_tokens=2)  # a kept one goes on
     await store.delete("acme", "k2")
     await turn(store, disp, session_id="k3", prompt="Once", max_tokens=2)
+
+
+# ------------------------------------------------------------------ on the direct path
+
+
+async def worker_turn(store, disp, redis, request_id, **req):
+    """A turn as the direct path serves it: the router plans it (and holds it), a worker streams
+    and commits it with gaas.sessions.turns (its own TurnEnds, as services/worker/direct.py does),
+    and the router then follows the worker's report (ExternalProcessor.reported)."""
+    plan = await plan_turn(store, disp, inference_pb2.GenerateRequest(**req), ACME, request_id)
+    p = await disp.place_direct(plan.prepared, ACME, request_id, None)
+    ep = ExternalProcessor(Pipeline(disp, Authenticator(None, 1.0), sessions=store), 1 << 20, instance="router-0")
+    ep._pending[request_id] = _Pending(p, None, plan.held)
+    # The worker's copy of the turn: what the DirectGenerate carries.
+    held = plan.held
+    mine = OpenTurn(held.tenant, held.session_id, held.request_id, held.version, Context.from_json(held.context.to_json()),
+                    list(held.new), held.keep_from)
+    ends = TurnEnds(redis)
+    at = []
+
+    async def commit(ctx):
+        at.append(ctx.updated_ms)
+        return await ends.commit(mine, ctx, store.ttl_ms)
+
+    stream = disp.stream(plan.prepared, ACME, request_id, None, time.perf_counter())
+    chunks = [c async for c in committing_turn(mine, stream, commit, ends.now_ms)]
+    ep.reported(direct.report(chunks[-1], session_reply="".join(mine.reply), committed_ms=at[0], request_id=request_id))
+    return chunks
+
+
+async def test_a_turn_the_worker_committed_is_the_routers_copy_without_reading_it_again(redis):
+    store, (disp, fake) = SessionStore(redis), dispatcher()
+    first = await worker_turn(store, disp, redis, "req-d1", session_id="d", messages=chat(("user", "one")), max_tokens=2)
+    second = await worker_turn(store, disp, redis, "req-d2", session_id="d", messages=chat(("user", "two")), max_tokens=2)
+    assert (first[-1].session.version, second[-1].session.version) == (1, 2)
+    assert store.reloads == 0, "the router's copy followed the worker's commits"
+    assert decode(fake.calls[1][1].request.prompt_token_ids) == "<user>one<assistant>ab<user>two"
+    summary, ctx = await store.get("acme", "d")
+    cached = store._cache[("acme", "d")]
+    assert cached[0] == 2 and cached[1] == ctx, "the router's copy is exactly what the session holds"
+    assert not summary["turn_in_progress"]
+
+
+async def test_a_turn_whose_worker_never_reports_is_given_back_unchanged(redis):
+    store, (disp, _) = SessionStore(redis), dispatcher()
+    await turn(store, disp, session_id="g", messages=chat(("user", "one")), max_tokens=2)
+    plan = await plan_turn(store, disp, inference_pb2.GenerateRequest(session_id="g", messages=chat(("user", "lost"))),
+                           ACME, "req-lost")
+    p = await disp.place_direct(plan.prepared, ACME, "req-lost", None)
+    ep = ExternalProcessor(Pipeline(disp, Authenticator(None, 1.0), sessions=store), 1 << 20, instance="router-0")
+    ep._pending["req-lost"] = _Pending(p, None, plan.held)
+    ep._unreported("req-lost")
+    await store.close()
+    summary, ctx = await store.get("acme", "g")
+    assert summary["version"] == 1 and not summary["turn_in_progress"] and len(ctx.turns) == 1

@@ -259,11 +259,3 @@ async def test_a_stopping_worker_hands_its_streams_over_at_the_next_token():
     # UNAVAILABLE after the tokens sent: what a router carries on at another worker.
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "another worker carries the stream on" in err.value.details()
     assert 3 <= len(got) < 10
-
-
-async def test_the_ingress_streams_are_not_handed_over():
-    engine = FakeEngine(tokens=5, delay=0.0)
-    servicer = WorkerServicer("worker-7", engine)
-    servicer.handing_over = True
-    chunks = [c async for c in servicer.Generate(wreq(prompt="hi", max_tokens=5), None, handed_over=False)]
-    assert len(chunks) == 5 and chunks[-1].HasField("usage")

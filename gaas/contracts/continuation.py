@@ -1,5 +1,7 @@
-"""A stream carried on by another worker after its worker failed mid-stream (relay.py): the
-continuation's request and what the client is told of it.
+"""A stream carried on by another worker after its worker failed mid-stream, one definition for
+whoever is in the stream: the router on its own route (services/router/relay.py), or, on the
+direct path, the worker the ingress streams from, when its engine stops (services/worker/carryon.py).
+The continuation's request and what the client is told of it.
 
 The continuation is the same engine request with the tokens already sent appended to its prompt
 (token ids, not text: the new worker's prefill sees exactly what the first one had produced), the
@@ -8,7 +10,7 @@ greedy decoding its tokens are those an undisturbed run would have produced. The
 stream: the continuation's first chunk loses its prefill (the client's request had one already),
 and its usage says the client's prompt, as cached as the first worker found it, and every token the
 client received; the recomputed prefill (the prompt plus the tokens sent, less what the new worker
-had cached) is the mesh's cost, counted apart (RouterMetrics.moved_prefill_tokens), not billed.
+had cached) is the mesh's cost, counted apart (the stream_moved_prefill_tokens_total metrics), not billed.
 
 Only a single-choice request is carried on (n > 1 runs its choices together on one worker). Its
 limits: a stop string that would have spanned the two workers' texts is not seen, and a seeded
@@ -18,20 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import grpc
-
 from gaas.v1 import common_pb2, worker_pb2
 
-# Failures of a worker after tokens went out that another worker can carry on from: the worker or
-# its sidecar gone (UNAVAILABLE, a reset stream: INTERNAL, UNKNOWN, CANCELLED), the worker
-# handing its streams over as it stops (UNAVAILABLE, ABORTED), or the worker asked to carry a
-# stream on refusing it as busy or serving another model (RESOURCE_EXHAUSTED, FAILED_PRECONDITION:
-# the next may take it). A deadline is the request's own.
-CARRIED_ON = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-})
+# Failures of a worker after tokens went out that another worker can carry on from (gRPC status
+# code names): the worker or its sidecar gone (UNAVAILABLE, a reset stream: INTERNAL, UNKNOWN,
+# CANCELLED), the worker handing its streams over as it stops (UNAVAILABLE, ABORTED), or the
+# worker asked to carry a stream on refusing it as busy or serving another model
+# (RESOURCE_EXHAUSTED, FAILED_PRECONDITION: the next may take it). A deadline is the request's own.
+CARRIED_ON = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "CANCELLED", "ABORTED", "RESOURCE_EXHAUSTED",
+                        "FAILED_PRECONDITION"})
 
 
 @dataclass(slots=True)
@@ -53,7 +50,9 @@ class Carried:
             self.cached_tokens = chunk.prefill.cached_tokens
         self.sent.extend(chunk.token_ids)
 
-    def can_carry_on(self, request: worker_pb2.WorkerGenerateRequest, code: grpc.StatusCode) -> bool:
+    def can_carry_on(self, request: worker_pb2.WorkerGenerateRequest, code: str) -> bool:
+        """Whether the stream of request, whose worker failed with code (a gRPC status code's
+        name) after tokens went out, can be carried on by another."""
         return code in CARRIED_ON and (request.request.n or 1) == 1
 
     def continuation(self, request: worker_pb2.WorkerGenerateRequest) -> worker_pb2.WorkerGenerateRequest | None:
