@@ -4,8 +4,10 @@ ingress, with one replica of every service and with two (two workers either way,
 For each kill: the requests that failed, split into those that had not yet streamed a token (with
 two replicas of the killed kind the goal is none: the ingress and the sidecars retry what never
 reached an instance, routers retry a worker before its first token) and those cut mid-stream (goal
-for a worker: none, another worker carries its streams on from the tokens sent; through a router
-or its sidecar that died: unavoidable, no process outlives it in the stream); how long until a request sent after the kill
+for a worker's engine, and on the router path for a worker's whole process: none, another worker
+carries its streams on from the tokens sent; for what is itself in the stream and died, a router on
+its path or a worker's front end on the direct path: unavoidable, no Envoy resumes a response);
+how long until a request sent after the kill
 got its first token (goal for a worker: at once, from the other worker); how long until `gaas up`
 had the killed instance serving again; and whether any process it owned outlived it.
 
@@ -32,7 +34,10 @@ from gaas.host import placement
 
 MODEL = "gaas-tiny"
 # What is killed: an instance of each service kind, and the Envoy sidecar in front of router-0.
-TARGETS = ("kvcache-0", "billing-0", "control-0", "sidecar-router-0", "router-0", "worker-1")
+# "worker-1:engine": the worker's engine (vLLM's EngineCore, the model and the KV cache) under its
+# front end, which on the direct path carries its streams on.
+TARGETS = ("kvcache-0", "billing-0", "control-0", "sidecar-router-0", "router-0", "worker-1:engine", "worker-1")
+ENGINE = ":engine"
 
 
 say = progress("faults")
@@ -132,18 +137,30 @@ def _serving(mesh, name: str) -> bool:
     return True
 
 
+def _engine_core(pid: int) -> int:
+    for p in placement.descendants(pid):
+        try:
+            if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes():
+                return p
+        except OSError:
+            pass
+    raise RuntimeError(f"no engine core under pid {pid}")
+
+
 def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
-    pid = _children(mesh.run_dir)[target]
+    name = target.removesuffix(ENGINE)
+    pid = _children(mesh.run_dir)[name]
     owned = placement.descendants(pid)
     time.sleep(settle)
     t0 = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    say(f"killed {target} (pid {pid}) under load")
+    victim = _engine_core(pid) if target.endswith(ENGINE) else pid
+    os.kill(victim, signal.SIGKILL)
+    say(f"killed {target} (pid {victim}) under load")
     back = None
     deadline = t0 + 300
     while time.monotonic() < deadline:
-        now_pid = _children(mesh.run_dir).get(target)
-        if now_pid and now_pid != pid and _alive(now_pid) and _serving(mesh, target):
+        now_pid = _children(mesh.run_dir).get(name)
+        if now_pid and now_pid != pid and _alive(now_pid) and _serving(mesh, name):
             back = time.monotonic() - t0
             break
         time.sleep(0.2)

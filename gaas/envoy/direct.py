@@ -23,8 +23,15 @@ DECISION_TIMEOUT = "300s"
 def ext_proc() -> dict:
     """The ingress asks a router where each generation goes (ingress.path: direct;
     services/router/extproc.py): the request's headers and whole body go to the router, which
-    answers with the worker (x-gaas-worker) and the body to send it; the response's trailers go
-    to it too, so it learns how the worker did. The tokens themselves never pass through it."""
+    answers with the worker (x-gaas-worker) and the body to send it, and ends the call there: it
+    hears how the request ended from the worker's report. Nothing of the response passes through
+    it, the tokens nor the trailers.
+
+    A decision call that fails (its router died, or none answers) lets the request go on
+    unprocessed (failure_mode_allow): without x-gaas-worker it takes the router's own route,
+    which retries it on another router (gaas.envoy.routes.RETRY_BEFORE_RESPONSE) and serves it
+    there, or answers router_unavailable when none is up; a request is never sent to a worker
+    undecided (only a router sets x-gaas-worker)."""
     return {
         "name": EXT_PROC_FILTER,
         "typed_config": {
@@ -37,13 +44,10 @@ def ext_proc() -> dict:
                 "request_trailer_mode": "SEND",  # (Envoy requires it with full-duplex bodies)
                 "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
-                "response_trailer_mode": "SEND",
+                "response_trailer_mode": "SKIP",
             },
             "message_timeout": DECISION_TIMEOUT,
-            "failure_mode_allow": False,
-            # No router answered the decision call (none up, or it broke off): 503, which clients
-            # retry, not Envoy's default 500.
-            "status_on_error": {"code": "ServiceUnavailable"},
+            "failure_mode_allow": True,
         },
     }
 

@@ -47,8 +47,8 @@ def openai_errors_filter() -> dict:
 
 def router_unanswered_replies() -> dict:
     """local_reply_config of the ingress: the 503 it answers when no router answered a key check
-    (ext_authz) or a decision call (ext_proc, on the direct path; their status_on_error) gets a
-    body, in the shape the transcoder gives a router's own UNAVAILABLE with a retry delay, so the
+    (ext_authz; its status_on_error) or none is up to serve a request (on the direct path, one
+    whose decision call failed) gets a body, in the shape the transcoder gives a router's own UNAVAILABLE with a retry delay, so the
     error filter can give it OpenAI's shape and a Retry-After (a reply without a body cannot be
     given one there). A refusal a router sent is a local reply too, with its own body: untouched."""
 
@@ -78,5 +78,8 @@ def router_unanswered_replies() -> dict:
         "filter": cel("response.code == 400 && response.code_details.contains('grpc_json_transcode_failure')"),
         "body_format_override": {"json_format": {"code": 3, "message": "%LOCAL_REPLY_BODY%"}},
     }
-    return {"mappers": [mapper("ext_authz_error", "check this request's API key"),
-                        mapper("ext_proc_error", "decide where this request goes"), malformed]}
+    # With no router up, a generation whose decision call failed goes on to the routers' own route
+    # (gaas.envoy.direct.ext_proc), which has none to send it to.
+    no_router = mapper("no_healthy_upstream", "serve this request")
+    no_router["filter"] = cel("response.code_details == 'no_healthy_upstream' && xds.cluster_name == 'router'")
+    return {"mappers": [mapper("ext_authz_error", "check this request's API key"), no_router, malformed]}

@@ -13,11 +13,13 @@ Keys (a tenant's share a Redis Cluster hash slot, {tenant}):
   gaas:budget:{t}          the monthly budget, micro-dollars (absent: none)
   gaas:spend:{t}:YYYYMM    what the tenant's requests cost this month
   gaas:direct:{t}:<id>     a request the ingress streams from a worker (the direct path): the tokens
-                           its client has been sent so far, "completion cached", as the worker
-                           streaming it writes them every PROGRESS_SECONDS; "billed" once its usage
-                           event is appended. Should the worker die mid-stream, the router that
-                           admitted it appends the event from these figures (RECORD's "claim"), so a
-                           request is billed once whichever of them records it.
+                           its client has been sent so far and who streams it, "completion cached
+                           worker", as the worker streaming it writes them every PROGRESS_SECONDS
+                           they move, and every PROGRESS_HEARTBEAT_SECONDS regardless ("0 0" until
+                           then); "billed" once its usage event is appended. Should the worker die
+                           mid-stream (its key goes unwritten), the router that admitted it appends
+                           the event from these figures (RECORD's "claim"), so a request is billed
+                           once whichever of them records it.
 A request's tokens (prompt + the most it may generate) are reserved at admission and settled to
 what it used when its event is appended; a request that produced nothing gets them back.
 Minute windows are sliding, in one-second buckets. Billing rebuilds a lost spend counter from the
@@ -68,6 +70,11 @@ def progress_key(tenant: str, request_id: str) -> str:
 # How often a worker writes the progress of the streams it serves on the direct path: what a
 # request whose worker died within this of its last tokens may go unbilled for.
 PROGRESS_SECONDS = 0.25
+# A stream's progress is written at least this often while it runs, moved or not; a progress key
+# not written for STALE_SECONDS (its key's life tells, in Redis's own clock) is of a request no
+# worker streams: its worker's process died, or none ever started it.
+PROGRESS_HEARTBEAT_SECONDS = 1.0
+PROGRESS_STALE_SECONDS = 10.0
 # How long a progress key lasts (its request's reservation's life), "billed" included.
 PROGRESS_TTL_SECONDS = 900
 BILLED = "billed"
@@ -201,9 +208,9 @@ return entry
 # gone: its admission lapsed).
 PROGRESS = """
 local v = redis.call('GET', KEYS[1])
-if v and v ~= '%(billed)s' then redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL') end
+if v and v ~= '%(billed)s' then redis.call('SET', KEYS[1], ARGV[1], 'EX', %(progress_ttl)d) end
 return 1
-""" % {"billed": BILLED}
+""" % {"billed": BILLED, "progress_ttl": PROGRESS_TTL_SECONDS}
 
 # KEYS: inflight, inflight-exp, tpm. ARGV: request id, tokens used (absent: none). A request that
 # ends without a usage event: having produced nothing, or a /tokenize (its tokens count a minute).
@@ -227,15 +234,31 @@ def record_args(event: UsageEvent, mode: str = "") -> tuple[list[str], list[str]
     return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), str(used), mode, *flat]
 
 
+def progress_value(completion: int, cached: int, worker: str) -> str:
+    return f"{completion} {cached} {worker}"
+
+
 def read_progress(value: str | None) -> tuple[int, int] | None:
     """(completion, cached) tokens of a progress key's value; None: gone, billed, or unreadable."""
     if value is None or value == BILLED:
         return None
     try:
-        completion, cached = (int(x) for x in value.split())
+        completion, cached = (int(x) for x in value.split()[:2])
     except ValueError:
         return None
     return completion, cached
+
+
+def progress_age(pttl_ms: int) -> float | None:
+    """Seconds since a progress key was last written (admitted, or a worker's progress), from its
+    remaining life (PTTL); None: the key is gone."""
+    return None if pttl_ms < 0 else PROGRESS_TTL_SECONDS - pttl_ms / 1000
+
+
+def progress_worker(value: str | None) -> str:
+    """Who streams the request a progress key's value is of ("": no worker has written it yet)."""
+    parts = (value or "").split()
+    return parts[2] if len(parts) > 2 else ""
 
 
 def release_keys(tenant: str) -> list[str]:

@@ -16,14 +16,14 @@ from gaas.v1 import common_pb2, worker_pb2
 
 # The content type of the HttpBody that carries a DirectGenerate.
 CONTENT_TYPE = "application/x-gaas-direct"
-# How a direct generation's end reaches the router that decided it, which sees no chunk of the
-# stream: the worker publishes its final chunk without the text (usage, finish reason, the latency
-# decomposition; final_summary) on the router's Redis channel as soon as the usage event is
-# written, and the router records the request as it records its own (metrics, windows, breakers).
-# (Not in the response's trailers: a client that has read [DONE] may close its connection before
-# the trailers reach the ingress, and the router would never hear of them.) A report the router
-# does not get within REPORT_GRACE_SECONDS of the stream's end: the request ends unknown.
-REPORT_GRACE_SECONDS = 5.0
+# How a direct generation's end reaches the router that decided it, which is out of the stream
+# once it has decided (its ext_proc call ends there): the worker publishes a report of every end
+# on the router's Redis channel: its final chunk without the text (usage, finish reason, the
+# latency decomposition) as soon as the usage event is written, or the failure (a gRPC status
+# code, and whether the worker refused it untaken: the ingress then tries the router's second
+# choice), or the client gone; the router records the request as it records its own (metrics,
+# windows, breakers). A request no report ends (its worker died, or none got it) the router finds
+# from the worker's progress (gaas.metering.admission) and the registry: services/router/extproc.py.
 
 
 def report_channel(router: str) -> str:
@@ -71,6 +71,14 @@ def complete(t: common_pb2.Timings, d: worker_pb2.DirectGenerate, worker_arrived
     t.ingress_ms = d.ingress_ms
     t.net_ms = d.ingress_ms + in_flight_s(d, worker_arrived_unix) * 1000
     t.total_ms = sum(latency.part_ms(t, p) for p in latency.PARTS)
+
+
+def failure(request_id: str, worker_id: str, code: str, detail: str = "", untaken: bool = False) -> str:
+    """The report of a request that ended otherwise than served: its gRPC status code's name
+    (CANCELLED: its client went away), and whether the worker refused it untaken."""
+    out = worker_pb2.DirectReport(code=code, detail=detail[:200], untaken=untaken)
+    out.final.request_id, out.final.worker_id = request_id, worker_id
+    return base64.b64encode(out.SerializeToString()).decode()
 
 
 def report(final: common_pb2.GenerateChunk, finals: list[common_pb2.GenerateChunk] = (),

@@ -235,16 +235,16 @@ class Meter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def write_progress(self, streams: list[Metered]) -> None:
-        """What the clients of these direct requests have been sent so far, for the router to bill
-        should this worker die (admission.PROGRESS); one round trip for all of them."""
+    async def write_progress(self, streams: list[Metered], worker: str) -> None:
+        """What the clients of these direct requests have been sent so far, by this worker, for
+        the router to bill should it die (admission.PROGRESS); one round trip for all of them."""
         if not streams:
             return
         for attempt in range(2):
             pipe = self._redis.pipeline(transaction=False)
             for m in streams:
                 pipe.evalsha(self._progress.sha, 1, admission.progress_key(m.principal.tenant, m.request_id),
-                             f"{m.relayed} {m.cached_prompts}")
+                             admission.progress_value(m.relayed, m.cached_prompts, worker))
             try:
                 await pipe.execute()
                 return

@@ -126,6 +126,9 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: ServiceMetrics, *, edge: bool) -> None:
         self._metrics = metrics
         self._edge = edge
+        # Each method's handler wrapped once (a service's handlers are the same object at every
+        # call), with its metrics' children: not built again for every call.
+        self._wrapped: dict[str, tuple[object, object]] = {}
 
     def _enter(self, context) -> None:
         md = _headers(context.invocation_metadata())
@@ -154,7 +157,15 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method.rsplit("/", 1)[-1]
+        cached = self._wrapped.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, details.method.rsplit("/", 1)[-1])
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, method: str):
+        """handler, served inside _serving."""
         serving = self._serving
         deserializer, serializer = _tolerant(handler.request_deserializer), handler.response_serializer
 

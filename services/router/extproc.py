@@ -8,9 +8,11 @@ request's headers and its (transcoded) body here. The router authenticates, admi
 it does for its own routes, then answers with the worker to send it to (x-gaas-worker, which picks
 the ingress's cluster of that worker's sidecar) and the body replaced by a gaas.v1.DirectGenerate:
 the tokens then stream from the worker to the ingress without passing through the router, and the
-worker formats and meters the answer. The worker reports the request's end to this router
-(gaas/metering/direct.py), which then records it as one of its own streams (metrics, windows,
-circuit breakers) and frees its room.
+worker formats and meters the answer. The router's call ends with its answer (nothing of the
+response comes back to it: a router that dies then cuts no stream). The worker reports the
+request's end to this router (gaas/metering/direct.py), which then records it as one of its own
+streams (metrics, windows, circuit breakers) and frees its room; a request no worker serves any
+more (its progress key goes unwritten) the sweep finds, and bills from that progress.
 
 Every generation takes this path: a session's turn too (the router takes the turn and renews its
 hold until the worker's report; the worker commits the reply) and a completion's prompt list (all
@@ -32,9 +34,10 @@ from dataclasses import dataclass
 import grpc
 from google.api import httpbody_pb2
 from google.protobuf.message import DecodeError
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas.metering import direct as direct_contract
+from gaas.metering import admission, direct as direct_contract
 from gaas.contracts import errors, jsonbody
 from gaas.openai import api as openai_api
 from gaas.metering.meter import Metered
@@ -52,7 +55,8 @@ from services.router.sessions import Held
 
 log = logging.getLogger(__name__)
 
-STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# How often the requests no report ended are looked for (sweep).
+SWEEP_SECONDS = 1.0
 
 # The OpenAI routes the ingress asks the router about, and how their bodies parse.
 PARSERS = {
@@ -138,8 +142,11 @@ def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
 
 
 class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
-    def __init__(self, pipeline: Pipeline, max_body_bytes: int, instance: str = "", moves: int = 0) -> None:
+    def __init__(self, pipeline: Pipeline, max_body_bytes: int, instance: str = "", moves: int = 0,
+                 max_stream_s: float = 3600.0) -> None:
         self._pipeline = pipeline
+        # Past this, a request no report ended is given up (the longest a stream may run, and some).
+        self._max_stream_s = max_stream_s + admission.PROGRESS_STALE_SECONDS
         # Times a stream may be carried on at another worker (the workers it may move to are listed).
         self._moves = moves
         self._max_body = max_body_bytes
@@ -154,19 +161,32 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         return len(self._pending)
 
     def reported(self, summary: str) -> None:
-        """A worker's report of a request's end (gaas.metering.direct.report_channel)."""
+        """A worker's report of a request's end (gaas.metering.direct.report_channel): served, or
+        failed, or its client gone; or refused untaken (then, if the worker was the router's pick
+        and it named a second choice, the ingress sent the request there, whose report ends it)."""
         report = direct_contract.read_report(summary)
         if report is None:
             log.warning("a worker's report of a request's end is unreadable; ignored")
             return
         final = report.final
-        entry = self._pending.pop(final.request_id, None)
+        entry = self._pending.get(final.request_id)
         if entry is None:
             return
-        entry.placement.ended(grpc.StatusCode.OK, "", final)
+        p = entry.placement
+        if report.code and report.untaken and final.worker_id == p.worker.worker_id and p.fallback is not None:
+            return
+        del self._pending[final.request_id]
+        if report.code == "CANCELLED":
+            p.ended(None)
+        elif report.code:
+            p.ended(grpc.StatusCode[report.code] if report.code in grpc.StatusCode.__members__ else
+                    grpc.StatusCode.UNKNOWN, report.detail)
+        else:
+            p.ended(grpc.StatusCode.OK, "", final)
+        # The worker settled the request's usage (its record, or its reservation given back).
         self._end(entry.metered, release=False)
         if entry.turn is not None:
-            if final.HasField("session") and report.session_committed_ms:
+            if not report.code and final.HasField("session") and report.session_committed_ms:
                 # The worker committed the reply: this router's copy becomes what the session holds.
                 turn = entry.turn
                 turn.reply[:] = [report.session_reply]
@@ -185,13 +205,13 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         else:
             self._meter.ended(metered)
 
-    def _unreported(self, request_id: str) -> None:
-        """No report within the grace period of the stream's end: the request ended unknown (the
-        client went away, the worker died or never got it); its room goes back now, and its usage
-        is settled: billed for what the worker's last progress says the client was sent, should
-        the worker not have billed it (it died mid-stream), else its reservation given back
-        (gaas.metering.admission: whichever records it, it is billed once); and its session's
-        turn (a turn the worker committed is not this request's any more: nothing changes)."""
+    def _lost(self, request_id: str) -> None:
+        """A request whose end no worker will report (its worker's front end died, or no worker
+        ever got it): its room goes back now, and its usage is settled: billed for what the
+        worker's last progress says the client was sent, should the worker not have billed it,
+        else its reservation given back (gaas.metering.admission: whichever records it, it is
+        billed once); and its session's turn (a turn the worker committed is not this request's
+        any more: nothing changes)."""
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return
@@ -200,6 +220,50 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             self._meter.claim_later(entry.metered)
         if entry.turn is not None:
             self._pipeline.sessions.release_later(entry.turn)
+
+    async def sweep(self, redis: Redis | None, every_s: float = SWEEP_SECONDS) -> None:
+        """Find, until cancelled, the requests whose end no report will tell: those whose progress
+        key no worker has written for admission.PROGRESS_STALE_SECONDS (their worker's process
+        died with them in flight, or no worker ever started them), those its worker billed whose
+        report was lost (with Redis), and those older than the longest a stream may run."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self._sweep_once(redis)
+            except Exception:  # noqa: BLE001 - the next sweep tries again
+                log.exception("sweeping this router's direct requests failed")
+
+    async def _sweep_once(self, redis: Redis | None) -> None:
+        now = time.monotonic()
+        stale = admission.PROGRESS_STALE_SECONDS
+        due = [(rid, e) for rid, e in self._pending.items() if now - e.decided > stale]
+        if not due:
+            return
+        found: list = [None, -2] * len(due)
+        if redis is not None:
+            pipe = redis.pipeline(transaction=False)
+            for rid, e in due:
+                key = admission.progress_key(e.placement.principal.tenant, rid)
+                pipe.get(key)
+                pipe.pttl(key)
+            try:
+                found = await pipe.execute()
+            except RedisError:
+                found = [None, -2] * len(due)  # (Redis away: only age tells, this time)
+        for i, (rid, e) in enumerate(due):
+            value, age = found[2 * i], admission.progress_age(found[2 * i + 1])
+            if now - e.decided > self._max_stream_s:
+                why = "it outlived the longest a stream may run"
+            elif value == admission.BILLED:
+                why = "its worker billed it, and its report was lost"
+            elif value is None or age is None or age <= stale:
+                continue  # streaming; or no key to go by (Redis away at its admission): its age will tell
+            elif admission.progress_worker(value):
+                why = f"its worker {admission.progress_worker(value)} has not written its progress for {age:.0f} s"
+            else:
+                why = f"no worker started it within {age:.0f} s"
+            log.warning("request %s ended unreported: %s", rid, why)
+            self._lost(rid)
 
     async def run_reports(self, redis_url: str) -> None:
         """Hear the workers' reports of this router's requests' ends, until cancelled (reconnecting
@@ -271,49 +335,10 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         )))
         yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
             body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=framed, end_of_stream=True)))))
-        request_id = direct.request_id
-        self._pending[request_id] = _Pending(p, g.metered, g.plan.held if g.plan is not None else None)
-        try:
-            async for req in requests:
-                kind = req.WhichOneof("request")
-                if kind == "response_trailers":
-                    self._trailers(request_id, _headers_of(req.response_trailers.trailers))
-                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-                elif kind == "request_trailers":
-                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                elif kind == "response_headers":
-                    if req.response_headers.end_of_stream:  # trailers-only: a refusal
-                        self._trailers(request_id, _headers_of(req.response_headers.headers))
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-        finally:
-            if request_id in self._pending:
-                asyncio.get_running_loop().call_later(direct_contract.REPORT_GRACE_SECONDS, self._unreported,
-                                                      request_id)
-
-    def _trailers(self, request_id: str, trailers: dict[str, str]) -> None:
-        """The worker's status, when the stream's trailers reach the router: a failure ends the
-        request now. A success waits for the worker's report, which carries what it served, but
-        the tenant's place is given back at once: the worker recorded the usage before its last
-        chunk (a report lost with Redis restarting would otherwise hold the place until the
-        grace period ends, and the tenant's next requests be refused as too many at once)."""
-        try:
-            code = STATUS_CODES.get(int(trailers.get("grpc-status", "")))
-        except ValueError:
-            return
-        if code is None:
-            return
-        if code == grpc.StatusCode.OK:
-            entry = self._pending.get(request_id)
-            if entry is not None and entry.metered is not None:
-                self._end(entry.metered, release=False)
-                entry.metered = None
-            return
-        entry = self._pending.pop(request_id, None)
-        if entry is not None:
-            entry.placement.ended(code, trailers.get("grpc-message", ""))
-            self._end(entry.metered, release=True)
-            if entry.turn is not None:
-                self._pipeline.sessions.release_later(entry.turn)
+        self._pending[direct.request_id] = _Pending(p, g.metered, g.plan.held if g.plan is not None else None,
+                                                    time.monotonic())
+        # The decision is all: this stream ends here (cleanly, so the ingress goes on without the
+        # router), and the router hears of the request's end from its worker's report.
 
     async def _decide(self, headers: dict[str, str], body: bytes, timing: Timing):
         """(DirectGenerate, DirectPlacement, Generation) for the worker; None: the router's own
@@ -397,3 +422,5 @@ class _Pending:
     metered: Metered | None
     # A session's turn: held (and renewed) by this router until then.
     turn: Held | None = None
+    # When it was decided (monotonic).
+    decided: float = 0.0

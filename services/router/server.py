@@ -158,7 +158,8 @@ async def serve(cfg: RouterSettings) -> None:
     # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
     rt.add_service(
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server,
-        extproc := ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance, cfg.moves), EXT_PROC_SERVICE,
+        extproc := ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance, cfg.moves, cfg.max_stream_seconds),
+        EXT_PROC_SERVICE,
         listed=False,
     )
     rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity, sessions), "gaas.v1.Router",
@@ -167,12 +168,12 @@ async def serve(cfg: RouterSettings) -> None:
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
     reports = asyncio.create_task(extproc.run_reports(cfg.redis_url), name="direct-reports")
+    sweep = asyncio.create_task(extproc.sweep(redis), name="direct-sweep")
 
     async def stop_refreshing() -> None:
-        refresher.cancel()
-        spool.cancel()
-        reports.cancel()
-        await asyncio.gather(refresher, spool, reports, return_exceptions=True)
+        for task in (refresher, spool, reports, sweep):
+            task.cancel()
+        await asyncio.gather(refresher, spool, reports, sweep, return_exceptions=True)
         await kv.close()
         await sessions.close()
         await meter.close()

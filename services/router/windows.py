@@ -35,6 +35,9 @@ SAMPLE_SECONDS = 10.0
 ADJUST_EVERY_SECONDS = 1.0
 # Grow a full window while every tier's p95 is under this share of its target.
 GROW_BELOW = 0.8
+# The p95s are worked out at most this often per worker (each scans the recent samples; at every
+# first token they took a busy router ~3% of its time).
+EVALUATE_EVERY_SECONDS = 0.1
 
 
 @dataclass(slots=True)
@@ -46,6 +49,7 @@ class Window:
     # Whether a gold (band 0) request found no room since the last change.
     starved: bool = False
     changed_at: float = 0.0
+    evaluated_at: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, tier, ttft ms)
     shrinks: int = 0
     grows: int = 0
@@ -102,8 +106,9 @@ class Windows:
         w = self._get(worker)
         now = self._clock()
         w.samples.append((now, tier, ttft_ms))
-        if now - w.changed_at < ADJUST_EVERY_SECONDS:
+        if now - w.changed_at < ADJUST_EVERY_SECONDS or now - w.evaluated_at < EVALUATE_EVERY_SECONDS:
             return
+        w.evaluated_at = now
         since = max(w.changed_at, now - SAMPLE_SECONDS)
         ratios = [p / self._targets[t] for t in self._targets if (p := w.p95(t, since)) is not None]
         if not ratios:

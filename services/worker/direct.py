@@ -25,9 +25,10 @@ from gaas.contracts import errors, jsonbody
 from gaas.contracts.sessions import Context
 from gaas.metering import direct
 from gaas.openai import api as openai_api, stream as openai_stream
-from gaas.metering.admission import PROGRESS_SECONDS
+from gaas.metering.admission import PROGRESS_HEARTBEAT_SECONDS, PROGRESS_SECONDS
 from gaas.metering.meter import Meter, Metered, metered
 from gaas.runtime.context import request_id_var, tenant_var
+from gaas.runtime.status import translate
 from gaas.runtime.streams import merge
 from gaas.sessions import turns
 from gaas.sessions.turns import TurnEnds
@@ -55,6 +56,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         self._turns = TurnEnds(redis) if redis is not None else None
         # How a stream outlives this worker's engine (carried on at another worker).
         self._carry_on = carry_on or CarryOn(worker, None)
+        # What the streams left running: reports of their ends, turns given back.
         self._reports: set[asyncio.Task] = set()
         # The usage records of the streams running here, whose progress is written for the router
         # to bill from should this process die (run_progress).
@@ -64,12 +66,18 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         """Write what each running stream's client has been sent, every every_s, until cancelled
         (gaas.metering.admission's progress keys; nothing while no stream runs)."""
         sent: dict[str, int] = {}
+        beat = time.monotonic()
         while True:
             await asyncio.sleep(every_s)
-            moved = [m for rid, m in self._live.items() if sent.get(rid) != m.relayed]
+            # All of them once a heartbeat (the router takes a stream whose key goes unwritten
+            # for its worker's death), else those that moved.
+            everyone = time.monotonic() - beat >= PROGRESS_HEARTBEAT_SECONDS
+            moved = [m for rid, m in self._live.items() if everyone or sent.get(rid) != m.relayed]
             sent = {rid: m.relayed for rid, m in self._live.items()}
+            if everyone:
+                beat = time.monotonic()
             if moved and self._meter is not None:
-                await self._meter.write_progress(moved)
+                await self._meter.write_progress(moved, self._worker.worker_id)
 
     async def Completions(self, request: httpbody_pb2.HttpBody, context):
         async for body in self._serve(request, context, openai_api.parse_completion):
@@ -136,26 +144,39 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
             # metered() calls this with each prompt's final chunk, the last once the usage event is
             # written (its time is in the decomposition).
             finals.append(c)
-            if len(finals) == len(d.prompts) and self._redis is not None and d.router:
+            if len(finals) == len(d.prompts):
                 reply, at = ("".join(turn.reply), turn.committed_ms) if turn is not None and c.HasField("session") \
                     else ("", 0)
-                task = asyncio.create_task(self._report(d.router, direct.report(c, finals, reply, at, d.request_id)))
-                self._reports.add(task)
-                task.add_done_callback(self._reports.discard)
+                self._report(d, direct.report(c, finals, reply, at, d.request_id))
 
-        return self._watched(record, metered(self._meter, record, merge(streams), chunk_of=lambda p: p[1],
-                                             on_last=ended))
+        return self._watched(d, record, finals, metered(self._meter, record, merge(streams), chunk_of=lambda p: p[1],
+                                                        on_last=ended))
 
-    async def _watched(self, record: Metered | None, items):
-        """items, with record among the streams whose progress is written while they run."""
+    async def _watched(self, d: worker_pb2.DirectGenerate, record: Metered | None, finals: list, items):
+        """items, with record among the streams whose progress is written while they run, and an
+        end other than served reported to the router (a served one is, by ended(), once its
+        usage is written): failed, untaken (nothing yielded), or its client gone."""
         if record is not None:
             self._live[record.request_id] = record
+        sent = False
+        failure = None
         try:
             async for item in items:
+                sent = True
                 yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            failure = ("CANCELLED", "", False)
+            raise
+        except Exception as exc:
+            err = translate(exc)
+            failure = (err.code, err.message, err.untaken and not sent) if err is not None else \
+                ("INTERNAL", type(exc).__name__, False)
+            raise
         finally:
             if record is not None:
                 self._live.pop(record.request_id, None)
+            if failure is not None and len(finals) < len(d.prompts):
+                self._report(d, direct.failure(d.request_id, self._worker.worker_id, *failure))
             await items.aclose()
 
     def _turn(self, d: worker_pb2.DirectGenerate) -> "_Turn | None":
@@ -180,9 +201,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
                 yield c
         finally:
             if not turn.committed_ms:
-                task = asyncio.create_task(self._turns.release(turn))
-                self._reports.add(task)
-                task.add_done_callback(self._reports.discard)
+                self._background(self._turns.release(turn))
 
     async def _commit(self, turn: "_Turn", context: Context, ttl_ms: int) -> int:
         try:
@@ -193,10 +212,21 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         turn.committed_ms = context.updated_ms
         return version
 
-    async def _report(self, router: str, summary: str) -> None:
+    def _background(self, coro) -> None:
+        """Run coro to its end whatever happens to the stream that started it."""
+        task = asyncio.create_task(coro)
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    def _report(self, d: worker_pb2.DirectGenerate, summary: str) -> None:
+        """Publish the report of d's end on the channel of the router that decided it."""
+        if self._redis is not None and d.router:
+            self._background(self._publish(d.router, summary))
+
+    async def _publish(self, router: str, summary: str) -> None:
         try:
             await self._redis.publish(direct.report_channel(router), summary)
-        except RedisError as exc:  # the router ends the request unknown after a grace period
+        except RedisError as exc:  # the router finds the request's end from its progress
             log.warning("cannot report a request's end to %s (%s)", router, exc)
 
 

@@ -296,10 +296,21 @@ def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(d
 
 
 def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_served_again(direct_mesh):
-    """router-0 killed: until `gaas up` has it back, the ingress answers the decision it cannot ask
-    for with a 503 a client can read and retry (not an empty reply); then requests are served."""
+    """router-0 killed mid-stream: the streams it decided run to their end (the router is out of
+    them once it has answered); until `gaas up` has it back, the ingress answers the decision it
+    cannot ask for with a 503 a client can read and retry (not an empty reply); then requests are
+    served."""
     c = openai_client(direct_mesh)
+    streams = [c.completions.create(model=MODEL, prompt=f"decided before the router died {i}", max_tokens=96,
+                                    stream=True, stream_options={"include_usage": True},
+                                    extra_body={"ignore_eos": True}) for i in range(3)]
+    for s in streams:
+        next(s)  # its first chunk: decided, and streaming from its worker
     os.kill(direct_mesh.children["router-0"], signal.SIGKILL)
+    for s in streams:
+        chunks = list(s)
+        assert chunks[-1].usage.completion_tokens == 96
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -73,6 +73,7 @@ def ready_worker(mesh) -> int:
     if not process_alive(pid) or WORKER not in registered(mesh):
         wait_worker_back(mesh, -1)
         pid = children(mesh)[WORKER]
+    prompt_on_worker(mesh)  # the router places on it again, not only its process is up
     return pid
 
 

@@ -302,14 +302,16 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     ext_proc = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.ext_proc"]
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == "router"
     mode = ext_proc["processing_mode"]
-    # The tokens never pass through the router: no response body, only the trailers.
-    assert mode["response_body_mode"] == "NONE" and mode["response_trailer_mode"] == "SEND"
+    # Nothing of the response passes through the router: not the tokens, nor the trailers.
+    assert mode["response_body_mode"] == "NONE" and mode["response_trailer_mode"] == "SKIP"
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
-    assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
-    # That 503 (no router answered) gets a body the error filter turns into OpenAI's shape with a
+    # A failed decision call lets the request take the routers' own route (retried on another
+    # router there), never a worker's: only the router's answer names one.
+    assert ext_proc["failure_mode_allow"] is True
+    # With no router up that route's 503 gets a body the error filter turns into OpenAI's shape with a
     # Retry-After: UNAVAILABLE with a reason and a retry delay, as a router's own refusal reads.
     [mapper] = [m for m in hcm["local_reply_config"]["mappers"]
-                if "ext_proc_error" in m["filter"]["extension_filter"]["typed_config"]["expression"]]
+                if "xds.cluster_name == 'router'" in m["filter"]["extension_filter"]["typed_config"]["expression"]]
     body = json.loads(mapper["body"]["inline_string"])
     assert body["code"] == grpc.StatusCode.UNAVAILABLE.value[0] and body["message"]
     assert {d["@type"].rsplit(".", 1)[-1] for d in body["details"]} == {"ErrorInfo", "RetryInfo"}

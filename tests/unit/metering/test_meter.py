@@ -315,7 +315,7 @@ async def test_a_direct_request_whose_worker_died_is_billed_by_the_router_from_i
     gen = metered(worker, w, _agen([chunk(2), chunk(3), chunk(4), chunk(1, usage=(9, 0, 10))]))
     await gen.__anext__()
     await gen.__anext__()
-    await worker.write_progress([w])  # then the worker dies: its record never made
+    await worker.write_progress([w], "w0")  # then the worker dies: its record never made
     await meter.claim(m)
     [e] = await stream_events(redis, m.request_id)
     assert (e.prompt_tokens, e.completion_tokens, e.outcome) == (9, 5, "failed")
@@ -323,7 +323,7 @@ async def test_a_direct_request_whose_worker_died_is_billed_by_the_router_from_i
     assert await redis.hlen(admission.inflight_key(tenant)) == 0
     spend = int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms()))))
     # A worker that was only slow, recording after the router did (a spool replayed), changes nothing.
-    await worker.write_progress([w])
+    await worker.write_progress([w], "w0")
     assert await redis.get(admission.progress_key(tenant, m.request_id)) == admission.BILLED
     await worker.commit(w, "cancelled")
     assert len(await stream_events(redis, m.request_id)) == 1

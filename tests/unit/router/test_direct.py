@@ -1,13 +1,15 @@
 """The router's side of the direct path (ingress.path: direct), with the directory and tokenizer
 faked: a placement holds its worker's room until the request ends; the worker's report records it
-as one of the router's own streams; an end without a report frees the room and the reservation;
-a worker's failure counts against its breaker."""
+as one of the router's own streams; a request no worker streams any more (its progress goes
+unwritten) is swept: its room and reservation freed; a worker's failure counts against its breaker."""
+
+import time
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gaas.metering import direct
+from gaas.metering import admission, direct
 from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Authenticator
@@ -96,44 +98,118 @@ class FakeMeter:
         self.done.append(m)
 
 
-async def test_an_end_without_a_report_frees_the_room_and_settles_the_usage_from_the_workers_progress():
+class FakeRedis:
+    """A progress key per request id, and its remaining life (ms), as GET and PTTL read them."""
+
+    def __init__(self, keys: dict[str, tuple[str | None, int]]) -> None:
+        self.keys = keys
+
+    def pipeline(self, transaction=False):
+        return _Pipe(self.keys)
+
+
+class _Pipe:
+    def __init__(self, keys):
+        self._keys, self._ops = keys, []
+
+    def get(self, key):
+        self._ops.append((key, 0))
+
+    def pttl(self, key):
+        self._ops.append((key, 1))
+
+    async def execute(self):
+        out = []
+        for key, which in self._ops:
+            found = next((v for rid, v in self._keys.items() if key.endswith(":" + rid)), (None, -2))
+            out.append(found[which])
+        return out
+
+
+def written(seconds_ago: float) -> int:
+    """A progress key's PTTL, seconds_ago after its last write."""
+    return int((admission.PROGRESS_TTL_SECONDS - seconds_ago) * 1000)
+
+
+def pending(d, p, reservation, age_s: float) -> tuple[ExternalProcessor, FakeMeter]:
+    meter = FakeMeter()
+    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0",
+                           max_stream_s=60)
+    ep._pending["req-1"] = _Pending(p, reservation, None, time.monotonic() - age_s)
+    return ep, meter
+
+
+async def test_a_request_whose_progress_goes_unwritten_ends_lost_and_is_billed_from_that_progress():
+    """Its worker's process died: no report will come; the sweep frees the room and claims the usage."""
     d = dispatcher()
     p = await placed(d)
-    meter = FakeMeter()
-    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
     reservation = object()
-    ep._pending["req-1"] = _Pending(p, reservation)
-    ep._unreported("req-1")
+    ep, meter = pending(d, p, reservation, age_s=30)
+    await ep._sweep_once(FakeRedis({"req-1": ("12 0 w0", written(admission.PROGRESS_STALE_SECONDS + 1))}))
     # Billed for what the worker's progress says was sent, unless the worker billed it itself.
-    assert in_flight(d) == 0 and meter.claimed == [reservation] and meter.released == []
+    assert ep.pending == 0 and in_flight(d) == 0 and meter.claimed == [reservation] and meter.released == []
     assert d._metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
-    # Nothing is counted against the worker: the client may have gone away.
+    # Nothing is counted against the worker (no report says what happened).
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
 
 
-async def test_a_workers_failure_in_its_trailers_counts_against_it_and_frees_everything():
+@pytest.mark.parametrize("value, pttl, age_s, lost", [
+    ("12 0 w0", written(0.3), 30, False),          # its worker writes on: streaming
+    ("0 0", written(1), 30, False),                # admitted a moment ago (a retry admitted anew)
+    ("0 0", written(admission.PROGRESS_STALE_SECONDS + 1), 30, True),  # no worker ever started it
+    (admission.BILLED, written(1), 30, True),      # the worker billed it; its report was lost
+    (None, -2, 30, False),                         # no key (Redis away at its admission): its age will tell
+    (None, -2, 60 + admission.PROGRESS_STALE_SECONDS + 1, True),  # older than the longest stream
+    ("12 0 w0", written(30), 1, False),            # decided too lately to be looked at
+])
+async def test_the_sweep_ends_only_the_requests_no_worker_serves(value, pttl, age_s, lost):
     d = dispatcher()
     p = await placed(d)
-    meter = FakeMeter()
-    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
-    ep._pending["req-1"] = _Pending(p, "reservation")
-    ep._trailers("req-1", {"grpc-status": str(grpc.StatusCode.INTERNAL.value[0]), "grpc-message": "boom"})
-    assert ep.pending == 0 and in_flight(d) == 0 and meter.released == ["reservation"]
+    ep, meter = pending(d, p, "reservation", age_s)
+    await ep._sweep_once(FakeRedis({"req-1": (value, pttl)}))
+    assert (ep.pending == 0) == lost and (meter.claimed == ["reservation"]) == lost
+
+
+async def test_a_sweep_without_redis_goes_by_age_alone():
+    d = dispatcher()
+    p = await placed(d)
+    ep, _ = pending(d, p, "reservation", age_s=30)
+    await ep._sweep_once(None)
+    assert ep.pending == 1
+
+
+async def test_a_workers_failure_report_counts_against_it_and_frees_everything():
+    d = dispatcher()
+    p = await placed(d)
+    ep, meter = pending(d, p, "reservation", age_s=0)
+    ep.reported(direct.failure("req-1", "w0", "INTERNAL", "boom"))
+    # The worker settled the usage (recorded or released): the router only gives the place back.
+    assert ep.pending == 0 and in_flight(d) == 0 and meter.done == ["reservation"] and meter.claimed == []
     assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 1
 
 
-async def test_a_success_in_the_trailers_gives_the_tenants_place_back_and_still_waits_for_the_report():
+async def test_a_client_gone_is_no_failure_of_the_worker():
     d = dispatcher()
     p = await placed(d)
-    meter = FakeMeter()
-    ep = ExternalProcessor(Pipeline(d, Authenticator(None, 1.0), meter), 1 << 20, instance="router-0")
-    ep._pending["req-1"] = _Pending(p, "reservation")
-    ep._trailers("req-1", {"grpc-status": "0"})
-    # The worker recorded the usage: the place is back, nothing is released, the report still awaited.
-    assert meter.done == ["reservation"] and meter.released == [] and ep.pending == 1
-    ep.reported(direct.report(final("req-1")))
+    ep, meter = pending(d, p, "reservation", age_s=0)
+    ep.reported(direct.failure("req-1", "w0", "CANCELLED"))
     assert ep.pending == 0 and in_flight(d) == 0 and meter.done == ["reservation"]
+    assert d._metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
+    assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
+
+
+async def test_a_first_choice_refusing_untaken_leaves_the_request_to_the_second_choices_report():
+    d = dispatcher(("w0", "w1"))
+    p = await placed(d)
+    first, second = p.worker.worker_id, p.fallback.worker_id
+    ep, meter = pending(d, p, "reservation", age_s=0)
+    ep.reported(direct.failure("req-1", first, "UNAVAILABLE", "no engine", untaken=True))
+    assert ep.pending == 1 and meter.done == []
+    served = final("req-1")
+    served.worker_id = second
+    ep.reported(direct.report(served))
+    assert ep.pending == 0 and meter.done == ["reservation"]
     assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 

@@ -474,7 +474,7 @@ async def test_a_turn_whose_worker_never_reports_is_given_back_unchanged(redis):
     p = await disp.place_direct(plan.prepared, ACME, "req-lost", None)
     ep = ExternalProcessor(Pipeline(disp, Authenticator(None, 1.0), sessions=store), 1 << 20, instance="router-0")
     ep._pending["req-lost"] = _Pending(p, None, plan.held)
-    ep._unreported("req-lost")
+    ep._lost("req-lost")  # (its worker died: the sweep found its progress unwritten)
     await store.close()
     summary, ctx = await store.get("acme", "g")
     assert summary["version"] == 1 and not summary["turn_in_progress"] and len(ctx.turns) == 1

@@ -9,11 +9,11 @@ import grpc
 import pytest
 
 from gaas.contracts import errors
-from gaas.contracts.finish import LENGTH
 from gaas.v1 import common_pb2
 from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.engine import Delta, EngineUnavailable
 from services.worker.servicer import WorkerServicer
+from tests.unit.contracts.test_continuation import tok
 from tests.unit.router.test_servicer import rpc_error
 from tests.unit.worker.test_servicer import FakeEngine, wreq
 
@@ -28,17 +28,6 @@ def dies_after(k, tokens=6):
                             prompt_tokens=3 if i == 1 else 0, cached_tokens=1 if i == 1 else 0)
             raise EngineUnavailable("this worker's engine stopped; another worker may take the request")
     return Dying()
-
-
-def chunk(token, prefill=None, final=None):
-    c = common_pb2.GenerateChunk(text=f"t{token}", token_ids=[token])
-    if prefill is not None:
-        c.prefill.prompt_tokens, c.prefill.cached_tokens = prefill
-    if final is not None:
-        c.finish_reason = common_pb2.FINISH_REASON_LENGTH
-        c.usage.prompt_tokens, c.usage.cached_tokens, c.usage.completion_tokens = final
-        c.worker_id = "worker-1"
-    return c
 
 
 class FakePeers:
@@ -83,7 +72,7 @@ async def collect(stream):
 
 async def test_an_engine_that_dies_mid_stream_is_carried_on_at_the_next_worker_and_the_client_sees_one_stream():
     moved = CarryOnMetrics()
-    peers = FakePeers({"w1:1": [chunk(3, prefill=(5, 0)), chunk(4), chunk(5), chunk(6, final=(5, 0, 4))]})
+    peers = FakePeers({"w1:1": [tok(3, "t3", prefill=(5, 0)), tok(4, "t4"), tok(5, "t5"), tok(6, "t6", final=(5, 0, 4))]})
     carry = CarryOn(WorkerServicer("worker-0", dies_after(2)), peers, "w0:1", moved)
     chunks = await collect(carry.stream(request(), ["w1:1", "w2:1"], None))
     assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4, 5, 6]
@@ -100,7 +89,7 @@ async def test_an_engine_that_dies_mid_stream_is_carried_on_at_the_next_worker_a
 async def test_a_worker_handing_its_streams_over_carries_them_on_too():
     engine = FakeEngine(tokens=6, delay=0.01)
     servicer = WorkerServicer("worker-0", engine)
-    peers = FakePeers({"w1:1": [chunk(4, prefill=(6, 0)), chunk(5), chunk(6, final=(6, 0, 3))]})
+    peers = FakePeers({"w1:1": [tok(4, "t4", prefill=(6, 0)), tok(5, "t5"), tok(6, "t6", final=(6, 0, 3))]})
     carry = CarryOn(servicer, peers, "w0:1")
     got = []
     async for c in carry.stream(request(), ["w1:1"], None):
@@ -113,8 +102,8 @@ async def test_a_worker_handing_its_streams_over_carries_them_on_too():
 
 async def test_a_worker_that_fails_the_continuation_hands_it_to_the_next_and_its_own_address_is_skipped():
     peers = FakePeers({
-        "w1:1": [chunk(3, prefill=(5, 0)), rpc_error(grpc.StatusCode.UNAVAILABLE, "reset")],
-        "w2:1": [chunk(4, prefill=(6, 0)), chunk(5), chunk(6, final=(6, 0, 3))],
+        "w1:1": [tok(3, "t3", prefill=(5, 0)), rpc_error(grpc.StatusCode.UNAVAILABLE, "reset")],
+        "w2:1": [tok(4, "t4", prefill=(6, 0)), tok(5, "t5"), tok(6, "t6", final=(6, 0, 3))],
     })
     carry = CarryOn(WorkerServicer("worker-0", dies_after(2)), peers, "w0:1")
     chunks = await collect(carry.stream(request(), ["w0:1", "w1:1", "w2:1"], None))
@@ -143,7 +132,7 @@ async def test_a_stream_no_other_worker_carries_on_ends_with_a_message_and_no_in
 async def test_an_engine_that_stops_before_the_first_token_is_the_ingress_business():
     """Nothing went out: the failure is raised (the ingress sends the request to the router's
     second choice), not carried on."""
-    peers = FakePeers({"w1:1": [chunk(1, final=(3, 0, 1))]})
+    peers = FakePeers({"w1:1": [tok(1, "t1", final=(3, 0, 1))]})
     carry = CarryOn(WorkerServicer("worker-0", dies_after(0)), peers, "w0:1")
     with pytest.raises(errors.Unavailable):
         await collect(carry.stream(request(), ["w1:1"], None))
