@@ -48,9 +48,9 @@ def openai_errors_filter() -> dict:
 def router_unanswered_replies() -> dict:
     """local_reply_config of the ingress: the 503 it answers when no router answered a key check
     (ext_authz; its status_on_error) or none is up to serve a request (on the direct path, one
-    whose decision call failed) gets a body, in the shape the transcoder gives a router's own UNAVAILABLE with a retry delay, so the
-    error filter can give it OpenAI's shape and a Retry-After (a reply without a body cannot be
-    given one there). A refusal a router sent is a local reply too, with its own body: untouched."""
+    whose decision call failed) gets a body, in the shape the transcoder gives a router's own
+    UNAVAILABLE with a retry delay, so the error filter can give it OpenAI's shape and a
+    Retry-After (a reply without a body cannot be given one there). A refusal a router sent is a local reply too, with its own body: untouched."""
 
     def mapper(details: str, what: str) -> dict:
         body = {"code": 14, "message": f"no router could {what}; retry in a moment",

@@ -180,7 +180,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             p.ended(None)
         elif report.code:
             p.ended(grpc.StatusCode[report.code] if report.code in grpc.StatusCode.__members__ else
-                    grpc.StatusCode.UNKNOWN, report.detail)
+                    grpc.StatusCode.UNKNOWN, report.detail, by=final.worker_id)
         else:
             p.ended(grpc.StatusCode.OK, "", final)
         # The worker settled the request's usage (its record, or its reservation given back).

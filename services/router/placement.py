@@ -97,14 +97,16 @@ class DirectPlacement:
         """What the ingress is told (x-gaas-worker): the worker, then the second choice."""
         return ",".join(w.address for w in (self.worker, self.fallback) if w is not None)
 
-    def ended(self, code: grpc.StatusCode | None, detail: str = "", final: common_pb2.GenerateChunk | None = None) -> None:
+    def ended(self, code: grpc.StatusCode | None, detail: str = "", final: common_pb2.GenerateChunk | None = None,
+              by: str = "") -> None:
         """The request is over. code: the worker's status (None: unknown, the client went away or
         the ingress never reached the worker); final: the worker's final chunk, without its text
-        (usage, finish reason, the latency decomposition), when it finished."""
+        (usage, finish reason, the latency decomposition), when it finished; by: the worker that
+        ended it (the final chunk's, when there is one)."""
         if self.done:
             return
         self.done = True
-        self.placer.end_direct(self, code, detail, final)
+        self.placer.end_direct(self, code, detail, final, by or (final.worker_id if final is not None else ""))
 
 
 class Placer:
@@ -198,17 +200,17 @@ class Placer:
                                queued_s, token, ctx.confirmed.get(worker.worker_id, 0), others=others)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
-                   final: common_pb2.GenerateChunk | None) -> None:
+                   final: common_pb2.GenerateChunk | None, by: str = "") -> None:
         """A direct generation is over: the flow learns how its worker did, and the request is
         recorded as one of the router's own streams is (Dispatcher.stream), from the worker's final."""
         worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.tier)
         tokens = 0
-        if final is not None and final.worker_id and final.worker_id != worker:
+        if by and by != worker:
             # The ingress found the worker would not take it (unreachable, busy) and sent it to the
-            # second choice, which served it.
+            # second choice, which served it (or failed it: that counts against the second).
             self._hooks.failed(Response(worker, p.principal.tier, code=grpc.StatusCode.UNAVAILABLE,
                                         detail="did not take a request the ingress sent it"))
-            worker = WorkerId(final.worker_id)
+            worker = WorkerId(by)
         if final is not None:
             t, u = final.timings, final.usage
             # What the tenant waited for the first token, from the ingress's arrival; the window's

@@ -213,6 +213,19 @@ async def test_a_first_choice_refusing_untaken_leaves_the_request_to_the_second_
     assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 
+async def test_a_second_choices_failure_counts_against_it_and_the_first_one_for_not_taking_it():
+    d = dispatcher(("w0", "w1"))
+    p = await placed(d)
+    first, second = p.worker.worker_id, p.fallback.worker_id
+    ep, _ = pending(d, p, "reservation", age_s=0)
+    ep.reported(direct.failure("req-1", first, "UNAVAILABLE", "no engine", untaken=True))
+    ep.reported(direct.failure("req-1", second, "INTERNAL", "boom"))
+    assert ep.pending == 0 and in_flight(d, first) == 0
+    breakers = d.flow.breakers.state()
+    assert breakers[first].consecutive == 1 and breakers[second].consecutive == 1
+    assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
+
+
 async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_counts_against_the_first():
     d = dispatcher(("w0", "w1"))
     p = await placed(d)
