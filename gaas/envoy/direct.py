@@ -28,7 +28,8 @@ def ext_proc() -> dict:
     it, the tokens nor the trailers.
 
     A decision call that fails (its router died, or none answers) lets the request go on
-    unprocessed (failure_mode_allow): without x-gaas-worker it takes the router's own route,
+    (failure_mode_allow): one decided streams on from its worker, without the router; one not yet
+    decided goes on unprocessed: without x-gaas-worker it takes the router's own route,
     which retries it on another router (gaas.envoy.routes.RETRY_BEFORE_RESPONSE) and serves it
     there, or answers router_unavailable when none is up; a request is never sent to a worker
     undecided (only a router sets x-gaas-worker)."""
@@ -44,6 +45,8 @@ def ext_proc() -> dict:
                 "request_trailer_mode": "SEND",  # (Envoy requires it with full-duplex bodies)
                 "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
+                # Not even the trailers: a call still open when its router dies cuts the stream
+                # (failure_mode_allow notwithstanding); the router hears of the end from the worker.
                 "response_trailer_mode": "SKIP",
             },
             "message_timeout": DECISION_TIMEOUT,

@@ -23,7 +23,9 @@ CONTENT_TYPE = "application/x-gaas-direct"
 # code, and whether the worker refused it untaken: the ingress then tries the router's second
 # choice), or the client gone; the router records the request as it records its own (metrics,
 # windows, breakers). A request no report ends (its worker died, or none got it) the router finds
-# from the worker's progress (gaas.metering.admission) and the registry: services/router/extproc.py.
+# from the worker's progress (gaas.metering.admission): services/router/extproc.py. A worker
+# publishes a report until a subscriber has it, for REPORT_SECONDS at most.
+REPORT_SECONDS = 30.0
 
 
 def report_channel(router: str) -> str:

@@ -212,16 +212,17 @@ class Meter:
 
     async def claim(self, m: Metered) -> None:
         """A direct request whose worker went silent (no report of its end): billed for what the
-        worker's last progress says its client was sent, unless the worker billed it (it is then
-        only out of this process's count); one that was sent nothing gives its reservation back."""
+        worker's last progress says its client was sent (its prompt too once a worker took it: the
+        engine computes what it was given), unless the worker billed it (it is then only out of
+        this process's count); one no worker took gives its reservation back."""
         if m.done:
             return
         try:
-            progress = admission.read_progress(
-                await self._redis.get(admission.progress_key(m.principal.tenant, m.request_id)))
+            value = await self._redis.get(admission.progress_key(m.principal.tenant, m.request_id))
         except RedisError:
-            progress = None
-        if progress is None or not progress[0]:
+            value = None
+        progress = admission.read_progress(value)
+        if progress is None or not (progress[0] or admission.progress_worker(value)):
             await self.release(m)
             return
         m.done = True

@@ -155,6 +155,8 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         self._instance = instance
         # Requests sent straight to a worker and not yet reported ended, by request id.
         self._pending: dict[str, _Pending] = {}
+        # Whether this router hears the workers' reports now (run_reports).
+        self._hearing = True
 
     @property
     def pending(self) -> int:
@@ -203,6 +205,15 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         if release:
             self._meter.release_later(metered)  # (out of the count too)
         else:
+            self._meter.ended(metered)
+
+    def _unheard(self, metered: Metered | None) -> None:
+        """While this router cannot hear the workers' reports (Redis away), it cannot tell when its
+        direct requests end: they are out of its own count at once (else each would hold its
+        tenant's place until Redis is back, and the tenant be refused as too many at once); Redis's
+        count, once it answers, still bounds them. Their usage is still settled by their report
+        (the workers publish each until it is heard) or by the sweep."""
+        if metered is not None and self._meter is not None:
             self._meter.ended(metered)
 
     def _lost(self, request_id: str) -> None:
@@ -267,7 +278,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
 
     async def run_reports(self, redis_url: str) -> None:
         """Hear the workers' reports of this router's requests' ends, until cancelled (reconnecting
-        to Redis when it goes away; meanwhile requests end unknown after the grace period)."""
+        to Redis when it goes away, at once: the workers publish each report until it is heard)."""
         channel = direct_contract.report_channel(self._instance)
         failing = False
         while True:
@@ -275,6 +286,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             try:
                 async with client.pubsub() as pubsub:
                     await pubsub.subscribe(channel)
+                    self._hearing = True
                     if failing:
                         log.info("hearing the workers' reports again on %s", channel)
                         failing = False
@@ -283,9 +295,13 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                             self.reported(message["data"])
             except (RedisError, OSError) as exc:
                 if not failing:
-                    log.warning("cannot hear the workers' reports on %s (%s); retrying", channel, exc)
+                    log.warning("cannot hear the workers' reports on %s (%s); retrying, and meanwhile its direct "
+                                "requests hold no place in this router's own count", channel, exc)
+                self._hearing = False
+                for entry in self._pending.values():
+                    self._unheard(entry.metered)
                 failing = True
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.25)
             finally:
                 await client.aclose()
 
@@ -337,7 +353,9 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=framed, end_of_stream=True)))))
         self._pending[direct.request_id] = _Pending(p, g.metered, g.plan.held if g.plan is not None else None,
                                                     time.monotonic())
-        # The decision is all: this stream ends here (cleanly, so the ingress goes on without the
+        if not self._hearing:
+            self._unheard(g.metered)
+        # The decision is all: this call ends here (cleanly, so the ingress goes on without the
         # router), and the router hears of the request's end from its worker's report.
 
     async def _decide(self, headers: dict[str, str], body: bytes, timing: Timing):

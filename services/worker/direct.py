@@ -224,10 +224,19 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
             self._background(self._publish(d.router, summary))
 
     async def _publish(self, router: str, summary: str) -> None:
-        try:
-            await self._redis.publish(direct.report_channel(router), summary)
-        except RedisError as exc:  # the router finds the request's end from its progress
-            log.warning("cannot report a request's end to %s (%s)", router, exc)
+        """Until the router hears it (Redis says a subscriber got it: a Redis restarting, or the
+        router reconnecting, loses what is published meanwhile), for REPORT_SECONDS at most; then
+        the router's sweep finds the request's end from its progress."""
+        deadline, failed = time.monotonic() + direct.REPORT_SECONDS, None
+        while time.monotonic() < deadline:
+            try:
+                if await self._redis.publish(direct.report_channel(router), summary):
+                    return
+            except RedisError as exc:
+                failed = exc
+            await asyncio.sleep(0.25)
+        log.warning("no report of a request's end reached %s in %.0f s (%s)", router, direct.REPORT_SECONDS,
+                    failed or "nobody listens on its channel")
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gaas.metering import admission
 from gaas.ops import pki
 from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
@@ -191,6 +192,9 @@ def test_kill_9_of_a_worker_front_end_cuts_its_streams_and_bills_what_each_got(m
                for i in range(8)]
     streams = Streams(c, prompts)
     streams.wait_started()
+    # What the worker's progress says each was sent (written every PROGRESS_SECONDS; a stream's last
+    # tokens before its worker's death go unbilled within that): its first tokens at least.
+    time.sleep(2 * admission.PROGRESS_SECONDS + 0.1)
     os.kill(pid, signal.SIGKILL)
     streams.join()
     cut = len(streams.errors)

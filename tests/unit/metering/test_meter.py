@@ -330,9 +330,22 @@ async def test_a_direct_request_whose_worker_died_is_billed_by_the_router_from_i
     assert int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms())))) == spend
 
 
-async def test_a_direct_request_that_was_sent_nothing_gives_its_reservation_back(meter, redis):
+async def test_a_direct_request_no_worker_took_gives_its_reservation_back(meter, redis):
     tenant = fresh_tenant()
     m = await direct_request(meter, tenant, f"{tenant}-r")
     await meter.claim(m)
     assert await stream_events(redis, m.request_id) == []
+    assert await redis.hlen(admission.inflight_key(tenant)) == 0
+
+
+async def test_a_direct_request_a_worker_took_and_died_before_its_first_token_is_billed_its_prompt(meter, redis,
+                                                                                                   tmp_path):
+    tenant = fresh_tenant()
+    await redis.set(admission.budget_key(tenant), 10**9)
+    m = await direct_request(meter, tenant, f"{tenant}-r", prompt=9)
+    worker, w = worker_record(redis, tmp_path, m)
+    await worker.write_progress([w], "w0")  # it took it; then it dies before any token went out
+    await meter.claim(m)
+    [e] = await stream_events(redis, m.request_id)
+    assert (e.prompt_tokens, e.completion_tokens, e.outcome) == (9, 0, "failed")
     assert await redis.hlen(admission.inflight_key(tenant)) == 0

@@ -268,3 +268,18 @@ def test_a_native_grpc_refusal_at_the_ingress_is_a_trailers_only_grpc_status_wit
     details = status_pb2.Status.FromString(base64.b64decode(header.header.raw_value))
     kinds = {d.type_url.rsplit(".", 1)[-1] for d in details.details}
     assert details.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "RetryInfo" in kinds
+
+
+async def test_a_router_that_cannot_hear_the_workers_holds_no_place_for_its_direct_requests():
+    """Redis away: the reports of their ends cannot come, so the tenant's places go back (Redis's
+    own count bounds them once it answers); the requests stay pending for their reports."""
+    import asyncio
+
+    d = dispatcher()
+    p = await placed(d)
+    ep, meter = pending(d, p, "reservation", age_s=0)
+    hearing = asyncio.create_task(ep.run_reports("redis://127.0.0.1:1/0"))
+    await asyncio.sleep(0.2)
+    hearing.cancel()
+    await asyncio.gather(hearing, return_exceptions=True)
+    assert meter.done == ["reservation"] and ep.pending == 1 and not ep._hearing
