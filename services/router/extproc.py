@@ -213,8 +213,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         tenant's place until Redis is back, and the tenant be refused as too many at once); Redis's
         count, once it answers, still bounds them. Their usage is still settled by their report
         (the workers publish each until it is heard) or by the sweep."""
-        if metered is not None and self._meter is not None:
-            self._meter.ended(metered)
+        self._end(metered, release=False)
 
     def _lost(self, request_id: str) -> None:
         """A request whose end no worker will report (its worker's front end died, or no worker
