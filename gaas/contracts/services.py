@@ -23,3 +23,6 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 DIRECT_GENERATION = (*(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION), f"/{GRPC_SERVICE['router']}/Generate")
 # The router's key check for the ingress, on each request's headers (Envoy's external authorization).
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
+# Envoy's aggregated discovery service, which control serves: every Envoy that reaches workers takes
+# their endpoints from it (services/control/xds.py).
+XDS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"

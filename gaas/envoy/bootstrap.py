@@ -8,7 +8,7 @@ else of the admin, which stays on a Unix socket under `gaas up`)."""
 from __future__ import annotations
 
 from gaas.contracts import edge
-from gaas.envoy.clusters import static_cluster
+from gaas.envoy.clusters import ads, static_cluster
 from gaas.envoy.listeners import listener, router_filter
 from gaas.envoy.tracing import OTLP_CLUSTER
 from gaas.ops.traces import TraceTarget
@@ -72,10 +72,14 @@ def edge_overload() -> dict:
 
 
 def bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict], *,
-              stats: tuple[str, int] | None = None, trace: TraceTarget | None = None, edge_proxy: bool = False) -> dict:
+              stats: tuple[str, int] | None = None, trace: TraceTarget | None = None, edge_proxy: bool = False,
+              xds: dict | None = None) -> dict:
     """An Envoy's whole config. edge_proxy: the ingress, whose connections and memory the overload
-    manager bounds (edge_overload); a sidecar bounds its connections by runtime."""
+    manager bounds (edge_overload); a sidecar bounds its connections by runtime. xds: the cluster of
+    control's replicas, when this Envoy takes the workers' endpoints from them (clusters.ads)."""
     listeners, clusters = list(listeners), list(clusters)
+    if xds is not None:
+        clusters.append(xds)
     if stats is not None:
         scrape, admin_cluster = stats_listener(*stats, admin)
         listeners.append(scrape)
@@ -86,6 +90,7 @@ def bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict
         "node": {"id": name, "cluster": name.rsplit("-", 1)[0]},
         "admin": {"address": admin},
         "static_resources": {"listeners": listeners, "clusters": clusters},
+        **({"dynamic_resources": ads()} if xds is not None else {}),
         **({"overload_manager": edge_overload()} if edge_proxy else {}),
         "layered_runtime": {
             "layers": [{"name": "static", "static_layer": {

@@ -1,11 +1,14 @@
 """Clusters: a fixed set of endpoints over HTTP/2 (health-checked, with circuit breakers and outlier
 detection, for a service's replicas), one gRPC server on a Unix socket (a sidecar's own service),
-and one cluster per worker sidecar (what a caller names in x-gaas-worker)."""
+the workers' sidecars, whose endpoints control serves as they register and leave (xDS), each
+request going to the one its caller names in x-gaas-worker, and the cluster of control's replicas
+that serve them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from gaas.contracts.headers import WORKER_HEADER
 from gaas.envoy.listeners import socket_address
 from gaas.envoy.tls import client_tls
 from gaas.ops import pki
@@ -99,12 +102,56 @@ def pipe_cluster(name: str, path: Path) -> dict:
     }
 
 
-def worker_clusters(topo: Topology, creds: pki.Credentials) -> list[dict]:
-    """One cluster per worker sidecar of the topology, named by its address (what x-gaas-worker
-    carries): a caller can aim only at a worker of this mesh, never at an arbitrary host:port.
-    Not health-checked: the router's circuit breakers judge workers, and retries before the first
-    token go through the router."""
-    return [
-        static_cluster(w.inbound, [(w.host, w.inbound_port)], health_check=False, tls=client_tls(creds, "worker"))
-        for w in topo.of("worker")
-    ]
+# The cluster of every worker's sidecar, and the one of control's replicas that say who they are.
+WORKERS_CLUSTER = "workers"
+XDS_CLUSTER = "xds"
+# How long an Envoy that starts waits for control's first answer before it goes on with no workers
+# (they come when control answers).
+XDS_FIRST_ANSWER = "5s"
+
+
+def workers_cluster(creds: pki.Credentials) -> dict:
+    """Every worker's sidecar (mutual TLS as creds, checking the peer is a worker), their endpoints
+    taken from control (xDS: services/control/xds.py) as workers register and leave, so no Envoy
+    restarts for a change of the fleet. Envoy's override-host policy sends each request to the
+    addresses x-gaas-worker lists, in order (the first, then the next on a retry), the way the
+    Gateway API Inference Extension's endpoint picker names its endpoints; only the mesh's
+    registered workers are there to be named. Not health-checked: the routers' circuit breakers
+    judge workers, and retries before the first token go through the router."""
+    return {
+        "name": WORKERS_CLUSTER,
+        "type": "EDS",
+        "connect_timeout": "1s",
+        "eds_cluster_config": {"service_name": WORKERS_CLUSTER, "eds_config": {
+            "ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": XDS_FIRST_ANSWER}},
+        "typed_extension_protocol_options": HTTP2,
+        "transport_socket": client_tls(creds, "worker"),
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": WORKER_HEADER}],
+                # Without a named worker of this mesh (never, from a router): any.
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+                    },
+                }}]},
+            },
+        }}]},
+    }
+
+
+def xds_cluster(topo: Topology, creds: pki.Credentials) -> dict:
+    """Control's replicas, as this Envoy asks them for the workers' endpoints (one stream, kept
+    open; another replica when this one goes)."""
+    return static_cluster(XDS_CLUSTER, [(c.host, c.inbound_port) for c in topo.of("control")],
+                          health_check=True, tls=client_tls(creds, "control"))
+
+
+def ads() -> dict:
+    """An Envoy's dynamic_resources: the aggregated discovery stream to control (XDS_CLUSTER)."""
+    return {"ads_config": {"api_type": "GRPC", "transport_api_version": "V3",
+                           "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+                           "set_node_on_first_message_only": True}}

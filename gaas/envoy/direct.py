@@ -5,12 +5,9 @@ Session turns and prompt lists go through the router either way."""
 
 from __future__ import annotations
 
-from gaas.envoy.clusters import static_cluster
+from gaas.envoy.clusters import WORKERS_CLUSTER
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, decorator, grpc_route
-from gaas.envoy.tls import client_tls
-from gaas.ops import pki
 from gaas.contracts.services import DIRECT_GENERATION
-from gaas.ops.topology import Topology
 from gaas.runtime.context import WORKER_HEADER
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
@@ -74,7 +71,6 @@ RETRY_ON_FALLBACK = {
 # The request a retry resends is held until then (a larger one is not retried).
 DIRECT_RETRY_BUFFER = 16 << 20
 
-DIRECT_WORKERS = "workers"
 
 
 def direct_routes() -> list[dict]:
@@ -87,35 +83,10 @@ def direct_routes() -> list[dict]:
         out.append({
             "match": {"path": path, "grpc": {},
                       "headers": [{"name": WORKER_HEADER, "present_match": True}]},
-            "route": {"cluster": DIRECT_WORKERS, "timeout": "0s", "retry_policy": RETRY_ON_FALLBACK},
+            "route": {"cluster": WORKERS_CLUSTER, "timeout": "0s", "retry_policy": RETRY_ON_FALLBACK},
             "request_body_buffer_limit": DIRECT_RETRY_BUFFER,
             **decorator("ingress to a worker"),
         })
     for path in DIRECT_GENERATION:
         out.append(grpc_route(path, "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"))
     return out
-
-
-def direct_workers_cluster(topo: Topology, creds: pki.Credentials) -> dict:
-    """Every worker's sidecar in one cluster, as the ingress reaches them (mTLS, as the ingress):
-    Envoy's override-host policy sends a request to the addresses x-gaas-worker lists, in order
-    (the first, then the next on a retry), the way the Gateway API Inference Extension's endpoint
-    picker names its endpoints; only the mesh's own workers are there to be named."""
-    cluster = static_cluster(DIRECT_WORKERS, [(w.host, w.inbound_port) for w in topo.of("worker")],
-                             health_check=False, tls=client_tls(creds, "worker"))
-    del cluster["lb_policy"]
-    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.override_host",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-            "override_host_sources": [{"header": WORKER_HEADER}],
-            # Without a named worker of this mesh (never, from the router): any.
-            "fallback_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.round_robin",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
-                },
-            }}]},
-        },
-    }}]}
-    return cluster

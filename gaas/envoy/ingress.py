@@ -14,8 +14,8 @@ from pathlib import Path
 from gaas.contracts import edge
 from gaas.settings import router as router_settings
 from gaas.envoy.bootstrap import bootstrap
-from gaas.envoy.clusters import static_cluster
-from gaas.envoy.direct import direct_routes, direct_workers_cluster, ext_proc, ext_proc_disabled
+from gaas.envoy.clusters import static_cluster, workers_cluster, xds_cluster
+from gaas.envoy.direct import direct_routes, ext_proc, ext_proc_disabled
 from gaas.envoy.errors import openai_errors_filter, router_unanswered_replies
 from gaas.envoy.listeners import hcm, listener, pipe_address, socket_address
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, grpc_route
@@ -193,8 +193,8 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
                        streams=edge.AUTHZ_CHECKS, eject_on_answers=False),
     ]
     if direct:
-        clusters.append(direct_workers_cluster(topo, ingress_creds))
+        clusters.append(workers_cluster(ingress_creds))
     admin = (pipe_address(LocalSockets.of(sockets, "ingress-0").admin) if sockets
              else socket_address(topo.host, topo.ingress_admin_port))
     return bootstrap("ingress-0", admin, [edge_listener], clusters, stats=(topo.host, topo.ingress_stats_port),
-                     trace=trace, edge_proxy=True)
+                     trace=trace, edge_proxy=True, xds=xds_cluster(topo, ingress_creds) if direct else None)

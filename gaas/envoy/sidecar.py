@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gaas.envoy.bootstrap import bootstrap
-from gaas.envoy.clusters import pipe_cluster, static_cluster, worker_clusters
+from gaas.envoy.clusters import WORKERS_CLUSTER, pipe_cluster, static_cluster, workers_cluster, xds_cluster
 from gaas.envoy.listeners import hcm, listener, pipe_address, socket_address
 from gaas.envoy.rbac import rbac
 from gaas.envoy.routes import RETRY_UNREACHED, decorator, grpc_route, unreached_replies
@@ -69,14 +69,14 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
         for peer in peers:
             prefix = f"/{GRPC_SERVICE[peer]}/"
             if peer == "worker":
-                # The caller picked the worker; the header names its sidecar, which must be one of
-                # this mesh's (an unknown one has no cluster: 503, and the router tries another).
+                # The caller picked the worker; the header names its sidecar, one of the workers
+                # control says are the mesh's (workers_cluster).
                 routes.append({
                     "match": {"prefix": prefix, "grpc": {}, "headers": [{"name": WORKER_HEADER, "present_match": True}]},
-                    "route": {"cluster_header": WORKER_HEADER, "timeout": "0s"},
+                    "route": {"cluster": WORKERS_CLUSTER, "timeout": "0s"},
                     **decorator("outbound to a worker"),
                 })
-                clusters.extend(worker_clusters(topo, creds))
+                clusters.append(workers_cluster(creds))
             else:
                 routes.append(grpc_route(prefix, peer, retry=RETRY_UNREACHED, operation=f"outbound to {peer}"))
                 clusters.append(static_cluster(peer, [(p.host, p.inbound_port) for p in topo.of(peer)],
@@ -86,4 +86,6 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
         listeners.append(listener("outbound", inst.host, inst.outbound_port, outbound,
                                   pipe=local.outbound if local else None))
     admin = pipe_address(local.admin) if local else socket_address(inst.host, inst.admin_port)
-    return bootstrap(envoy, admin, listeners, clusters, stats=(inst.host, inst.envoy_stats_port), trace=trace)
+    reaches_workers = "worker" in peers
+    return bootstrap(envoy, admin, listeners, clusters, stats=(inst.host, inst.envoy_stats_port), trace=trace,
+                     xds=xds_cluster(topo, creds) if reaches_workers else None)

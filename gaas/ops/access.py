@@ -10,7 +10,9 @@ not named here is the operator's alone; health checks are open to every identity
 
 from __future__ import annotations
 
-from gaas.contracts.services import AUTHZ_SERVICE, DIRECT_GENERATION, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_SERVICE
+from gaas.contracts.services import (
+    AUTHZ_SERVICE, DIRECT_GENERATION, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_SERVICE, XDS_SERVICE,
+)
 
 # Per kind, who may call each method of its own gRPC service (GRPC_SERVICE).
 ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -57,6 +59,9 @@ def method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]:
     service = descriptor_pool.Default().FindServiceByName(GRPC_SERVICE[kind])
     allowed = ALLOWED_CALLERS.get(kind, {})
     paths = {f"/{service.full_name}/{m.name}": allowed.get(m.name, ("operator",)) for m in service.methods}
+    if kind == "control":
+        # The workers' endpoints, to every Envoy that reaches workers (services/control/xds.py).
+        paths[f"/{XDS_SERVICE}/StreamAggregatedResources"] = ("ingress", "router", "kvcache", "worker")
     if kind == "worker" and direct:
         # The generations the ingress sends a worker straight, and the streams other workers
         # carry on here when their engine stops (services/worker/carryon.py).

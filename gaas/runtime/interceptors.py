@@ -32,6 +32,7 @@ from gaas.runtime.context import (
     CALLER_HEADER,
     REQUEST_ID_HEADER,
     TENANT_HEADER,
+    WORKER_HEADER,
     answered_var,
     begin_request,
     caller_var,
@@ -115,17 +116,27 @@ async def _answer(context, exc: BaseException) -> None:
     await status.abort(context, err)
 
 
+class NotNamed(errors.Unavailable):
+    """A call reached a worker its x-gaas-worker does not name: an Envoy that had not yet heard
+    that the named worker joined (or left) sent it to any worker. Nothing of it was done: the hop
+    before may send it on (to the next it names, or back to a router)."""
+
+    untaken = True
+
+
 class ServerContextInterceptor(grpc.aio.ServerInterceptor):
     """Sets the request context from metadata, records per-method metrics and answers failures,
     for every kind of call.
 
     edge: whether this service is the mesh's edge (the router), which believes no GaaS metadata
-    from its callers (see gaas.runtime.context.begin_request).
+    from its callers (see gaas.runtime.context.begin_request). named_as: a worker's own address; a
+    call whose x-gaas-worker names only others is refused untaken (NotNamed).
     """
 
-    def __init__(self, metrics: ServiceMetrics, *, edge: bool) -> None:
+    def __init__(self, metrics: ServiceMetrics, *, edge: bool, named_as: str = "") -> None:
         self._metrics = metrics
         self._edge = edge
+        self._named_as = named_as
         # Each method's handler wrapped once (a service's handlers are the same object at every
         # call), with its metrics' children: not built again for every call.
         self._wrapped: dict[str, tuple[object, object]] = {}
@@ -135,6 +146,9 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
         begin_request(md, edge=self._edge)
         caller_var.set(md.get(CALLER_HEADER, ""))
         answered_var.set("")
+        if self._named_as and (named := md.get(WORKER_HEADER)) and self._named_as not in named.split(","):
+            raise NotNamed(f"this worker ({self._named_as}) is not the one the request was sent to ({named}); "
+                           "it goes to that one, or to the router")
 
     def _done(self, method: str, started: float, exc: BaseException | None, context) -> None:
         self._metrics.rpcs.labels(method, _status_of(exc, context)).inc()
@@ -143,9 +157,9 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
     @contextlib.asynccontextmanager
     async def _serving(self, method: str, context):
         """Around one call's handler: its context set, its failure answered, its metrics recorded."""
-        self._enter(context)
         started, exc = time.perf_counter(), None
         try:
+            self._enter(context)
             yield
         except BaseException as e:
             exc = e

@@ -57,6 +57,9 @@ class ServerOptions:
     edge: bool = False
     # The largest request message it takes (grpc answers RESOURCE_EXHAUSTED past it, unread).
     max_request_bytes: int = 64 << 20
+    # A worker's own address (its sidecar's inbound host:port): a call whose x-gaas-worker names
+    # other workers only is refused untaken (ServerContextInterceptor). "": any call is taken.
+    named_as: str = ""
 
 
 def _check_socket_free(path: Path) -> None:
@@ -98,7 +101,7 @@ class ServiceRuntime:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             interceptors=[
-                ServerContextInterceptor(self.metrics, edge=opts.edge),
+                ServerContextInterceptor(self.metrics, edge=opts.edge, named_as=opts.named_as),
                 *telemetry.server_interceptors(self.tracer_provider),
             ],
             # Without this, a second server silently shares a port already in use.

@@ -17,12 +17,14 @@ from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.settings.docs import help_epilog
 from gaas.settings.control import ControlSettings
 from gaas.runtime.sql import Database
-from gaas.v1 import control_pb2_grpc
+from gaas.v1 import control_pb2_grpc, xds_pb2_grpc
 from services.control.catalog import ModelCatalog
+from services.control.membership import Membership
 from services.control.prefixes import PrefixStore
 from services.control.registry import WorkerRegistry
 from services.control.servicer import ControlServicer
 from services.control.tenants import TenantStore
+from services.control.xds import AggregatedDiscovery
 
 log = logging.getLogger("gaas.control")
 
@@ -47,14 +49,22 @@ async def serve(cfg: ControlSettings) -> None:
     await prefixes.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
     heartbeat = asyncio.create_task(_heartbeat(registry), name="registry-heartbeat")
-    servicer = ControlServicer(registry, catalog, tenants, prefixes, policies)
+    # The workers' endpoints every Envoy of the mesh takes from here (xDS), following the registry.
+    membership = Membership(registry.list)
+    following = asyncio.create_task(membership.run(), name="membership")
+    servicer = ControlServicer(registry, catalog, tenants, prefixes, policies, membership_changed=membership.refresh)
     rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
+    discovery = AggregatedDiscovery(membership)
+    rt.add_service(xds_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server, discovery,
+                   "envoy.service.discovery.v3.AggregatedDiscoveryService", listed=False)
+    rt.on_stop(discovery.close)
     await rt.start()
     await rt.set_serving(True)
     try:
         await rt.run_until_stopped()
     finally:
         heartbeat.cancel()
+        following.cancel()
         await redis.aclose()
         db.close()
 

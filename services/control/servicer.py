@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from google.protobuf import json_format
 
@@ -94,8 +94,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(
         self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore, prefixes: PrefixStore | None = None,
         policies: Mapping[str, qos.TierPolicy] = qos.DEFAULT_POLICIES,
+        membership_changed: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self._registry = registry
+        # Tells the Envoys' membership (services/control/membership.py) at once of a worker that
+        # registered or left here (others it finds by reading the registry again).
+        self._membership_changed = membership_changed
         self._catalog = catalog
         self._tenants = tenants
         self._prefixes = prefixes
@@ -130,6 +134,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             )
         )
         log.info("registered %s (%s at %s, %s)", record.worker_id, record.model, record.address, record.device)
+        await self._changed()
         return _lease(record, self._registry.ttl_seconds)
 
     async def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Lease:
@@ -147,7 +152,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         _only_the_worker_itself(request.worker_id)
         if await self._registry.deregister(WorkerId(request.worker_id)):
             log.info("deregistered %s", request.worker_id)
+            await self._changed()
         return pb.DeregisterWorkerResponse()
+
+    async def _changed(self) -> None:
+        if self._membership_changed is not None:
+            try:
+                await self._membership_changed()
+            except Exception as exc:  # its own poll catches up
+                log.debug("membership refresh failed: %s", exc)
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
         records = await self._registry.list(request.model)

@@ -77,7 +77,8 @@ async def sample_device(servicer: WorkerServicer) -> None:
 
 
 async def serve(cfg: WorkerSettings) -> None:
-    rt = ServiceRuntime(options_for("worker", cfg))
+    # What Envoy sends here that names another worker (it had not heard of that one yet) is refused untaken.
+    rt = ServiceRuntime(options_for("worker", cfg, named_as=cfg.advertise))
     rt.install_signal_handlers()
     # The engine's KV-event sockets live in a directory only this worker's user can enter.
     events_dir = tempfile.mkdtemp(prefix=f"gaas-{cfg.instance}-kv-") if cfg.kv_events else None

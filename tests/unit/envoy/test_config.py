@@ -53,16 +53,36 @@ def _routes(listener):
     return hcm["route_config"]["virtual_hosts"][0]
 
 
+def _takes_workers_from_control(cfg, topo):
+    """The Envoy's workers cluster has no endpoints of its own: they come from control (xDS), as
+    workers register and leave; each request goes to the worker x-gaas-worker names."""
+    clusters = _clusters(cfg)
+    workers = clusters["workers"]
+    assert workers["type"] == "EDS" and "load_assignment" not in workers
+    assert workers["eds_cluster_config"] == {"service_name": "workers", "eds_config": {
+        "ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "5s"}}
+    policy = workers["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert policy["typed_config"]["override_host_sources"] == [{"header": "x-gaas-worker"}]
+    assert not any(c.get("type") == "ORIGINAL_DST" for c in clusters.values())
+    # The stream to control's replicas, at their sidecars' inbound listeners (mTLS, as a control).
+    assert cfg["dynamic_resources"]["ads_config"]["grpc_services"] == [{"envoy_grpc": {"cluster_name": "xds"}}]
+    xds = clusters["xds"]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in xds["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert ports == [c.inbound_port for c in topo.of("control")]
+    sans = xds["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
+    assert sans["match_typed_subject_alt_names"][0]["matcher"] == {"prefix": "spiffe://gaas.local/control/"}
+
+
 def test_router_sidecar_routes_workers_by_header(rendered):
     topo, configs, _ = rendered
     cfg = configs["sidecar-router-0"]
     clusters = _clusters(cfg)
-    # Only the mesh's own workers can be named: one cluster each, called by its sidecar's address.
-    workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
-    assert workers <= set(clusters) and not any(c.get("type") == "ORIGINAL_DST" for c in clusters.values())
+    _takes_workers_from_control(cfg, topo)
     outbound = next(x for x in cfg["static_resources"]["listeners"] if x["name"] == "outbound")
     worker_route = next(r for r in _routes(outbound)["routes"] if r["match"]["prefix"] == "/gaas.v1.Worker/")
-    assert worker_route["route"]["cluster_header"] == "x-gaas-worker"
+    assert worker_route["route"]["cluster"] == "workers"
     assert worker_route["match"]["headers"][0]["name"] == "x-gaas-worker"
     # Peers are reached at their sidecars' inbound listeners, health-checked over gRPC.
     control = clusters["control"]
@@ -96,9 +116,10 @@ def test_control_has_no_outbound_and_worker_reaches_only_its_peers(rendered):
     topo, configs, _ = rendered
     assert [x["name"] for x in configs["sidecar-control-0"]["static_resources"]["listeners"]] == ["inbound", "stats"]
     assert set(_clusters(configs["sidecar-worker-0"])) == {"local_service", "control", "envoy_admin"}
+    assert "dynamic_resources" not in configs["sidecar-worker-0"]
     # The KV directory watches the workers (each named in x-gaas-worker).
-    workers = {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
-    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control", "envoy_admin"} | workers
+    assert set(_clusters(configs["sidecar-kvcache-0"])) == {"local_service", "control", "envoy_admin", "workers", "xds"}
+    _takes_workers_from_control(configs["sidecar-kvcache-0"], topo)
 
 
 def test_ingress_strips_trusted_headers_and_transcodes(rendered):
@@ -182,7 +203,7 @@ def test_requests_that_never_reached_a_replica_are_retried_on_another_and_no_oth
             if "route" not in r:
                 continue
             policy = r["route"].get("retry_policy")
-            if "cluster_header" in r["route"]:
+            if r["route"].get("cluster") == "workers" and listener == "outbound":
                 # The router picked that worker and retries elsewhere itself, before the first token.
                 assert policy is None
                 continue
@@ -239,6 +260,9 @@ def test_each_method_is_open_only_to_the_callers_it_needs(rendered):
     assert _allowed(control, "/gaas.v1.Control/RegisterWorker") == {S + "worker/"}
     assert _allowed(control, "/gaas.v1.Control/CreateApiKey") == {S + "operator/"}
     assert _allowed(control, "/gaas.v1.Control/Authenticate") == {S + "router/", S + "operator/"}
+    # The workers' endpoints go to every Envoy that reaches workers, and to no other caller.
+    assert _allowed(control, "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources") == {
+        S + k + "/" for k in ("ingress", "router", "kvcache", "worker")}
     assert _allowed(control, "/gaas.v1.Control/ListWorkers") == {S + "router/", S + "kvcache/", S + "operator/"}
     assert _allowed(control, "/gaas.v1.Control/NoSuchMethod") == set()
     assert _allowed(control, "/grpc.health.v1.Health/Check") == {S}
@@ -259,7 +283,7 @@ def test_every_hop_between_envoys_checks_the_peer_kind(rendered):
     topo, configs, _ = rendered
     clusters = _clusters(configs["sidecar-router-0"])
     for name, kind in [("control", "control"), ("kvcache", "kvcache"), ("billing", "billing"),
-                       (topo.instance("worker-0").inbound, "worker")]:
+                       ("workers", "worker"), ("xds", "control")]:
         tls = clusters[name]["transport_socket"]["typed_config"]
         sans = tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"]
         assert sans == [{"san_type": "URI", "matcher": {"prefix": f"spiffe://gaas.local/{kind}/"}}], name
@@ -331,14 +355,10 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == generations
     # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity, in the
     # order the router names them.
-    cluster = _clusters(configs["ingress-0"])["workers"]
-    endpoints = {f"{e['endpoint']['address']['socket_address']['address']}:"
-                 f"{e['endpoint']['address']['socket_address']['port_value']}"
-                 for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]}
-    assert endpoints == {f"{w.host}:{w.inbound_port}" for w in topo.of("worker")}
-    policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
-    assert policy["name"] == "envoy.load_balancing_policies.override_host"
-    assert policy["typed_config"]["override_host_sources"] == [{"header": "x-gaas-worker"}]
+    # (The workers are those control says have registered.)
+    _takes_workers_from_control(configs["ingress-0"], topo)
+    tls = _clusters(configs["ingress-0"])["workers"]["transport_socket"]["typed_config"]
+    assert tls["common_tls_context"]["tls_certificates"][0]["certificate_chain"]["filename"].endswith("ingress.ingress-0.crt")
 
 
 def test_direct_path_lets_the_ingress_call_only_what_it_needs(rendered, rendered_direct):
