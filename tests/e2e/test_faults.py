@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,13 +57,21 @@ def wait_worker_back(mesh, old_pid: int) -> None:
     prompt_on_worker(mesh)
 
 
-def prompt_on_worker(mesh) -> str:
-    """A prompt the router sends to WORKER (prefixes are routed where they are cached)."""
+def prompt_on_worker(mesh, label: str = "Faults test", key: str | None = None, received: Received | None = None) -> str:
+    """A prompt the router sends to WORKER (prefixes are routed where they are cached, each
+    tenant's apart: key, the tenant's whose requests follow; the demo tenant's if None). received:
+    where the tries' usage is counted (each is billed to that tenant)."""
+    md = None if key is None else (("authorization", f"Bearer {key}"),)
     deadline = time.monotonic() + 60
     i = 0
     while time.monotonic() < deadline:
-        prompt = f"Faults test {i} {time.monotonic_ns()}: " + "tell me about rivers and the sea. " * 10
-        if generate(mesh, prompt=prompt, max_tokens=1)[-1].worker_id == WORKER:
+        prompt = f"{label} {i} {time.monotonic_ns()}: " + "tell me about rivers and the sea. " * 10
+        last = generate(mesh, md, prompt=prompt, max_tokens=1)[-1]
+        if received is not None:
+            u = last.usage
+            received.add(SimpleNamespace(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                         prompt_tokens_details=SimpleNamespace(cached_tokens=u.cached_tokens)))
+        if last.worker_id == WORKER:
             return prompt
         i += 1
     pytest.fail(f"no prompt landed on {WORKER}")
@@ -80,6 +89,8 @@ def ready_worker(mesh) -> int:
 
 # Greedy streams long enough to be running when their worker goes.
 STREAM_TOKENS = 256
+# The front end's kill waits for the streams' progress to be written first (0.6 s): longer streams.
+FRONT_END_TOKENS = 1536
 GREEDY = dict(model=MODEL, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
 
@@ -88,7 +99,8 @@ class Streams:
     """Greedy completion streams run at once, each in its thread: the text and usage each client
     got, and the errors any got; started tells when every stream has had its first tokens."""
 
-    def __init__(self, c, prompts: list[str]) -> None:
+    def __init__(self, c, prompts: list[str], max_tokens: int = STREAM_TOKENS) -> None:
+        self.max_tokens = max_tokens
         self.texts: list[str] = [""] * len(prompts)
         self.usage: list = [None] * len(prompts)
         self.errors: list[str] = []
@@ -99,7 +111,7 @@ class Streams:
 
     def _run(self, c, i: int, prompt: str) -> None:
         try:
-            for chunk in c.completions.create(prompt=prompt, **GREEDY):
+            for chunk in c.completions.create(prompt=prompt, **{**GREEDY, "max_tokens": self.max_tokens}):
                 if chunk.choices:
                     self.texts[i] += chunk.choices[0].text
                     self.chunks[i] += 1
@@ -159,8 +171,10 @@ def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
     pid = ready_worker(mesh)
     tenant, key = new_tenant(mesh)
     c = client(mesh, key)
-    prompts = [f"Move test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3 for i in range(16)]
     received = Received()
+    # Half of them where the router sends WORKER's prefixes (so some are surely on it), half anywhere.
+    prompts = ([prompt_on_worker(mesh, f"Move test {i}", key, received) for i in range(8)]
+               + [f"Move test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3 for i in range(8, 16)])
     expected = undisturbed(c, prompts, received)
     moves = moves_logged(mesh)
     streams = Streams(c, prompts)
@@ -188,9 +202,13 @@ def test_kill_9_of_a_worker_front_end_cuts_its_streams_and_bills_what_each_got(m
     pid = ready_worker(mesh)
     tenant, key = new_tenant(mesh)
     c = client(mesh, key)
-    prompts = [f"Front end test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3
-               for i in range(8)]
-    streams = Streams(c, prompts)
+    # Half of them on WORKER, and long enough to be running when it goes: the tiny model streams a
+    # few hundred tokens in under a second.
+    tries = Received()  # the requests that found prompts for WORKER, billed to the tenant too
+    prompts = ([prompt_on_worker(mesh, f"Front end test {i}", key, tries) for i in range(4)]
+               + [f"Front end test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3
+                  for i in range(4, 8)])
+    streams = Streams(c, prompts, max_tokens=FRONT_END_TOKENS)
     streams.wait_started()
     # What the worker's progress says each was sent (written every PROGRESS_SECONDS; a stream's last
     # tokens before its worker's death go unbilled within that): its first tokens at least.
@@ -200,16 +218,17 @@ def test_kill_9_of_a_worker_front_end_cuts_its_streams_and_bills_what_each_got(m
     cut = len(streams.errors)
     assert cut >= 1, "no stream was on the killed worker"
     whole = [u for u in streams.usage if u is not None]
-    assert len(whole) + cut == len(prompts) and all(u.completion_tokens == STREAM_TOKENS for u in whole)
+    assert len(whole) + cut == len(prompts) and all(u.completion_tokens == FRONT_END_TOKENS for u in whole)
     deadline = time.monotonic() + 60
     while True:
         requests, _, _, completion = ledger_totals(mesh, tenant)
+        requests, completion = requests - tries.requests, completion - tries.completion
         if requests == len(prompts):
             break
         assert time.monotonic() < deadline, f"{requests} of {len(prompts)} requests in the ledger"
         time.sleep(0.25)
     # The cut streams' share: something each, less than whole (their progress, written every 0.25 s).
-    assert STREAM_TOKENS * len(whole) + cut <= completion < STREAM_TOKENS * len(prompts)
+    assert FRONT_END_TOKENS * len(whole) + cut <= completion < FRONT_END_TOKENS * len(prompts)
     wait_worker_back(mesh, pid)
 
 
@@ -221,8 +240,8 @@ def test_sigterm_on_a_worker_hands_its_streams_over_and_they_finish_whole(mesh):
     pid = ready_worker(mesh)
     tenant, key = new_tenant(mesh)
     c = client(mesh, key)
-    prompts = [prompt_on_worker(mesh) for _ in range(2)]
     received = Received()
+    prompts = [prompt_on_worker(mesh, key=key, received=received) for _ in range(2)]
     expected = undisturbed(c, prompts, received)
     streams = Streams(c, prompts)
     streams.wait_started()
