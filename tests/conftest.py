@@ -200,7 +200,8 @@ def _attach(run_dir: Path) -> RunningMesh:
 
     state = json.loads((run_dir / "mesh.json").read_text())
     topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=state["port_base"],
-                         ingress_port=state["ingress_port"], workers=state["workers"])
+                         ingress_port=state["ingress_port"], workers=state["auto_workers"])
+    topo = topology.with_state_workers(topo, state["workers"])
     ready = probe.probe(topo, run_dir.resolve(), timeout=2.0).to_dict()
     ingress = f"{state['host']}:{state['ingress_port']}"
     key = (run_dir / "demo-key").read_text().strip()

@@ -49,7 +49,7 @@ def mesh_topology(args, state: dict | None = None, *, auto_workers: int = 1):
             "port_base": state["port_base"],
             "ingress_port": state["ingress_port"],
             "ingress_path": state.get("ingress_path"),
-            "workers": state["workers"],
+            "workers": state.get("auto_workers"),
         }
     for key in ("port_base", "ingress_port", "ingress_path", "workers"):
         if getattr(args, key, None) is not None:
@@ -58,7 +58,11 @@ def mesh_topology(args, state: dict | None = None, *, auto_workers: int = 1):
     # The running mesh's own topology (its replicas), unless another file is named.
     if state and state.get("topology") and path == DEFAULT_TOPOLOGY and Path(state["topology"]).exists():
         path = Path(state["topology"])
-    return topology.load(path, **overrides)
+    topo = topology.load(path, **overrides)
+    if state and isinstance(state.get("workers"), list):
+        # The workers it runs now (the deployment's, as `gaas up` started them).
+        topo = topology.with_state_workers(topo, state["workers"])
+    return topo
 
 
 def ingress_address(args) -> str:

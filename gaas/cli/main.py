@@ -13,7 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from gaas.cli import billing, envoy, generate, kv, model, models, restart, sessions, status, tenants, top, trace, up
+from gaas.cli import (
+    billing, deploy, envoy, generate, kv, model, models, restart, sessions, status, tenants, top, trace, up,
+)
 from gaas.cli.common import fail
 
 # What `gaas --help` says above the list of commands.
@@ -22,7 +24,9 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
   gaas up                      start everything (Redis if needed, services, Envoys); Ctrl-C stops it
   gaas generate "Once upon"    stream a generation through the ingress
   gaas status                  health of every service instance, Envoy and worker
-  gaas models                  models the mesh serves
+  gaas models                  models the mesh serves, their versions and roll-outs
+  gaas apply -f deploy/gaas.yaml   apply the deployment live (`gaas diff -f` first shows what changes);
+                               a model's new version is rolled out: `gaas rollout status MODEL`
   gaas kv stats                the KV-cache directory: blocks per worker and tenant, hit ratio
   gaas tenant create acme      tenants (tiers gold / silver / bronze) and their API keys:
   gaas key create acme           the key is printed once; `gaas key revoke KEY_ID` ends it
@@ -34,7 +38,7 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
 """
 
 # The command modules, in the order `gaas --help` lists their commands.
-COMMANDS = (up, trace, generate, sessions, status, top, restart, models, tenants, billing, kv, model, envoy)
+COMMANDS = (up, trace, generate, sessions, status, top, restart, models, deploy, tenants, billing, kv, model, envoy)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,8 +48,6 @@ def cmd_up(args) -> int:
         # One worker per GPU on a GPU host (topology replicas "auto", the default), else one.
         topo = mesh_topology(args, auto_workers=len(visible_gpus()) or 1)
         worker_options = {}
-        if args.model:
-            worker_options["model"] = args.model
         if args.kv_cache_blocks is not None:
             if args.kv_cache_blocks < 1:
                 return fail("--kv-cache-blocks must be at least 1", 2)
@@ -91,9 +89,8 @@ def cmd_up(args) -> int:
             extra_env=extra_env,
             topology_file=Path(args.topology),
             ingress_tls=ingress_tls,
+            serve_model=args.model,
         )
-        for name in {str(w.options["model"]) for w in topo.of("worker")}:
-            mesh.spec.model(name)  # an unknown model is refused here, with the deployment's names
     except (TopologyError, SpecError, MeshError) as exc:
         return fail(str(exc), 2)
 
@@ -103,17 +100,21 @@ def cmd_up(args) -> int:
         if not stop.is_set():
             say(f"{signal.Signals(signum).name} received: stopping the mesh")
         stop.set()
+        mesh.interrupt()  # a start under way gives up (wait_ready returns None)
 
     # Explicitly, both: a shell that started us in the background may have SIGINT ignored.
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
     started = time.monotonic()
-    services = len(topo.instances)
-    say(f"starting {services} service instances and {services + 1} Envoys (logs in {run_dir / 'logs'})")
+    services = len(mesh.topo.instances)
+    say(f"starting {services} service instances and {services + 1} Envoys, then the deployment's workers "
+        f"(logs in {run_dir / 'logs'})")
     try:
         mesh.start()
-        health = _wait_ready(mesh, stop, args.timeout)
+        # In this thread: what it starts is the main thread's child (a child started by a thread
+        # gets the parent-death signal when that thread ends: gaas.launcher.children.child_setup).
+        health = mesh.wait_ready(args.timeout)
     except MeshError as exc:
         fail(str(exc))
         mesh.stop()
@@ -137,7 +138,8 @@ def cmd_up(args) -> int:
         return 1
     elapsed = time.monotonic() - started
     ingress = topo.ingress
-    model = mesh.served_models[0]
+    model = (mesh.served_models or [mesh.spec.default_model.name])[0]
+    services = len(mesh.topo.instances)
     if args.json:
         print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), "demo_key_file":
                           str(run_dir / DEMO_KEY_FILE), "models": mesh.served_models, "traces_file": str(mesh.traces_file) if trace_sink else None,
@@ -165,31 +167,6 @@ def cmd_up(args) -> int:
     return 0
 
 
-def _wait_ready(mesh, stop: threading.Event, timeout: float):
-    """mesh.wait_ready, but giving up early when a signal arrives."""
-    from gaas.launcher.errors import MeshError
-
-    result: dict = {}
-
-    def waiter() -> None:
-        try:
-            result["health"] = mesh.wait_ready(timeout)
-        except MeshError as exc:
-            result["error"] = exc
-        finally:
-            stop_waiting.set()
-
-    stop_waiting = threading.Event()
-    threading.Thread(target=waiter, daemon=True).start()
-    while not stop_waiting.wait(0.2):
-        if stop.is_set():
-            mesh.interrupt()
-            return None
-    if "error" in result:
-        raise result["error"]
-    return result["health"]
-
-
 def register(sub) -> None:
     """`gaas up`."""
     up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C or SIGTERM",
@@ -200,8 +177,8 @@ def register(sub) -> None:
     up.add_argument("--redis-url", default=os.environ.get("GAAS_REDIS_URL", DEFAULT_REDIS),
                     help="Redis to use; started locally when nothing answers (env GAAS_REDIS_URL)")
     up.add_argument("--model", default=os.environ.get("GAAS_MODEL") or None,
-                    help="the model the workers serve, by name from the deployment file (env GAAS_MODEL; "
-                    "default from the topology)")
+                    help="serve this model of the deployment file (its replicas, or auto) and no other (env "
+                    "GAAS_MODEL; default: the models the file gives replicas)")
     up.add_argument("--router-policy", default=os.environ.get("GAAS_ROUTER_POLICY") or None,
                     help="how routers pick a worker: kv_aware (where the prompt's prefix is cached, unless load "
                     "says otherwise; the default), least_load, round_robin (env GAAS_ROUTER_POLICY)")

@@ -116,8 +116,10 @@ class Context:
     turns: list[Turn] = field(default_factory=list)
     # Tokens of the context as its last turn sent it (prompt + reply).
     tokens: int = 0
-    # The worker that served the last turn.
+    # The worker that served the last turn, and the model version its first turn took (its turns
+    # stay on it while it serves: a roll-out does not change a conversation's model mid-way).
     worker: str = ""
+    model_version: str = ""
     created_ms: int = 0
     updated_ms: int = 0
     committed_turns: int = 0
@@ -141,7 +143,7 @@ class Context:
     def summary(self) -> dict[str, str]:
         """The hash fields listing reads without parsing the context."""
         return {"model": self.model, "kind": self.kind, "turns": str(len(self.turns)), "tokens": str(self.tokens),
-                "worker": self.worker, "created": str(self.created_ms), "updated": str(self.updated_ms),
+                "worker": self.worker, "model_version": self.model_version, "created": str(self.created_ms), "updated": str(self.updated_ms),
                 "committed": str(self.committed_turns), "dropped": str(self.dropped_turns)}
 
     # ------------------------------------------------------------ what the engine is sent

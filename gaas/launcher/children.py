@@ -22,7 +22,8 @@ LEFTOVER_GRACE_SECONDS = 20.0
 
 def child_setup(cpus: set[int] | None) -> Callable[[], None]:
     """What the child runs before exec: get SIGTERM when the parent dies (Linux's parent-death
-    signal), and keep to the given CPUs."""
+    signal), and keep to the given CPUs. The signal comes when the *thread* that started the child
+    ends, not only the process: start children from the thread that lives as long as the mesh."""
 
     def setup() -> None:
         try:

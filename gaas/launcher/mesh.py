@@ -14,12 +14,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 from gaas.envoy import config as envoyconf
+from gaas.launcher import fleet
 from gaas.launcher.children import (
     RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_setup, signal_group, start_ticks, stop_leftovers,
 )
@@ -34,10 +36,10 @@ from gaas.settings import deployspec
 from gaas.settings import worker as worker_settings
 from gaas.settings.env import env_of, value_from_env, variables
 from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
-from gaas.model.build import build_model, is_built
+from gaas.model.build import build_model, check_source, is_built
 from gaas.host import placement
 from gaas.host.devices import visible_gpus
-from gaas.ops.topology import Instance, LocalSockets, Topology, sockets_root
+from gaas.ops.topology import Instance, LocalSockets, Topology, sockets_root, with_workers
 from gaas.ops.traces import TRACES_FILE, TraceTarget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +56,8 @@ SERVICE_MODULES = {
 
 # How long stopping the mesh waits for requests in flight through the ingress.
 INGRESS_DRAIN_SECONDS = 20.0
+# How often the workers are matched with the deployment's pools.
+RECONCILE_SECONDS = 1.0
 
 
 class Mesh:
@@ -70,8 +74,10 @@ class Mesh:
         ingress_tls: tuple[Path, Path] | None = None,
         trace: TraceTarget | None = None,
         trace_sink: bool = False,
+        serve_model: str | None = None,
     ) -> None:
-        self.topo = topo
+        # The workers are the deployment's (control's pools, reconciled once control answers).
+        self.topo = with_workers(topo, [])
         # Where every service and Envoy sends its spans (None: no tracing); trace_sink: run the
         # local collector (gaas.ops.tracesink) there, writing traces_file.
         self.trace = trace
@@ -92,21 +98,25 @@ class Mesh:
         self.log_dir = self.run_dir / "logs"
         self.sockets = sockets_root(self.run_dir)
         self.spec = deployspec.load(self.deploy_file)
+        # `gaas up --model NAME`: that model served (auto workers) instead of the file's (the
+        # effective file, written to the run directory, is what control applies).
+        self.serve_model = serve_model
+        if serve_model:
+            self.spec.model(serve_model)  # an unknown model is refused here, with the deployment's names
         # The GPUs this host lets us use (gaas.host.devices): a worker on each, by UUID (workers
         # beyond their number share, splitting the memory); none: CPU workers, one per core.
         self.gpus = visible_gpus()
-        self.gpu_slots: list[placement.GpuSlot] = []
-        workers = self.topo.of("worker")
-        if self.gpus and workers:
-            budget = value_from_env(worker_settings.WorkerSettings, "gpu_memory_utilization")
-            kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
-            try:
-                self.gpu_slots = placement.worker_gpus(self.gpus, len(workers), budget=budget, kv_cache_bytes=kv_bytes)
-            except placement.PlacementError as exc:
-                raise MeshError(str(exc)) from None
-            if any(slot.shared_by > 1 for slot in self.gpu_slots):
-                progress(f"{len(workers)} workers on {len(self.gpus)} GPU(s): workers sharing a GPU split its memory")
         self._stopping = False
+        # The workers told to drain (their pool shrank or went), by name; the pools' last answer;
+        # models being built for a pool, and the pools this host cannot run (said to control once).
+        self._retiring: set[str] = set()
+        self._pools_version = ""
+        self._builds: dict[str, threading.Thread] = {}
+        self._build_errors: dict[str, str] = {}
+        self._refused: set[tuple[str, str]] = set()
+        self._control = None
+        self._authority: pki.Authority | None = None
+        self._last_reconcile = 0.0
 
     # ----------------------------------------------------------------- start
 
@@ -124,14 +134,15 @@ class Mesh:
                 " (`gaas status`)? Stop it, or pick other ports with --port-base / --ingress-port"
             )
         protogen.generate()
-        self._ensure_models()
+        if self.serve_model:
+            self.deploy_file = self._serving_only(self.serve_model)
         self._ensure_redis()
         for name in ("ingress-0", *(i.name for i in self.topo.instances)):
             d = LocalSockets.of(self.sockets, name).dir
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
         os.chmod(self.sockets, 0o700)
-        authority = pki.Authority(self.run_dir)
+        authority = self._authority = pki.Authority(self.run_dir)
         pki.issue_certificates(self.topo, authority)
         configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
                                    authority, self.ingress_tls, self.sockets, self.trace)
@@ -177,15 +188,25 @@ class Mesh:
     def traces_file(self) -> Path:
         return self.run_dir / TRACES_FILE
 
-    def _ensure_models(self) -> None:
-        for name in sorted({str(w.options["model"]) for w in self.topo.of("worker")}):
-            m = self.spec.model(name)
-            if m.preset:
-                if not is_built(Path(m.source)):
-                    self.progress(f"building model {m.name} ({m.preset} preset) into {m.source}")
-                    build_model(m.preset, Path(m.source), progress=lambda msg: self.progress(f"  {msg}"))
-            elif m.source.startswith("/") and not Path(m.source).exists():
-                raise MeshError(f"model {m.name}: {m.source} does not exist and no preset is given to build it")
+    def _serving_only(self, name: str) -> Path:
+        """The deployment file with model name served (its replicas auto, unless it has some) and
+        every other model catalogued only; written to the run directory, sources made absolute."""
+        import yaml
+
+        doc = yaml.safe_load(self.deploy_file.read_text())
+        for entry in doc["models"]:
+            m = self.spec.model(entry["name"])
+            entry["source"] = m.source
+            if entry["name"] == name:
+                entry["replicas"] = m.replicas if m.serves else deployspec.AUTO
+            else:
+                entry["replicas"] = 0
+        path = self.run_dir / "deploy" / f"serving-{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {self.deploy_file} as `gaas up --model {name}` applies it: {name} served, every other "
+                        f"model catalogued only.\n" + yaml.safe_dump(doc, sort_keys=False))
+        self.spec = deployspec.load(path)
+        return path
 
     def _ensure_redis(self) -> None:
         if redis_answers(self.redis_url):
@@ -285,11 +306,11 @@ class Mesh:
             # Follow the caller's decision; never start a trace of their own (background calls).
             env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
         if inst.service == "worker":
-            m = self.spec.model(str(inst.options["model"]))
-            values.update(model=m.name, model_path=m.source, model_version=m.version, max_model_len=m.max_model_len,
-                          **worker_settings.from_topology(inst.options))
-            if self.gpu_slots:
-                slot = self.gpu_slots[inst.index]
+            o = inst.options
+            values.update(model=str(o["model"]), model_path=str(o["source"]), model_version=str(o["version"]),
+                          max_model_len=int(o["max_model_len"]), **worker_settings.from_topology(o))
+            if self.gpus:
+                slot = self._gpu_slot(inst)
                 values.update(device="cuda", gpu_memory_utilization=slot.memory_fraction)
                 # By UUID: the same GPU whatever order CUDA numbers them in; and CUDA's order is
                 # NVML's for anything else that counts them.
@@ -301,6 +322,21 @@ class Mesh:
         env.update(env_of(settings, **values))
         env.update(self.extra_env)
         return env
+
+    def _gpu_slot(self, inst: Instance) -> placement.GpuSlot:
+        """The GPU a worker computes on, and its share of the GPU's memory: the workers share the
+        GPUs in turn (worker N on GPU N mod their number), those on one GPU splitting its memory
+        budget as the workers there now are counted (a worker started later on a GPU other
+        workers hold takes a smaller share; give the GPU room, or fewer workers, for a roll-out)."""
+        workers = self.topo.of("worker")
+        budget = value_from_env(worker_settings.WorkerSettings, "gpu_memory_utilization")
+        kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
+        count = max(len(workers), inst.index + 1)
+        try:
+            slots = placement.worker_gpus(self.gpus, count, budget=budget, kv_cache_bytes=kv_bytes)
+        except placement.PlacementError as exc:
+            raise MeshError(str(exc)) from None
+        return slots[inst.index]
 
     def _spawn_service(self, inst: Instance) -> None:
         cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]
@@ -320,13 +356,19 @@ class Mesh:
         self._spawn(name, "envoy", cmd, {**env, "GAAS_ENVOY_NAME": name})
 
     def _write_state(self) -> None:
+        # Prometheus scrapes the instances there are now (workers come and go with the deployment).
+        promconf.write(self.topo, self.run_dir / "prometheus.yml")
         state = {
             "pid": os.getpid(),
             "host": self.topo.host,
             "port_base": self.topo.port_base,
             "ingress_port": self.topo.ingress_port,
             "ingress_path": self.topo.ingress_path,
-            "workers": len(self.topo.of("worker")),
+            # What a pool's replicas: auto is here; each worker's number and options (its pool and
+            # engine settings): gaas.ops.topology.with_state_workers.
+            "auto_workers": self.topo.auto_workers,
+            "workers": [{"index": w.index, "options": dict(w.options)} for w in self.topo.of("worker")],
+            "retiring": sorted(self._retiring),
             "topology": str(Path(self.topology_file).resolve()) if self.topology_file else None,
             "redis_url": self.redis_url,
             "ingress_tls_cert": str(self.ingress_tls[0]) if self.ingress_tls else None,
@@ -346,26 +388,45 @@ class Mesh:
 
     # ----------------------------------------------------------------- ready
 
-    def wait_ready(self, timeout: float = 240.0) -> probe.MeshHealth:
-        """Until every instance is SERVING through its sidecar, every Envoy is ready and every
-        worker is registered; raises MeshError naming what is missing (and its log)."""
+    def wait_ready(self, timeout: float = 240.0) -> probe.MeshHealth | None:
+        """Until control answers (then the deployment's workers are started), every instance is
+        SERVING through its sidecar, every Envoy is ready and every worker is registered; raises
+        MeshError naming what is missing (and its log). None: interrupted (interrupt()). Call it
+        from the thread that keeps running the mesh: the workers are its children."""
         started = time.monotonic()
         deadline = started + timeout
         last_note = 0.0
-        want_workers = len(self.topo.of("worker"))
-        # This mesh's workers: a registration left by another topology's (a worker that was removed,
-        # or moved to another port) is not one of them, whatever its lease says.
-        ours = {(w.name, w.inbound) for w in self.topo.of("worker")}
+        pools = None
         while True:
+            if self._stopping:
+                return None
             self._check_children()
+            if pools is None:
+                try:
+                    pools = self._fetch_pools(timeout=1.0)
+                except MeshError:
+                    pools = None
+                if pools is not None:
+                    # The deployment's workers, their models built first (a preset's, when missing).
+                    self._reconcile(pools, initial=True)
+                    self._write_state()
+                    if not self.topo.of("worker"):
+                        self.progress("the deployment serves no model (every model's replicas is 0): no workers "
+                                      "started; `gaas apply` a file that serves one")
+            want_workers = len(self.topo.of("worker"))
+            # This mesh's workers: a registration left by another topology's (a worker that was removed,
+            # or moved to another port) is not one of them, whatever its lease says.
+            ours = {(w.name, w.inbound) for w in self.topo.of("worker")}
             health = probe.probe(self.topo, self.run_dir, timeout=1.0)
             registered = [w for w in health.workers
                           if w["state"] == "SERVING" and (w["worker_id"], w["address"]) in ours]
-            if health.healthy and len(registered) >= want_workers:
+            if pools is not None and health.healthy and len(registered) >= want_workers:
                 return health
             waiting = [i.name for i in health.instances if i.health != "SERVING" or not i.sidecar_ready]
             if not health.ingress_ready:
                 waiting.append("ingress-0")
+            if pools is None and "control-0" not in waiting:
+                waiting.append("the deployment's pools from control")
             if not waiting and len(registered) < want_workers:
                 waiting.append(f"worker registration ({len(registered)}/{want_workers})")
             now = time.monotonic()
@@ -377,7 +438,7 @@ class Mesh:
                 hint = ""
                 if any("worker" in w for w in waiting):
                     hint = (" (vLLM loads the model, compiles it and captures CUDA graphs: a minute or two on a GPU)"
-                            if self.gpu_slots else " (vLLM loads the model: ~20-40 s per worker on a CPU)")
+                            if self.gpus else " (vLLM loads the model: ~20-40 s per worker on a CPU)")
                 self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
                 last_note = now
             time.sleep(0.5)
@@ -394,14 +455,15 @@ class Mesh:
 
     def supervise(self, report: Callable[[str], None]) -> None:
         """Restart children that exited on their own, with backoff (1, 2, 4 ... 30 s; reset after a
-        minute of running), saying so through report. Called every second by `gaas up`."""
+        minute of running), saying so through report; retire the workers told to drain once they
+        have; and keep the workers matching the deployment's pools. Called every second by `gaas up`."""
         if self._stopping:
             return
         now = time.monotonic()
-        changed = False
+        changed = self._retire_finished(report)
         for c in self.children:
             rc = c.proc.poll()
-            if rc is None:
+            if rc is None or self._retired(c.name):
                 continue
             if not c.restart_at:
                 ran = now - c.started
@@ -413,8 +475,152 @@ class Mesh:
                 self._respawn(c)
                 changed = True
                 report(f"{c.name} restarted (pid {c.proc.pid}, restart {c.restarts})")
+        if now - self._last_reconcile >= RECONCILE_SECONDS:
+            self._last_reconcile = now
+            try:
+                pools = self._fetch_pools(timeout=1.0)
+            except MeshError:
+                pools = None  # control away: the workers stay as they are
+            if pools is not None:
+                changed = self._reconcile(pools, report=report) or changed
         if changed:
             self._write_state()
+
+    # ----------------------------------------------------------------- the deployment's workers
+
+    def _fetch_pools(self, timeout: float) -> list[fleet.PoolSpec]:
+        """The pools control says the mesh runs (MeshError when it does not answer)."""
+        import grpc
+
+        from gaas.v1 import control_pb2, control_pb2_grpc
+
+        if self._control is None:
+            channel = pki.operator_channel(self.topo.of("control")[0].inbound, self.run_dir)
+            self._control = (channel, control_pb2_grpc.ControlStub(channel))
+        try:
+            resp = self._control[1].ListPools(control_pb2.ListPoolsRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise MeshError(f"control did not say which workers to run: {exc.code().name}") from None
+        return [fleet.PoolSpec.from_pb(p) for p in resp.pools]
+
+    def _report_failure(self, pool: fleet.PoolSpec, reason: str) -> None:
+        """Tell control why a pool's workers cannot run here (a roll-out of it halts)."""
+        from gaas.v1 import control_pb2
+
+        self.progress(f"{pool.model} {pool.version}: {reason}")
+        try:
+            self._control[1].ReportPoolFailure(control_pb2.ReportPoolFailureRequest(
+                model=pool.model, version=pool.version, reason=reason), timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - said above; control hears of it at its next report
+            self.progress(f"could not tell control: {exc}")
+
+    def _placeable(self, pool: fleet.PoolSpec) -> bool:
+        """Whether this host can run the pool's workers (said to control once when not)."""
+        wrong = ("needs a GPU; this host has none" if pool.device == "gpu" and not self.gpus else
+                 "needs a CPU host; this host's engine is vLLM for its GPUs" if pool.device == "cpu" and self.gpus else
+                 self._build_errors.get(pool.source) or check_source(pool.model, pool.version, pool.source, pool.preset))
+        if wrong and pool.key not in self._refused:
+            self._refused.add(pool.key)
+            self._report_failure(pool, wrong)
+        return not wrong
+
+    def _model_ready(self, pool: fleet.PoolSpec, wait: bool) -> bool:
+        """Whether the pool's weights are there: a preset's are built when missing (wait: here and
+        now; else in the background, the pool's workers started at a later look)."""
+        if not pool.preset or not pool.source.startswith("/") or is_built(Path(pool.source)):
+            return True
+        building = self._builds.get(pool.source)
+        if building is not None and building.is_alive():
+            return False
+
+        def build() -> None:
+            self.progress(f"building model {pool.model} {pool.version} ({pool.preset} preset, seed {pool.seed}) "
+                          f"into {pool.source}")
+            try:
+                build_model(pool.preset, Path(pool.source), seed=pool.seed, progress=lambda m: self.progress(f"  {m}"))
+            except Exception as exc:  # noqa: BLE001 - said to control: its roll-out halts with it
+                self._build_errors[pool.source] = f"building {pool.source} failed: {type(exc).__name__}: {exc}"
+
+        if wait:
+            build()
+            return pool.source not in self._build_errors
+        self._builds[pool.source] = threading.Thread(target=build, name=f"build {pool.model}", daemon=True)
+        self._builds[pool.source].start()
+        return False
+
+    def _reconcile(self, pools: list[fleet.PoolSpec], initial: bool = False,
+                   report: Callable[[str], None] | None = None) -> bool:
+        """Start and stop workers so they match pools; True when the mesh changed."""
+        report = report or self.progress
+        running = [fleet.Running(w.index, fleet.key_of(w.options), w.name in self._retiring)
+                   for w in self.topo.of("worker")]
+        actions = fleet.reconcile(pools, running, self.topo.auto_workers, self._placeable)
+        for index in actions.stop:
+            self._retire(f"worker-{index}", report)
+        for index, pool in actions.start:
+            if not self._model_ready(pool, wait=initial) or not self._placeable(pool):
+                continue
+            self._spawn_worker(index, pool, report, quiet=initial)
+        return bool(actions)
+
+    def _spawn_worker(self, index: int, pool: fleet.PoolSpec, report: Callable[[str], None], quiet: bool) -> None:
+        inst = self.topo.worker(index, pool.options())
+        busy = [p for p in (inst.inbound_port, inst.metrics_port, inst.envoy_stats_port) if port_in_use(inst.host, p)]
+        if busy:
+            report(f"cannot start {inst.name} for {pool.model} {pool.version}: port(s) {', '.join(map(str, busy))} "
+                   f"on {inst.host} are in use; trying again shortly")
+            return
+        sockets = LocalSockets.of(self.sockets, inst.name).dir
+        sockets.mkdir(parents=True, exist_ok=True)
+        os.chmod(sockets, 0o700)
+        self._authority.issue("worker", inst.name, sidecar=inst.inbound)
+        self.topo = with_workers(self.topo, [*self.topo.of("worker"), inst])
+        config = envoyconf.sidecar_config(self.topo, inst, self.log_dir, self._authority, self.sockets, self.trace)
+        path = self.run_dir / "envoy" / f"sidecar-{inst.name}.yaml"
+        path.write_text(envoyconf.config_text(config))
+        self._spawn_service(inst)
+        self._spawn_envoy(f"sidecar-{inst.name}", path)
+        if not quiet:
+            report(f"started {inst.name} for {pool.model} {pool.version} ({pool.role})")
+
+    def _retire(self, name: str, report: Callable[[str], None]) -> None:
+        """Drain a worker whose pool shrank or went: SIGTERM (it deregisters, its streams finish or
+        are handed over); its sidecar stops once it has left (_retire_finished)."""
+        self._retiring.add(name)
+        child = next((c for c in self.children if c.name == name), None)
+        if child is not None and child.proc.poll() is None:
+            try:
+                child.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        report(f"{name} drains: its pool ({fleet.key_of(self.topo.instance(name).options)[0]} "
+               f"{fleet.key_of(self.topo.instance(name).options)[1]}) needs it no more")
+
+    def _retired(self, name: str) -> bool:
+        """A retiring worker, or its sidecar (never restarted)."""
+        return name in self._retiring or name.removeprefix("sidecar-") in self._retiring
+
+    def _retire_finished(self, report: Callable[[str], None]) -> bool:
+        """The retiring workers that have left: their sidecars stopped, then both forgotten."""
+        changed = False
+        for name in sorted(self._retiring):
+            worker = next((c for c in self.children if c.name == name), None)
+            sidecar = next((c for c in self.children if c.name == f"sidecar-{name}"), None)
+            if worker is not None and worker.proc.poll() is None:
+                continue
+            if sidecar is not None and sidecar.proc.poll() is None:
+                sidecar.proc.send_signal(signal.SIGTERM)
+                continue
+            for c in (worker, sidecar):
+                if c is not None:
+                    signal_group(c.proc.pid, signal.SIGKILL)  # what its engine left
+                    self.children.remove(c)
+            self._retiring.discard(name)
+            self.topo = with_workers(self.topo, [w for w in self.topo.of("worker") if w.name != name])
+            shutil.rmtree(LocalSockets.of(self.sockets, name).dir, ignore_errors=True)
+            report(f"{name} has left")
+            changed = True
+        return changed
 
     # ----------------------------------------------------------------- stop
 
@@ -423,6 +629,9 @@ class Mesh:
         then the sidecars, then Redis; whatever is left after timeout is killed with its group."""
         self._stopping = True
         deadline = time.monotonic() + timeout
+        if self._control is not None:
+            self._control[0].close()
+            self._control = None
         self._drain_ingress(min(timeout / 2, INGRESS_DRAIN_SECONDS))
         order = [
             [c for c in self.children if c.name == "ingress-0"],

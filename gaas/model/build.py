@@ -186,3 +186,39 @@ def is_built(model_dir: Path) -> bool:
     """True when model_dir holds a complete build (the marker is written last)."""
     d = Path(model_dir)
     return (d / MARKER_FILE).is_file() and (d / "config.json").is_file() and (d / "tokenizer.json").is_file()
+
+
+def check_source(name: str, version: str, source: str, preset: str) -> str | None:
+    """What is wrong with a model version's weights, as a deployment names them (None: nothing):
+    a local directory that is missing with no preset to build it, an unknown preset, or a
+    directory without a model's config. A hub id (not a path) is taken as given."""
+    if preset and preset not in PRESETS:
+        return f"{name} {version}: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}"
+    if not source.startswith("/"):
+        return None
+    d = Path(source)
+    if preset:
+        if d.exists() and not d.is_dir():
+            return f"{name} {version}: source {source} is not a directory"
+        return None  # built when missing
+    if not d.is_dir():
+        return f"{name} {version}: source {source} does not exist, and no preset is given to build it"
+    if not (d / "config.json").is_file():
+        return f"{name} {version}: source {source} has no config.json: not a model directory"
+    return None
+
+
+def check_model(m) -> str | None:
+    """check_source of a deployment's model (gaas.settings.deployspec.ModelSpec); only one that is
+    to have workers needs its weights."""
+    return check_source(m.name, m.version, m.source, m.preset) if m.serves else None
+
+
+def check_sources(spec) -> None:
+    """Every served model's weights of a deployment (gaas.settings.deployspec.DeploySpec) checked;
+    SpecError at the first whose source cannot be had (parse_text(check=...) places it in the file)."""
+    from gaas.settings.deployspec import SpecError
+
+    for i, m in enumerate(spec.models):
+        if wrong := check_model(m):
+            raise SpecError(wrong, ("models", i, "source"))

@@ -24,6 +24,9 @@ ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
         "Authenticate": ("router", "operator"),
         "ListPublicPrefixes": ("router", "operator"),
         "ListTenants": ("billing", "operator"),
+        # A worker whose engine cannot start says why (its version's roll-out halts); so does the
+        # operator's launcher for a pool it cannot place.
+        "ReportPoolFailure": ("worker", "operator"),
     },
     "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
     "billing": {"GetUsage": ("router", "operator")},

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 # usage stream it only appends to, are not narrower than that.)
 PERMISSIONS: dict[str, tuple[str, ...]] = {
     # Worker registrations and leases.
-    "control": ("~gaas:worker:*", "~gaas:workers", "~gaas:control:*"),
-    # Admission (quotas, budgets, spend), the usage stream, sessions, and on the direct path the
-    # workers' reports of requests' ends and their streams' progress.
+    # Roll-outs: the requests' outcomes the guard judges, and which replica drives them.
+    "control": ("~gaas:worker:*", "~gaas:workers", "~gaas:control:*", "~gaas:rollout:*"),
+    # Admission (quotas, budgets, spend), the usage stream, sessions, on the direct path the
+    # workers' reports of requests' ends and their streams' progress, and the outcomes of requests
+    # of models under a roll-out.
     "router": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:rpm:*", "~gaas:tpm:*", "~gaas:budget:*",
                "~gaas:spend:*", "~gaas:usage", "~gaas:session:*", "~gaas:sessions:*", "~gaas:direct:*",
-               "&gaas:direct:*"),
+               "&gaas:direct:*", "~gaas:rollout:outcomes"),
     # On the direct path: a request's usage appended (settling its admission), its progress, a
     # session turn's reply committed, its end reported.
     "worker": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:tpm:*", "~gaas:spend:*", "~gaas:usage",

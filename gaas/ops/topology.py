@@ -1,5 +1,11 @@
 """The mesh topology (deploy/topology.yaml): services, replicas and the ports every instance and
-its Envoy sidecar listen on. The Envoy configs and `gaas up` are both derived from it."""
+its Envoy sidecar listen on. The Envoy configs and `gaas up` are both derived from it.
+
+Workers are the exception: how many there are, and which model version each serves, is the
+deployment's (deploy/gaas.yaml's pools, applied live); the topology gives every worker its engine
+settings' defaults and its port block. Workers take the blocks after every other instance's, one
+per worker index (worker-0, worker-1...), so a worker started on a running mesh gets ports no other
+instance has (Topology.worker)."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gaas.settings.worker import EXECUTORS, topology_defaults
+from gaas.settings.worker import engine_options, topology_defaults
 
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")
@@ -169,8 +175,29 @@ class Topology:
         return {"ingress-0": f"{self.host}:{self.ingress_stats_port}",
                 **{f"sidecar-{i.name}": f"{i.host}:{i.envoy_stats_port}" for i in self.instances}}
 
+    # What a deployment pool's `replicas: auto` becomes (services.worker.replicas, or --workers),
+    # and every worker's engine settings unless its pool says otherwise.
+    auto_workers: int = 1
+    worker_defaults: Mapping[str, object] = field(default_factory=dict)
+
     def of(self, service: str) -> list[Instance]:
         return [i for i in self.instances if i.service == service]
+
+    @property
+    def first_worker_block(self) -> int:
+        """The port block of worker-0 (every other instance's blocks come before the workers')."""
+        return 1 + sum(1 for i in self.instances if i.service != "worker")
+
+    def worker(self, index: int, pool: Mapping[str, object] | None = None) -> Instance:
+        """worker-<index>, serving pool (its model, version, source, max_model_len and engine
+        settings, over the topology's defaults)."""
+        pool = dict(pool or {})
+        engine = dict(pool.pop("engine", None) or {})
+        base = self.port_base + (self.first_worker_block + index) * PORTS_PER_INSTANCE
+        if base + PORTS_PER_INSTANCE > 65536:
+            raise TopologyError(f"port_base {self.port_base} leaves too few ports for worker-{index}'s port block")
+        return Instance("worker", f"worker-{index}", index, self.host, base,
+                        {**self.worker_defaults, **engine, **pool})
 
     def instance(self, name: str) -> Instance:
         for i in self.instances:
@@ -211,10 +238,12 @@ def build(
     ingress_path: str | None = None,
     workers: int | str | None = None,
     auto_workers: int = 1,
+    fleet: list[Mapping[str, object]] | None = None,
 ) -> Topology:
     """Derive every instance and port from the parsed YAML; keyword arguments override it.
     Worker replicas "auto" (the default) become auto_workers: the launcher passes one per GPU on a
-    GPU host (gaas.host.devices), 1 on a CPU host."""
+    GPU host (gaas.host.devices), 1 on a CPU host; workers (--workers) overrides them. fleet: the
+    pool of each worker, worker-0 first (the launcher's plan of the deployment)."""
     if not isinstance(doc, Mapping):
         raise TopologyError("the topology must be a mapping with host, port_base, ingress, services")
     services = doc.get("services") or {}
@@ -236,45 +265,56 @@ def build(
         raise TopologyError(f"ingress.path must be one of {', '.join(INGRESS_PATHS)}, got {ingress_path!r}")
 
     instances: list[Instance] = []
-    block = 1  # block 0 is the ingress's
+    block = 1  # block 0 is the ingress's; the workers' blocks come after every other instance's
+    auto = auto_workers
+    defaults: dict[str, object] = dict(WORKER_DEFAULTS)
     for service in SERVICES:
         settings = dict(services[service] or {})
         replicas = settings.pop("replicas", "auto" if service == "worker" else 1)
-        if service == "worker" and workers is not None:
-            replicas = workers
-        if service == "worker" and replicas == "auto":
-            replicas = auto_workers
-        what = "workers" if service == "worker" and workers is not None else f"services.{service}.replicas"
-        replicas = _int(replicas, f"{what} (a number or auto)" if service == "worker" else what, 1)
-        options: dict[str, object] = {}
         if service == "worker":
-            unknown_opts = set(settings) - set(WORKER_DEFAULTS)
-            if unknown_opts:
-                raise TopologyError(f"services.worker: unknown setting(s) {', '.join(sorted(unknown_opts))}")
-            options = {**WORKER_DEFAULTS, **settings}
-            if not options["model"]:
-                raise TopologyError("services.worker.model is required (a model name from deploy/gaas.yaml)")
-            if _int(options["block_size"], "services.worker.block_size", 16) % 16:
-                raise TopologyError("services.worker.block_size must be a multiple of 16")
-            _int(options["stream_interval"], "services.worker.stream_interval", 1)
-            if options["executor"] not in EXECUTORS:
-                raise TopologyError(f"services.worker.executor must be one of {', '.join(EXECUTORS)}")
-            if options["enforce_eager"] not in (True, False, "auto"):
-                raise TopologyError("services.worker.enforce_eager must be true, false or auto")
-        elif settings:
+            if workers is not None:
+                replicas = workers
+            if replicas == "auto":
+                replicas = auto_workers
+            what = "workers" if workers is not None else "services.worker.replicas"
+            auto = _int(replicas, f"{what} (a number or auto)", 1)
+            if "model" in settings:
+                raise TopologyError("services.worker.model: the models served, and by how many workers, are the "
+                                    "deployment's now (deploy/gaas.yaml: a model's replicas); remove it here")
+            try:
+                defaults.update(engine_options(settings))
+            except ValueError as exc:
+                raise TopologyError(f"services.worker: {exc}") from None
+            continue
+        if settings:
             raise TopologyError(f"services.{service}: unknown setting(s) {', '.join(sorted(settings))}")
+        replicas = _int(replicas, f"services.{service}.replicas", 1)
         for idx in range(replicas):
-            instances.append(
-                Instance(service, f"{service}-{idx}", idx, host, base + block * PORTS_PER_INSTANCE, options)
-            )
+            instances.append(Instance(service, f"{service}-{idx}", idx, host, base + block * PORTS_PER_INSTANCE))
             block += 1
-    if base + block * PORTS_PER_INSTANCE > 65535:
-        raise TopologyError(f"port_base {base} leaves too few ports for {block} port blocks")
     topo = Topology(host=host, port_base=base, ingress_port=ingress_port, instances=tuple(instances),
-                    ingress_path=ingress_path)
+                    ingress_path=ingress_path, auto_workers=auto, worker_defaults=defaults)
+    # The workers: those of fleet (each a pool's worker), else auto_workers of no pool (what the
+    # Envoy configs of a topology alone show).
+    pools = list(fleet) if fleet is not None else [{}] * auto
+    topo = with_workers(topo, [topo.worker(i, p) for i, p in enumerate(pools)])
+    if base + (block + max(len(pools), 1)) * PORTS_PER_INSTANCE > 65535:
+        raise TopologyError(f"port_base {base} leaves too few ports for {block + len(pools)} port blocks")
     if ingress_port in topo.all_ports()[1:]:
         raise TopologyError(f"ingress port {ingress_port} collides with a port derived from port_base {base}")
     return topo
+
+
+def with_state_workers(topo: Topology, workers: list[Mapping[str, object]]) -> Topology:
+    """topo with the workers a running mesh's state lists ({"index", "options"} each)."""
+    return with_workers(topo, [topo.worker(int(w["index"]), w["options"]) for w in workers])
+
+
+def with_workers(topo: Topology, workers: list[Instance]) -> Topology:
+    """topo with exactly these worker instances (what a running mesh's are)."""
+    instances = [i for i in topo.instances if i.service != "worker"] + list(workers)
+    # In SERVICES' order (how they start and `gaas status` lists them), whatever their ports.
+    return replace(topo, instances=tuple(sorted(instances, key=lambda i: (SERVICES.index(i.service), i.index))))
 
 
 def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topology:
@@ -301,8 +341,9 @@ def load(path: Path, env: Mapping[str, str] | None = None, **overrides) -> Topol
 
 
 def with_worker_options(topo: Topology, **options: object) -> Topology:
-    """A copy whose workers carry extra options (used by tests to shrink the cache)."""
+    """A copy whose workers, present and to come, carry extra engine settings (`gaas up
+    --kv-cache-blocks`; tests shrink the cache)."""
     instances = tuple(
         replace(i, options={**i.options, **options}) if i.service == "worker" else i for i in topo.instances
     )
-    return replace(topo, instances=instances)
+    return replace(topo, instances=instances, worker_defaults={**topo.worker_defaults, **options})

@@ -1,9 +1,11 @@
-"""Operator calls to the control plane (tenants, API keys) and to billing (usage, budgets,
-invoices), made through each service's sidecar. Used by `gaas tenant ...`, `gaas key ...`,
-`gaas usage`, `gaas budget`, `gaas invoice` and by `gaas up` for the demo tenant."""
+"""Operator calls to the control plane (tenants, API keys, the deployment and its roll-outs) and to
+billing (usage, budgets, invoices), made through each service's sidecar. Used by `gaas tenant ...`,
+`gaas key ...`, `gaas apply`, `gaas diff`, `gaas rollout ...`, `gaas models`, `gaas usage`, `gaas
+budget`, `gaas invoice` and by `gaas up` for the demo tenant."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -125,6 +127,47 @@ class Admin(_Service):
 
     def remove_public_prefix(self, prefix_id: str) -> None:
         self._call("RemovePublicPrefix", pb.RemovePublicPrefixRequest(prefix_id=prefix_id))
+
+    # ------------------------------------------------------------ the deployment
+
+    def apply_deployment(self, text: str, file: str, origin: str, dry_run: bool = False) -> dict:
+        """{"revision": N (0: nothing changed, or a dry run), "changes": [{subject, kind, detail}]}."""
+        resp = self._call("ApplyDeployment", pb.ApplyDeploymentRequest(text=text, file=file, origin=origin,
+                                                                       dry_run=dry_run))
+        return {"revision": resp.revision,
+                "changes": [{"subject": c.subject, "kind": c.kind, "detail": c.detail} for c in resp.changes]}
+
+    def revisions(self, model: str = "") -> list[dict]:
+        return [{"number": r.number, "applied_unix_ms": r.applied_unix_ms, "origin": r.origin,
+                 "changes": list(r.changes), "digest": r.digest}
+                for r in self._call("ListRevisions", pb.ListRevisionsRequest(model=model)).revisions]
+
+    def models(self) -> list[dict]:
+        """The deployment's models: stable version, replicas, the versions with workers, the split."""
+        out = []
+        for m in self._call("ListModels", pb.ListRegisteredModelsRequest()).models:
+            s = m.split
+            out.append({
+                "name": m.name, "version": m.version, "is_default": m.is_default, "replicas": m.replicas or "0",
+                "max_model_len": m.max_model_len, "source": m.source,
+                "versions": [{"version": v.version, "role": v.role, "source": v.source, "tenants": list(v.tenants)}
+                             for v in m.versions],
+                "split": {"stable": s.stable, "canary": s.canary, "weight": s.weight, "shadow": s.shadow,
+                          "pins": dict(s.pins), "kept": list(s.kept)},
+            })
+        return out
+
+    def pools(self) -> list[dict]:
+        return [{"model": p.model, "version": p.version, "role": p.role, "replicas": p.replicas, "source": p.source,
+                 "device": p.device, "engine": json.loads(p.engine_json or "{}")}
+                for p in self._call("ListPools", pb.ListPoolsRequest()).pools]
+
+    def rollout(self, model: str) -> dict:
+        return json.loads(self._call("GetRollout", pb.GetRolloutRequest(model=model)).json)
+
+    def change_rollout(self, model: str, action: str, to_revision: int = 0) -> dict:
+        return json.loads(self._call("ChangeRollout", pb.ChangeRolloutRequest(model=model, action=action,
+                                                                             to_revision=to_revision)).json)
 
     def key_works(self, api_key: str) -> bool:
         try:

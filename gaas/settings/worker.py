@@ -61,7 +61,8 @@ class WorkerSettings(Settings):
     device: str = setting("GAAS_DEVICE", "", "cpu or cuda, as gaas up found the host; the worker refuses a vLLM "
                           "build that computes elsewhere (empty: checks nothing)",
                           check=lambda d: None if d in DEVICES else f"must be cpu or cuda, got {d!r}")
-    max_num_seqs: int = setting("GAAS_MAX_NUM_SEQS", 64, "most sequences batched together")
+    max_num_seqs: int = setting("GAAS_MAX_NUM_SEQS", 64, "most sequences batched together",
+                                check=lambda n: None if n >= 1 else f"must be at least 1, got {n}")
     max_num_batched_tokens: int = setting("GAAS_MAX_NUM_BATCHED_TOKENS", 0, "most tokens in one engine step "
                                           "(0: vLLM's default)")
     handover_seconds: float = setting("GAAS_HANDOVER_SECONDS", 2.0, "a stopping worker lets its streams run this "
@@ -87,8 +88,8 @@ class WorkerSettings(Settings):
                              "answer")
 
 
-# The worker settings a topology sets per worker (services.worker in deploy/topology.yaml), by the
-# same names; "model" there names a model of the deployment file instead.
+# The worker settings a topology sets for every worker (services.worker in deploy/topology.yaml),
+# and a deployment pool for its own (a model's engine: in deploy/gaas.yaml), by the same names.
 TOPOLOGY_OPTIONS = ("kv_cache_gib", "kv_cache_blocks", "block_size", "enforce_eager", "max_num_seqs",
                     "max_num_batched_tokens", "max_waiting", "stream_interval", "executor")
 
@@ -99,11 +100,39 @@ def topology_defaults() -> dict[str, Any]:
     defaults = {v.field: v.default for v in variables(WorkerSettings) if v.field in TOPOLOGY_OPTIONS}
     if defaults["enforce_eager"] is None:
         defaults["enforce_eager"] = "auto"
-    return {"model": "", **{f: defaults[f] for f in TOPOLOGY_OPTIONS}}
+    return {f: defaults[f] for f in TOPOLOGY_OPTIONS}
+
+
+def engine_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Engine settings as a file writes them (the topology's services.worker, a deployment pool's
+    engine:) checked as the worker would check them; ValueError naming the one that is wrong.
+    enforce_eager keeps "auto"."""
+    by_field = {v.field: v for v in variables(WorkerSettings) if v.field in TOPOLOGY_OPTIONS}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        v = by_field.get(key)
+        if v is None:
+            raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(TOPOLOGY_OPTIONS)}")
+        if key == "enforce_eager" and value == "auto":
+            out[key] = value
+            continue
+        if isinstance(value, (dict, list)) or value is None or (isinstance(value, bool) and v.kind is not BOOL
+                                                                 and v.kind is not AUTO_BOOL):
+            raise ValueError(f"{key} must be a {'true/false' if v.kind in (BOOL, AUTO_BOOL) else 'single value'}, "
+                             f"got {value!r}")
+        text = BOOL.write(value) if isinstance(value, bool) else str(value)
+        try:
+            parsed = v.kind.read(key, text)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        if v.var.check is not None and (wrong := v.var.check(parsed)) is not None:
+            raise ValueError(f"{key} {wrong}")
+        out[key] = "auto" if key == "enforce_eager" and parsed is None else parsed
+    return out
 
 
 def from_topology(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A topology worker's options (gaas.ops.topology.Instance.options) as WorkerSettings fields."""
+    """A worker instance's engine options (gaas.ops.topology.Instance.options) as WorkerSettings fields."""
     values = {f: options[f] for f in TOPOLOGY_OPTIONS}
     if values["enforce_eager"] == "auto":
         values["enforce_eager"] = None

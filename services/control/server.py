@@ -18,7 +18,10 @@ from gaas.settings.docs import help_epilog
 from gaas.settings.control import ControlSettings
 from gaas.runtime.sql import Database
 from gaas.v1 import control_pb2_grpc, xds_pb2_grpc
+from gaas.model.build import check_model
 from services.control.catalog import ModelCatalog
+from services.control.deployment import Deployment
+from services.control.rollout.driver import Driver
 from services.control.membership import Membership
 from services.control.prefixes import PrefixStore
 from services.control.registry import WorkerRegistry
@@ -37,12 +40,18 @@ async def serve(cfg: ControlSettings) -> None:
     db = Database(cfg.database_url)
     catalog = ModelCatalog(db)
     await catalog.init_schema()
+    deployment = Deployment(db, catalog, check_source=check_model)
+    await deployment.init_schema()
     policies = dict(qos.DEFAULT_POLICIES)
     if cfg.deploy_file:
-        spec = deployspec.load(Path(cfg.deploy_file))
-        await catalog.apply(spec)
-        policies = spec.qos or policies
-        log.info("applied %s: models %s", cfg.deploy_file, ", ".join(spec.names()))
+        # Applied when it changed since the last start applied it; what `gaas apply` did since stays.
+        path = str(Path(cfg.deploy_file).resolve())
+        spec = deployspec.load(Path(path))
+        number = await deployment.startup(spec, path)
+        log.info("%s %s: models %s", "applied" if number else "kept what was applied; unchanged:", cfg.deploy_file,
+                 ", ".join(spec.names()))
+    else:
+        await deployment.startup_without_file()
     tenants = TenantStore(db)
     await tenants.init_schema()
     prefixes = PrefixStore(db)
@@ -52,7 +61,11 @@ async def serve(cfg: ControlSettings) -> None:
     # The workers' endpoints every Envoy of the mesh takes from here (xDS), following the registry.
     membership = Membership(registry.list)
     following = asyncio.create_task(membership.run(), name="membership")
-    servicer = ControlServicer(registry, catalog, tenants, prefixes, policies, membership_changed=membership.refresh)
+    # Roll-outs, driven by whichever control replica holds the lead.
+    driver = Driver(deployment, registry, redis, cfg.instance)
+    driving = asyncio.create_task(driver.run(), name="rollouts")
+    servicer = ControlServicer(registry, catalog, tenants, prefixes, policies, membership_changed=membership.refresh,
+                               deployment=deployment, driver=driver)
     rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
     discovery = AggregatedDiscovery(membership)
     rt.add_service(xds_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server, discovery,
@@ -65,6 +78,7 @@ async def serve(cfg: ControlSettings) -> None:
     finally:
         heartbeat.cancel()
         following.cancel()
+        driving.cancel()
         await redis.aclose()
         db.close()
 

@@ -1,4 +1,5 @@
-"""gaas.v1.Control: protobuf <-> registry and catalogue, nothing more."""
+"""gaas.v1.Control: protobuf <-> registry and catalogue, nothing more (the deployment's methods:
+deployrpc.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from gaas.v1 import control_pb2 as pb
 from gaas.v1 import control_pb2_grpc
 from gaas.contracts.ids import WorkerId
 from services.control.catalog import ModelCatalog
+from services.control.deployment import Deployment
+from services.control.deployrpc import DeploymentRpcs
+from services.control.rollout.driver import Driver
 from services.control.prefixes import PrefixStore, PublicPrefix
 from services.control.registry import DRAINING, SERVING, WorkerRecord, WorkerRegistry
 from services.control.tenants import LIMIT_NAMES, ApiKey, Tenant, TenantStore
@@ -90,12 +94,17 @@ def prefix_to_pb(p: PublicPrefix) -> pb.PublicPrefix:
     return pb.PublicPrefix(prefix_id=p.prefix_id, model=p.model, text=p.text, created_unix_ms=p.created_ms)
 
 
-class ControlServicer(control_pb2_grpc.ControlServicer):
+class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
     def __init__(
         self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore, prefixes: PrefixStore | None = None,
         policies: Mapping[str, qos.TierPolicy] = qos.DEFAULT_POLICIES,
         membership_changed: Callable[[], Awaitable[object]] | None = None,
+        deployment: Deployment | None = None, driver: Driver | None = None,
     ) -> None:
+        self._deployment = deployment
+        self._driver = driver
+        if deployment is not None:
+            deployment.on_change.append(self._deployment_changed)
         self._registry = registry
         # Tells the Envoys' membership (services/control/membership.py) at once of a worker that
         # registered or left here (others it finds by reading the registry again).
@@ -166,27 +175,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         records = await self._registry.list(request.model)
         return pb.ListWorkersResponse(workers=[worker_to_pb(r) for r in records])
 
-    async def ListModels(self, request: pb.ListRegisteredModelsRequest, context) -> pb.ListRegisteredModelsResponse:
-        models = await self._catalog.list()
-        prices = await self._catalog.prices()
-        return pb.ListRegisteredModelsResponse(
-            models=[
-                pb.RegisteredModel(
-                    name=m.name,
-                    version=m.version,
-                    source=m.source,
-                    preset=m.preset,
-                    max_model_len=m.max_model_len,
-                    is_default=m.is_default,
-                    prices=[
-                        pb.TierPrice(tier=TIER_TO_PB[t], input=p.input, cached_input=p.cached_input, output=p.output)
-                        for t, p in prices.get(m.name, {}).items()
-                    ],
-                )
-                for m in models
-            ]
-        )
-
     async def CreateTenant(self, request: pb.CreateTenantRequest, context) -> pb.Tenant:
         tier = TIER_FROM_PB.get(request.tier, DEFAULT_TIER)
         tenant = await self._tenants.create_tenant(request.name, tier)
@@ -212,7 +200,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return out
 
     def _tenant_pb(self, tenant: Tenant) -> pb.Tenant:
-        return tenant_to_pb(tenant, self._policies)
+        applied = self._deployment.qos if self._deployment is not None else None
+        return tenant_to_pb(tenant, applied or self._policies)
 
     async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsResponse:
         return pb.ListTenantsResponse(tenants=[self._tenant_pb(t) for t in await self._tenants.list_tenants()])

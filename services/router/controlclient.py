@@ -17,7 +17,8 @@ from gaas.contracts.tenancy import DEFAULT_TIER, TIER_FROM_PB
 from gaas.v1 import control_pb2, control_pb2_grpc
 from gaas.contracts.principal import Principal
 from gaas.contracts.ids import WorkerId
-from services.router.directory import ModelEntry
+from gaas.contracts.rollout import Split
+from services.router.directory import ModelEntry, VersionEntry
 from services.router.scheduling.types import Candidate, Load
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
             ModelEntry(
                 m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())),
                 {TIER_FROM_PB.get(p.tier, DEFAULT_TIER): Price(p.input, p.cached_input, p.output) for p in m.prices},
+                versions={v.version: VersionEntry(v.source, v.max_model_len, v.role) for v in m.versions},
+                split=_split(m),
             )
             for m in models_resp.models
         ]
@@ -60,6 +63,21 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
         return models, workers
 
     return fetch
+
+
+def _split(m) -> Split | None:
+    """A model's split between its versions (None: one version takes everything)."""
+    if not m.HasField("split") or not m.split.stable:
+        return None
+    s = m.split
+    try:
+        return Split(m.name, stable=s.stable, canary=s.canary, weight=s.weight, shadow=s.shadow, pins=dict(s.pins),
+                     kept=tuple(s.kept),
+                     tenants={v.version: frozenset(v.tenants) for v in m.versions if v.tenants})
+    except ValueError as exc:
+        log.warning("control sent a split for %s that cannot be applied (%s); its stable version takes everything",
+                    m.name, exc)
+        return None
 
 
 def _load(load) -> Load:

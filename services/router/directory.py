@@ -8,10 +8,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gaas.contracts import errors
 from gaas.contracts.pricing import Price
+from gaas.contracts.rollout import Split
 from services.router.scheduling.types import Candidate
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,21 @@ FRESH_SECONDS = 0.1
 
 
 @dataclass(frozen=True, slots=True)
+class VersionEntry:
+    """One version of a model that has workers."""
+
+    # Local directory of its weights and tokenizer (the router reads the tokenizer there).
+    source: str
+    max_model_len: int
+    # stable, canary or kept.
+    role: str = "stable"
+
+
+@dataclass(frozen=True, slots=True)
 class ModelEntry:
+    """A model: its stable version (or, from at(), the version a request was given) and the
+    others that serve, with how new requests are split between them."""
+
     name: str
     version: str
     max_model_len: int
@@ -33,6 +48,28 @@ class ModelEntry:
     public_prefixes: tuple[tuple[str, str], ...] = ()
     # Tier -> what its tokens cost (gaas.contracts.pricing.Price); a tier not listed pays nothing.
     prices: Mapping[str, Price] = field(default_factory=dict)
+    # Version -> its entry, for every version with workers (empty: the one version above).
+    versions: Mapping[str, VersionEntry] = field(default_factory=dict)
+    # How new requests are split between the versions (None: all to the version above).
+    split: Split | None = None
+
+    def at(self, version: str) -> ModelEntry:
+        """The model as served by version (its weights, tokenizer and window)."""
+        if version == self.version or version not in self.versions:
+            return self
+        v = self.versions[version]
+        return replace(self, version=version, source=v.source, max_model_len=v.max_model_len)
+
+    @property
+    def pool(self) -> str:
+        """The version whose workers may take its requests ("": any of the model's, when control
+        sends no split)."""
+        return self.version if self.split is not None else ""
+
+    @property
+    def rolling_out(self) -> bool:
+        """Whether a new version is being rolled out (its requests' outcomes are reported)."""
+        return self.split is not None and bool(self.split.canary)
 
 
 @dataclass(slots=True)
@@ -131,14 +168,25 @@ class MeshDirectory:
             param="model", reason="model_not_found",
         )
 
-    async def workers(self, model: str) -> list[Candidate]:
-        """The serving workers of model; errors.Unavailable when there are none."""
-        serving = [w for w in (await self.snapshot()).workers if w.model == model]
+    async def workers(self, model: str, version: str = "") -> list[Candidate]:
+        """The serving workers of model (of that version, when given); errors.Unavailable when
+        there are none."""
+
+        def of(workers: list[Candidate]) -> list[Candidate]:
+            return [w for w in workers if w.model == model and (not version or w.model_version == version)]
+
+        serving = of((await self.snapshot()).workers)
         if not serving and (fresh := await self._fresh_if(True)) is not None:
-            serving = [w for w in fresh.workers if w.model == model]
+            serving = of(fresh.workers)
         if not serving:
-            raise errors.Unavailable(f"no worker is serving {model!r} right now; retry in a few seconds")
+            which = f"{model!r} {version}" if version else repr(model)
+            raise errors.Unavailable(f"no worker is serving {which} right now; retry in a few seconds")
         return serving
+
+    def versions_serving(self, model: str) -> set[str]:
+        """The versions of model with a serving worker in the current view."""
+        snap = self._snapshot
+        return {w.model_version for w in snap.workers if w.model == model} if snap else set()
 
 
 class DirectoryCollector:

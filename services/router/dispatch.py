@@ -30,11 +30,12 @@ from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.flow import Flow
 from services.router.kvclient import KVDirectoryClient
-from services.router.outcomes import Outcomes, RouterMetrics
+from services.router.outcomes import Outcomes, RolloutReporter, RouterMetrics
 from services.router.placement import DirectPlacement, Inflight, Placer
 from services.router.prepare import Prepared, Preparer
 from services.router.relay import Relay
 from services.router.scheduling.hooks import Hooks
+from services.router.shadow import Shadow
 from services.router.scheduling.hooks.flow_accounting import FlowAccounting
 from services.router.scheduling.hooks.inflight import InflightSince
 from services.router.scheduling.hooks.prediction import PredictionCheck
@@ -61,13 +62,14 @@ class Dispatcher:
         flow: Flow | None = None,
         activity: TenantActivity | None = None,
         coalescing: Coalescing = Coalescing(),
+        reporter: RolloutReporter | None = None,
     ) -> None:
         self._directory = directory
         self.activity = activity or TenantActivity()
         self._flow = flow or Flow(qos.DEFAULT_POLICIES)
         self._metrics = metrics
         self._workers = worker_stub
-        self.outcomes = Outcomes(metrics)
+        self.outcomes = Outcomes(metrics, reporter)
         self._inflight = Inflight()
         self.hooks = Hooks(
             pre=[PrefixLookup(), InflightSince(self._inflight.since)],
@@ -81,6 +83,8 @@ class Dispatcher:
         self.relay = Relay(directory, self.placer, worker_stub, self._flow, self.hooks, self._inflight, metrics,
                            self.outcomes, self.activity, retries=retries, moves=moves,
                            max_stream_seconds=max_stream_seconds)
+        # Copies of a share of requests to a model's shadowing version.
+        self.shadow = Shadow(self.preparer, directory, scheduler, worker_stub, self.outcomes)
 
     @property
     def flow(self) -> Flow:
@@ -117,8 +121,8 @@ class Dispatcher:
         return await self.preparer.tokenize(tok, request, prefix)
 
     async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal,
-                      prefix: PromptPrefix | None = None) -> Prepared:
-        return await self.preparer.prepare(request, principal, prefix)
+                      prefix: PromptPrefix | None = None, session_version: str = "") -> Prepared:
+        return await self.preparer.prepare(request, principal, prefix, session_version)
 
     # ------------------------------------------------------------ stage 5: relay.py, placement.py
 

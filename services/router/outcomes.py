@@ -1,9 +1,12 @@
 """What the router records of each generation's outcome, whichever path served it: requests by
 model, tier and outcome, their tokens by kind, TTFT and time per output token, the latency
-decomposition by part, and the KV directory's predictions the engines did not bear out."""
+decomposition by part, the KV directory's predictions the engines did not bear out, and, for a
+model under a roll-out, each request's outcome by version for the control plane's SLO guard."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -12,6 +15,7 @@ from prometheus_client import Counter, Histogram
 
 from gaas.contracts import latency
 from gaas.contracts.ids import WorkerId
+from gaas.contracts.rollout import OUTCOMES_KEPT, OUTCOMES_STREAM, Outcome
 from gaas.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -43,10 +47,59 @@ class RouterMetrics:
     moved_prefill_tokens: Counter | None = None
 
 
+class RolloutReporter:
+    """The outcomes of requests of models under a roll-out, appended to the stream the control
+    plane's guard reads (gaas.contracts.rollout.OUTCOMES_STREAM), in one entry every flush_seconds.
+    Redis away: what it could not write is dropped (the guard judges on what it gets; nothing is
+    billed from it), and said once."""
+
+    def __init__(self, redis, flush_seconds: float = 0.25, max_buffered: int = 20_000) -> None:
+        self._redis = redis
+        self._flush_seconds = flush_seconds
+        self._max = max_buffered
+        self._buffer: list[list] = []
+        self._failing = False
+
+    def add(self, o: Outcome) -> None:
+        if len(self._buffer) < self._max:
+            self._buffer.append(o.encode())
+
+    async def flush(self) -> None:
+        if not self._buffer:
+            return
+        batch, self._buffer = self._buffer, []
+        try:
+            await self._redis.xadd(OUTCOMES_STREAM, {"o": json.dumps(batch, separators=(",", ":"))},
+                                   maxlen=OUTCOMES_KEPT, approximate=True)
+            if self._failing:
+                log.info("roll-out outcomes reach Redis again")
+            self._failing = False
+        except Exception as exc:  # Redis away: the guard gets the next ones
+            if not self._failing:
+                log.warning("cannot report roll-out outcomes (%s); %d dropped", exc, len(batch))
+            self._failing = True
+
+    async def run(self) -> None:
+        """Flush until cancelled (the router's server owns it)."""
+        while True:
+            await asyncio.sleep(self._flush_seconds)
+            await self.flush()
+
+
 class Outcomes:
-    def __init__(self, metrics: RouterMetrics) -> None:
+    def __init__(self, metrics: RouterMetrics, reporter: RolloutReporter | None = None) -> None:
         self._metrics = metrics
+        self._reporter = reporter
         self._last_miss_log = 0.0
+
+    def rollout(self, model, tier: str, ok: bool, ttft_ms: float | None = None, output_tokens: int = 0,
+                decode_s: float = 0.0, shadow: bool = False) -> None:
+        """A request of model (services/router/directory.ModelEntry, at the version that served it)
+        ended: its outcome for the guard, while a roll-out of the model is under way."""
+        if self._reporter is None or not model.rolling_out:
+            return
+        self._reporter.add(Outcome(at=time.time(), version=model.version, tier=tier, ok=ok, ttft_ms=ttft_ms,
+                                   output_tokens=output_tokens, decode_s=decode_s, model=model.name, shadow=shadow))
 
     def check_prediction(self, worker: WorkerId, confirmed: int, block_size: int, cached_tokens: int) -> None:
         """The directory said the worker's engine holds `confirmed` leading blocks; the engine

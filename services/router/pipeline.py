@@ -147,6 +147,9 @@ class Pipeline:
             if plan is not None:
                 self.sessions.release_later(plan.held)
             raise
+        if plan is None and len(requests) == 1:
+            # While the model's new version shadows, a share of its requests is copied to it.
+            self.dispatcher.shadow.maybe_copy(requests[0], principal, prepared[0].model, request_id)
         return g
 
     async def _admit(self, g: Generation, direct: bool = False) -> Metered | None:

@@ -181,7 +181,7 @@ class Placer:
         """Place a request that the ingress will send to the worker itself (ingress.path: direct):
         the same decision as for a stream of the router's own, without a retry (the router is out
         of the stream); the caller reports its end (DirectPlacement.ended)."""
-        workers = await self._directory.workers(prepared.model.name)
+        workers = await self._directory.workers(prepared.model.name, prepared.model.pool)
         ctx = await self.context(prepared, principal, workers)
         self.activity.started(principal.tenant, principal.tier)
         try:
@@ -231,8 +231,11 @@ class Placer:
             if worker == p.worker.worker_id:
                 self._hooks.served(Response(worker, p.principal.tier, cached_tokens=u.cached_tokens,
                                             confirmed_blocks=p.confirmed_blocks, block_size=p.worker.block_size))
+            self._outcomes.rollout(p.prepared.model, p.principal.tier, True, seen_ms, u.completion_tokens,
+                                   t.decode_ms / 1000)
         elif code is not None and code != grpc.StatusCode.OK:
             self._hooks.failed(Response(worker, p.principal.tier, code=code, detail=detail))
+            self._outcomes.rollout(p.prepared.model, p.principal.tier, False)
             outcome = code.name
         else:
             outcome = "cancelled"

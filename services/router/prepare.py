@@ -19,6 +19,7 @@ from gaas.v1 import inference_pb2
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.kvclient import KVDirectoryClient
 from services.router.scheduling import Scheduler
+from services.router.versions import VersionChooser
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Preparer:
         self._scheduler = scheduler
         self._tokenizer_for = tokenizer_for
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._versions = VersionChooser()
         self._kv = kv
         self._lookup_seconds = lookup_seconds
 
@@ -110,16 +112,31 @@ class Preparer:
         self._tokenizers[model.source] = tok
         return tok
 
+    def version(self, model: ModelEntry, principal: Principal, session_version: str = "") -> ModelEntry:
+        """The model as served by the version this request of principal's goes to (the split's
+        choice: services/router/versions.py)."""
+        if model.split is None:
+            return model
+        available = self._directory.versions_serving(model.name)
+        return model.at(self._versions.choose(model.split, principal.tenant, session_version, available or None))
+
     async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal,
-                      prefix: PromptPrefix | None = None) -> Prepared:
-        """Resolve the model, tokenize the prompt (chat template applied), check what the worker
-        will get: the prompt as token ids and an explicit max_tokens. prefix: the token ids of how
-        a session's last prompt began, reused when this one begins the same way (and updated)."""
+                      prefix: PromptPrefix | None = None, session_version: str = "") -> Prepared:
+        """Resolve the model and its version, tokenize the prompt (chat template applied), check
+        what the worker will get: the prompt as token ids and an explicit max_tokens. prefix: the
+        token ids of how a session's last prompt began, reused when this one begins the same way
+        (and updated); session_version: the version a session's first turn took."""
         if len(request.model) > genrequest.MAX_MODEL_NAME:
             raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
-        model = await self.resolve_model(request.model)
+        model = self.version(await self.resolve_model(request.model), principal, session_version)
+        return await self.prepare_at(request, principal, model, prefix)
+
+    async def prepare_at(self, request: inference_pb2.GenerateRequest, principal: Principal, model: ModelEntry,
+                         prefix: PromptPrefix | None = None) -> Prepared:
+        """prepare() for the given model version (a shadow copy's: services/router/shadow.py)."""
         genrequest.check(request, model.max_model_len or None)
-        workers = await self._directory.workers(model.name)  # a model nobody serves is refused before any work
+        # A model (version) nobody serves is refused before any work.
+        workers = await self._directory.workers(model.name, model.pool)
         tok = await self.tokenizer(model)
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)

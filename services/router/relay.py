@@ -81,8 +81,9 @@ class Relay:
         m = self._metrics
         labels = (prepared.model.name, principal.tier)
         outcome = "cancelled"
-        first_at = None
-        tokens = 0
+        first_at = last_at = None
+        tokens = completion = 0
+        failed = False
         self.activity.started(principal.tenant, principal.tier)
         try:
             async for chunk in self._stream(prepared, principal, request_id, time_remaining, arrived, tenant_s,
@@ -93,19 +94,26 @@ class Relay:
                         m.ttft_seconds.labels(*labels).observe(ingress_s + first_at - arrived)
                 if chunk.HasField("usage"):
                     outcome = finish.label(chunk.finish_reason)
+                    last_at = time.perf_counter()
+                    completion = chunk.usage.completion_tokens
                     tokens = self._outcomes.count(labels, chunk.usage,
-                                         None if first_at is None else time.perf_counter() - first_at)
+                                         None if first_at is None else last_at - first_at)
                 yield chunk
         except errors.GaasError as exc:
-            outcome = exc.code
+            outcome, failed = exc.code, True
             raise
         except Exception:  # (a client going away stops the generator: outcome stays "cancelled")
-            outcome = "INTERNAL"
+            outcome, failed = "INTERNAL", True
             raise
         finally:
             self.activity.finished(principal.tenant, tokens)
             if m.requests is not None:
                 m.requests.labels(*labels, outcome).inc()
+            if failed or last_at is not None:  # (a client that left says nothing of the version)
+                self._outcomes.rollout(
+                    prepared.model, principal.tier, not failed,
+                    None if first_at is None else (ingress_s + first_at - arrived) * 1000, completion,
+                    0.0 if first_at is None or last_at is None else last_at - first_at)
 
     async def _stream(
         self,
@@ -119,7 +127,7 @@ class Relay:
         on_abandoned: Callable[[asyncio.Future], None] | None = None,
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         model = prepared.model
-        workers = await self._directory.workers(model.name)
+        workers = await self._directory.workers(model.name, model.pool)
         ctx = await self._placer.context(prepared, principal, workers)
         worker_request = self._placer.worker_request(prepared, principal, request_id)
 

@@ -39,6 +39,7 @@ from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
 from services.router.openai_servicer import OpenAIServicer
+from services.router.outcomes import RolloutReporter
 from services.router.pipeline import Pipeline
 from services.router.scheduling import make_scheduler
 from services.router.servicer import InferenceServicer
@@ -75,6 +76,9 @@ async def serve(cfg: RouterSettings) -> None:
     )
     scheduler = make_scheduler(cfg.policy, cfg.weights, lambda plugin, s: plugin_seconds.labels(plugin).observe(s))
     kv = KVDirectoryClient(kvcache_pb2_grpc.KVCacheStub(channel), cfg.kv_lookup_timeout_seconds)
+    redis = redisconn.connect(cfg.redis_url, timeout=1.0)
+    # The outcomes of requests of models under a roll-out, for control's SLO guard.
+    reporter = RolloutReporter(redis)
     dispatcher = Dispatcher(
         directory,
         scheduler,
@@ -86,6 +90,7 @@ async def serve(cfg: RouterSettings) -> None:
         kv=kv,
         flow=flow,
         coalescing=Coalescing(cfg.coalesce_per_step, max(1, cfg.coalesce_max)),
+        reporter=reporter,
         metrics=RouterMetrics(
             routed=rt.metrics.counter("routed_total", "Requests sent to each worker, by policy", ("policy", "worker")),
             prediction_misses=rt.metrics.counter(
@@ -127,7 +132,6 @@ async def serve(cfg: RouterSettings) -> None:
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,
              ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
-    redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     # Its own count of what it admitted: cheap refusals before parsing, and admission while Redis is away.
     meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance, local=LocalQuotas())
     sessions = SessionStore(redis, session_policy, metrics=SessionMetrics(
@@ -169,11 +173,13 @@ async def serve(cfg: RouterSettings) -> None:
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
     reports = asyncio.create_task(extproc.run_reports(cfg.redis_url), name="direct-reports")
     sweep = asyncio.create_task(extproc.sweep(redis), name="direct-sweep")
+    reporting = asyncio.create_task(reporter.run(), name="rollout-outcomes")
 
     async def stop_refreshing() -> None:
-        for task in (refresher, spool, reports, sweep):
+        for task in (refresher, spool, reports, sweep, reporting):
             task.cancel()
-        await asyncio.gather(refresher, spool, reports, sweep, return_exceptions=True)
+        await asyncio.gather(refresher, spool, reports, sweep, reporting, return_exceptions=True)
+        await reporter.flush()
         await kv.close()
         await sessions.close()
         await meter.close()

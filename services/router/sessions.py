@@ -404,7 +404,7 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
     for _ in range(FIT_ATTEMPTS):
         full = turn_request(request, context, new, held.keep_from)
         try:
-            plan.prepared = await dispatcher.prepare(full, principal, held.prefix)
+            plan.prepared = await dispatcher.prepare(full, principal, held.prefix, context.model_version)
             room, too_long = limit - plan.prepared.prompt_tokens, None
         except genrequest.ContextTooLong as exc:
             plan.prepared, room, too_long = None, limit - exc.prompt_tokens, exc
@@ -418,6 +418,9 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
             raise errors.InvalidArgument(f"session {held.session_id!r} cannot be shortened to fit the model's context; "
                                          "start another session", param="session_id")
     plan.prepared.session_worker = context.worker
+    if not context.model_version:
+        # The version its first turn took is the session's (services/router/versions.py keeps it there).
+        context.model_version = plan.prepared.model.version
     if held.keep_from:
         if store.metrics.dropped_turns is not None:
             store.metrics.dropped_turns.inc(held.keep_from)

@@ -127,6 +127,9 @@ async def serve(cfg: WorkerSettings) -> None:
         engine = await engine_task
     except Exception as exc:
         log.error("the engine failed to start: %s: %s", type(exc).__name__, exc, exc_info=True)
+        if channel is not None:
+            # Control halts a roll-out of this version with the reason (the stable one keeps serving).
+            await report_start_failure(control_pb2_grpc.ControlStub(channel), cfg, exc)
         await rt.shutdown()
         raise SystemExit(1) from None
     servicer.engine = engine
@@ -190,6 +193,21 @@ async def serve(cfg: WorkerSettings) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rt.exit_code)
+
+
+async def report_start_failure(control: control_pb2_grpc.ControlStub, cfg: WorkerSettings, exc: BaseException,
+                               timeout: float = 3.0) -> None:
+    """Tell control why this worker's engine could not start (the exception and its causes)."""
+    reasons, seen = [], exc
+    while seen is not None and len(reasons) < 4:
+        reasons.append(f"{type(seen).__name__}: {seen}".strip())
+        seen = seen.__cause__ or seen.__context__
+    try:
+        await control.ReportPoolFailure(control_pb2.ReportPoolFailureRequest(
+            model=cfg.model, version=cfg.model_version, worker_id=cfg.instance,
+            reason="the engine failed to start: " + "; caused by ".join(reasons)), timeout=timeout)
+    except Exception as report_exc:  # control away: the roll-out's start timeout halts it instead
+        log.warning("could not tell control why the engine failed: %s", report_exc)
 
 
 async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: float = 0.5) -> None:

@@ -265,13 +265,20 @@ def test_worker_replicas_default_to_one_per_gpu():
 
 
 def _mesh(tmp_path, monkeypatch, gpus, workers, **worker_options):
+    """A mesh of `workers` workers of the deployment's default model (as its pool's replicas:
+    auto start them), not started."""
     from gaas.launcher import mesh as mesh_mod
+    from gaas.launcher.fleet import PoolSpec
 
     monkeypatch.setattr(mesh_mod, "visible_gpus", lambda: list(gpus))
     t = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=47000, workers=workers)
     if worker_options:
         t = topology.with_worker_options(t, **worker_options)
-    return mesh_mod.Mesh(t, run_dir=tmp_path, deploy_file=ROOT / "deploy" / "gaas.yaml", redis_url="redis://127.0.0.1:1/0")
+    m = mesh_mod.Mesh(t, run_dir=tmp_path, deploy_file=ROOT / "deploy" / "gaas.yaml", redis_url="redis://127.0.0.1:1/0")
+    d = m.spec.default_model
+    pool = PoolSpec(d.name, d.version, d.source, d.preset, d.seed, d.max_model_len, d.replicas, d.engine)
+    m.topo = topology.with_workers(m.topo, [m.topo.worker(i, pool.options()) for i in range(m.topo.auto_workers)])
+    return m
 
 
 def test_gpu_workers_get_their_gpu_by_uuid_and_settings_for_it(tmp_path, monkeypatch):
@@ -291,8 +298,9 @@ def test_more_workers_than_gpus_share_with_split_memory_or_are_refused(tmp_path,
     monkeypatch.setenv("GAAS_GPU_MEMORY_UTILIZATION", "0.8")
     m = _mesh(tmp_path, monkeypatch, GPUS[:1], 2)
     assert [m.service_env(w)["GAAS_GPU_MEMORY_UTILIZATION"] for w in m.topo.of("worker")] == ["0.4", "0.4"]
+    crowded = _mesh(tmp_path, monkeypatch, GPUS[4:], 2, kv_cache_gib=8)
     with pytest.raises(MeshError, match="smaller kv_cache_gib"):
-        _mesh(tmp_path, monkeypatch, GPUS[4:], 2, kv_cache_gib=8)
+        crowded.service_env(crowded.topo.of("worker")[0])
 
 
 def test_cpu_workers_stay_pinned_and_say_so(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ DOC = {
         "kvcache": {"replicas": 1},
         "billing": {"replicas": 1},
         "router": {"replicas": 2},
-        "worker": {"replicas": 2, "model": "gaas-tiny"},
+        "worker": {"replicas": 2},
     },
 }
 
@@ -26,12 +26,14 @@ def test_ports_are_derived_in_blocks_of_ten():
     assert names == ["control-0", "kvcache-0", "billing-0", "worker-0", "worker-1", "router-0", "router-1"]
     c = t.instance("control-0")
     assert (c.port, c.inbound_port, c.outbound_port, c.admin_port, c.metrics_port) == (20010, 20011, 20012, 20013, 20014)
-    assert t.instance("worker-1").base == 20050
+    # The workers' blocks come after every other instance's: a worker started later takes the next.
+    assert t.instance("router-1").base == 20050 and t.instance("worker-1").base == 20070
+    assert t.worker(2).base == 20080 and t.worker(2).name == "worker-2"
     assert t.ingress_admin_port == 20003
     assert len(set(t.all_ports())) == len(t.all_ports())
     # Under gaas up only the ingress, the sidecars' inbound listeners, /metrics and the Envoys'
     # statistics use TCP.
-    assert t.tcp_ports() == [t.ingress_port, 20005, 20011, 20014, 20015, 20021, 20024, 20025, 20031, 20034, 20035,
+    assert sorted(t.tcp_ports()) == [t.ingress_port, 20005, 20011, 20014, 20015, 20021, 20024, 20025, 20031, 20034, 20035,
                              20041, 20044, 20045, 20051, 20054, 20055, 20061, 20064, 20065, 20071, 20074, 20075]
     assert t.trace_port == 20006 and t.trace_port in t.all_ports()
 
@@ -54,13 +56,14 @@ def test_env_overrides(tmp_path):
     [
         ({"services": {**DOC["services"], "cache": {}}}, "unknown service"),
         ({"services": {k: v for k, v in DOC["services"].items() if k != "router"}}, "missing: router"),
-        ({"services": {**DOC["services"], "worker": {"replicas": 1}}}, "model is required"),
-        ({"services": {**DOC["services"], "worker": {"model": "m", "gpus": 2}}}, "unknown setting"),
+        ({"services": {**DOC["services"], "worker": {"model": "gaas-tiny"}}}, "the deployment's now"),
+        ({"services": {**DOC["services"], "worker": {"gpus": 2}}}, "unknown engine setting 'gpus'"),
         ({"services": {**DOC["services"], "router": {"replicas": 0}}}, "at least 1"),
-        ({"services": {**DOC["services"], "worker": {"model": "m", "stream_interval": 0}}}, "stream_interval"),
-        ({"services": {**DOC["services"], "worker": {"model": "m", "executor": "ray"}}}, "executor must be one of uni, mp"),
+        ({"services": {**DOC["services"], "worker": {"stream_interval": 0}}}, "stream_interval"),
+        ({"services": {**DOC["services"], "worker": {"executor": "ray"}}}, "executor must be one of uni, mp"),
         ({"port_base": "lots"}, "port_base must be an integer"),
         ({"ingress": {"port": 20011}}, "collides"),
+        ({"ingress": {"port": 20071}}, "collides"),
         ({"port_base": 65500}, "too few ports"),
     ],
 )
@@ -120,3 +123,15 @@ def test_the_ingress_path_is_direct_unless_the_topology_or_the_environment_says_
     assert topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "direct"}).ingress_path == "direct"
     assert topology.load(ROOT / "deploy" / "topology.yaml", env={}).ingress_path == "direct"
     assert topology.load(ROOT / "deploy" / "topology.yaml", env={"GAAS_INGRESS_PATH": "router"}).ingress_path == "router"
+
+
+def test_a_fleet_gives_each_worker_its_pool_over_the_topologys_defaults():
+    pools = [{"model": "a", "version": "1", "engine": {"max_num_seqs": 8}}, {"model": "b", "version": "2"}]
+    t = topology.build({**DOC, "services": {**DOC["services"], "worker": {"max_num_seqs": 32}}}, fleet=pools)
+    w0, w1 = t.of("worker")
+    assert (w0.options["model"], w0.options["max_num_seqs"], w0.options["kv_cache_gib"]) == ("a", 8, 1)
+    assert (w1.options["model"], w1.options["version"], w1.options["max_num_seqs"]) == ("b", "2", 32)
+    assert t.auto_workers == 1 and t.worker_defaults["max_num_seqs"] == 32
+    grown = topology.with_workers(t, [*t.of("worker"), t.worker(5, pools[1])])
+    assert [w.name for w in grown.of("worker")] == ["worker-0", "worker-1", "worker-5"]
+    assert len(set(grown.all_ports())) == len(grown.all_ports())

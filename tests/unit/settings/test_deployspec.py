@@ -52,3 +52,82 @@ def test_invalid_yaml(tmp_path):
     f.write_text("models: [\n")
     with pytest.raises(SpecError, match="not valid YAML"):
         deployspec.load(f)
+
+
+GOOD = """\
+models:
+  - name: chat
+    version: "2.0.0"
+    source: models/chat
+    preset: tiny
+    replicas: 2
+    engine: {max_num_seqs: 8, enforce_eager: auto}
+    tenants: [acme, globex]
+    pins: {acme: "1.0.0"}
+    rollout:
+      strategy: blue-green
+      hold_seconds: 30
+      guard: {ttft_p95_ms: {gold: 200}, window_seconds: 30}
+qos:
+  gold: {ttft_target_ms: 400}
+"""
+
+
+def test_a_pool_declares_its_version_replicas_engine_tenants_pins_and_rollout(tmp_path):
+    spec = deployspec.parse_text(GOOD, tmp_path, "d.yaml")
+    m = spec.model("chat")
+    assert (m.version, m.replicas, dict(m.engine), m.tenants, dict(m.pins)) == (
+        "2.0.0", 2, {"max_num_seqs": 8, "enforce_eager": "auto"}, ("acme", "globex"), {"acme": "1.0.0"})
+    assert m.rollout.strategy == "blue-green" and m.rollout.hold_s == 30 and m.rollout.steps == (5, 25, 50, 100)
+    assert m.rollout.guard.window_s == 30
+    # The guard's targets: the model's own, else the tier's qos target.
+    assert m.rollout.guard.ttft_targets_ms == {"gold": 200.0, "silver": 1500.0, "bronze": 5000.0}
+    assert spec.served == [m] and spec.digest == deployspec.parse_text(GOOD, tmp_path).digest
+
+
+def test_the_shipped_file_serves_the_default_model_only():
+    spec = deployspec.load(ROOT / "deploy" / "gaas.yaml")
+    assert [m.name for m in spec.served] == ["gaas-tiny"] and spec.model("gaas-tiny").replicas == "auto"
+
+
+@pytest.mark.parametrize("change, line, field, message", [
+    (("    replicas: 2\n", "    replicas: many\n"), 6, "models[0].replicas", "replicas (a number or auto) must be an integer"),
+    (("    replicas: 2\n", "    replicas: 2\n    colour: red\n"), 7, "models[0].colour", "unknown field 'colour'"),
+    (("max_num_seqs: 8", "max_num_seqs: 0"), 7, "models[0].engine.max_num_seqs", None),
+    (("max_num_seqs: 8", "gpus: 8"), 7, "models[0].engine.gpus", "unknown field 'gpus'"),
+    (("strategy: blue-green", "strategy: big-bang"), 11, "models[0].rollout.strategy", "strategy must be one of canary"),
+    (("hold_seconds: 30", "steps: [5, 50]"), 12, "models[0].rollout.steps", "must end at 100"),
+    (("ttft_p95_ms: {gold: 200}", "ttft_p95_ms: {platinum: 200}"), 13, "models[0].rollout.guard.ttft_p95_ms.platinum",
+     "unknown tier"),
+    (('pins: {acme: "1.0.0"}', "pins: {acme: [1]}"), 9, "models[0].pins.acme", "is not a version"),
+    (("  gold: {ttft_target_ms: 400}", "  gold: {ttft_target_ms: -1}"), 14, "qos", None),
+])
+def test_an_error_names_the_file_the_line_and_the_field(tmp_path, change, line, field, message):
+    text = GOOD.replace(*change)
+    assert text != GOOD
+    with pytest.raises(SpecError) as err:
+        deployspec.parse_text(text, tmp_path, "deploy/d.yaml")
+    said = str(err.value)
+    assert said.startswith(f"deploy/d.yaml:{line}: {field}: "), said
+    if message:
+        assert message in said
+
+
+def test_a_second_model_of_the_same_name_is_placed_at_its_own_entry(tmp_path):
+    doc = GOOD.replace("qos:", "  - name: chat\n    source: x\nqos:")
+    with pytest.raises(SpecError, match=r"d.yaml:14: models\[1\].name: model name\(s\) listed twice: chat"):
+        deployspec.parse_text(doc, tmp_path, "d.yaml")
+
+
+@pytest.mark.parametrize("source, preset, message", [
+    ("/nonexistent/model", "", "does not exist, and no preset is given to build it"),
+    ("/nonexistent/model", "huge", "unknown preset 'huge'"),
+    ("/", "", "has no config.json"),
+    ("/nonexistent/model", "tiny", None),
+    ("org/hub-model", "", None),
+])
+def test_a_missing_source_is_named_before_anything_runs(source, preset, message):
+    from gaas.model.build import check_source
+
+    said = check_source("m", "2", source, preset)
+    assert (said is None) if message is None else (message in said)
