@@ -103,15 +103,15 @@ def start_mesh(run_dir, base: int, *args: str, timeout: float = 420, env: dict |
 
 
 @contextlib.contextmanager
-def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str):
+def own_mesh(run_dir, *, port_start: int, workers: int, ingress_path: str, args: tuple[str, ...] = ()):
     """A mesh of a test module's own beside the session's, started by `gaas up` as a user would
     (its own ports, Redis and run directory; GAAS_HOME left to the session's mesh). port_start:
     below the kernel's ephemeral ports (32768 and up here), or a client's connection may take a
-    port the mesh is about to listen on."""
+    port the mesh is about to listen on. args: more of gaas up's options."""
     from gaas.launcher.rundir import free_port_base
 
     m = start_mesh(run_dir, free_port_base(span=200, start=port_start), "--workers", str(workers),
-                   "--ingress-path", ingress_path)
+                   "--ingress-path", ingress_path, *args)
     try:
         yield m
     finally:

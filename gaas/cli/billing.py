@@ -129,7 +129,8 @@ def register(sub) -> None:
     usage.add_argument("tenant")
     usage.add_argument("--since", default=None, help="from (inclusive); default: the beginning")
     usage.add_argument("--until", default=None, help="to (exclusive); default: now")
-    usage.add_argument("--by", choices=["model", "day", "key"], default=None, help="also break the total down")
+    usage.add_argument("--by", choices=["model", "version", "day", "key"], default=None,
+                       help="also break the total down (version: by model and version, e.g. across a roll-out)")
     _billing_args(usage)
     usage.set_defaults(func=cmd_usage)
 

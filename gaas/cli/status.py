@@ -16,9 +16,10 @@ def cmd_status(args) -> int:
     state = mesh_state(Path(args.run_dir))
     topo = mesh_topology(args, state)
     health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout)
+    rollouts = _rollouts(topo)
     if args.json:
         print(json.dumps({**health.to_dict(), "ingress_path": topo.ingress_path, "billing": _billing_status(topo),
-                          "flow": [_router_flow(r.inbound) for r in topo.of("router")],
+                          "flow": [_router_flow(r.inbound) for r in topo.of("router")], "rollouts": rollouts,
                           "running_from": str(args.run_dir) if state else None}, indent=2))
         return 0 if health.healthy else 1
     path = ("generations stream from the worker the router picks at the ingress" if topo.ingress_path == "direct"
@@ -40,6 +41,10 @@ def cmd_status(args) -> int:
             print(f"  {'':<10} {load['running']} running, {load['waiting']} waiting, KV cache "
                   f"{load['kv_cache_usage']:.0%} of {load['kv_cache_blocks']} blocks used, {w['cached_blocks']} "
                   f"blocks indexed{mem}, device {load['device_utilization']:.0%} busy")
+    for r in rollouts:
+        share = (f"{r['weight']}%" if r["state"] != "shadowing" else f"{r['shadow']}% copied (shadow)")
+        print(f"\nroll-out: {r['model']} {r['strategy']} of {r['version']} over {r['stable']}: {r['state']}, {share} "
+              f"(gaas rollout status {r['model']})")
     flows = router_flows(topo)
     for f in flows:
         print(f"\n{f['router']}: flow control {'on' if f['qos_enabled'] else 'OFF (GAAS_QOS=off)'}")
@@ -77,6 +82,23 @@ def _router_flow(address: str) -> dict | None:
     from gaas.sdk.admin import router_flow
 
     return router_flow(address)
+
+
+def _rollouts(topo) -> list[dict]:
+    """The models' live roll-outs (their status without the figures and decisions)."""
+    from gaas.contracts.errors import GaasError
+    from gaas.sdk.admin import Admin
+
+    try:
+        with Admin(topo.of("control")[0].inbound) as admin:
+            out = []
+            for m in admin.models():
+                if m["split"]["canary"]:
+                    s = admin.rollout(m["name"])
+                    out.append({k: s[k] for k in ("model", "stable", "version", "strategy", "state", "weight", "shadow")})
+            return out
+    except (GaasError, OSError):
+        return []
 
 
 def _billing_status(topo) -> dict | None:

@@ -19,8 +19,9 @@ GROUP = "billing"
 
 OUTCOMES = ("finished", "cancelled", "failed")
 
-# What a tenant's usage can be grouped by, besides the total: model, UTC day, API key id.
-USAGE_GROUPS = ("model", "day", "key")
+# What a tenant's usage can be grouped by, besides the total: model, model and version ("gaas-tiny
+# 2.0.0": what each version of a roll-out served), UTC day, API key id.
+USAGE_GROUPS = ("model", "version", "day", "key")
 
 
 @dataclass(frozen=True, slots=True)

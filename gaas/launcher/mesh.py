@@ -39,7 +39,7 @@ from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 from gaas.model.build import build_model, check_source, is_built
 from gaas.host import placement
 from gaas.host.devices import visible_gpus
-from gaas.ops.topology import Instance, LocalSockets, Topology, sockets_root, with_workers
+from gaas.ops.topology import Instance, LocalSockets, Topology, TopologyError, sockets_root, with_workers
 from gaas.ops.traces import TRACES_FILE, TraceTarget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,6 +238,7 @@ class Mesh:
             time.sleep(0.1)
 
     def _spawn(self, name: str, kind: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> Child:
+        self._close_control()  # (no gRPC channel open across a fork)
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
@@ -258,6 +259,7 @@ class Mesh:
     def _respawn(self, child: Child) -> None:
         """Start an exited child again in its place (same command, environment and log)."""
         signal_group(child.proc.pid, signal.SIGKILL)  # what the dead leader left behind (an engine's processes)
+        self._close_control()  # (no gRPC channel open across a fork)
         with open(child.log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
             child.proc = subprocess.Popen(
@@ -488,17 +490,29 @@ class Mesh:
 
     # ----------------------------------------------------------------- the deployment's workers
 
-    def _fetch_pools(self, timeout: float) -> list[fleet.PoolSpec]:
-        """The pools control says the mesh runs (MeshError when it does not answer)."""
-        import grpc
-
-        from gaas.v1 import control_pb2, control_pb2_grpc
+    def _control_stub(self):
+        from gaas.v1 import control_pb2_grpc
 
         if self._control is None:
             channel = pki.operator_channel(self.topo.of("control")[0].inbound, self.run_dir)
             self._control = (channel, control_pb2_grpc.ControlStub(channel))
+        return self._control[1]
+
+    def _close_control(self) -> None:
+        """Close the channel to control. A child forked while a gRPC channel is open can abort
+        before it execs (gRPC's fork handlers): every start of a child closes it first."""
+        if self._control is not None:
+            self._control[0].close()
+            self._control = None
+
+    def _fetch_pools(self, timeout: float) -> list[fleet.PoolSpec]:
+        """The pools control says the mesh runs (MeshError when it does not answer)."""
+        import grpc
+
+        from gaas.v1 import control_pb2
+
         try:
-            resp = self._control[1].ListPools(control_pb2.ListPoolsRequest(), timeout=timeout)
+            resp = self._control_stub().ListPools(control_pb2.ListPoolsRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise MeshError(f"control did not say which workers to run: {exc.code().name}") from None
         return [fleet.PoolSpec.from_pb(p) for p in resp.pools]
@@ -509,7 +523,7 @@ class Mesh:
 
         self.progress(f"{pool.model} {pool.version}: {reason}")
         try:
-            self._control[1].ReportPoolFailure(control_pb2.ReportPoolFailureRequest(
+            self._control_stub().ReportPoolFailure(control_pb2.ReportPoolFailureRequest(
                 model=pool.model, version=pool.version, reason=reason), timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - said above; control hears of it at its next report
             self.progress(f"could not tell control: {exc}")
@@ -564,7 +578,13 @@ class Mesh:
         return bool(actions)
 
     def _spawn_worker(self, index: int, pool: fleet.PoolSpec, report: Callable[[str], None], quiet: bool) -> None:
-        inst = self.topo.worker(index, pool.options())
+        try:
+            inst = self.topo.worker(index, pool.options())
+        except TopologyError as exc:
+            if pool.key not in self._refused:
+                self._refused.add(pool.key)
+                self._report_failure(pool, str(exc))
+            return
         busy = [p for p in (inst.inbound_port, inst.metrics_port, inst.envoy_stats_port) if port_in_use(inst.host, p)]
         if busy:
             report(f"cannot start {inst.name} for {pool.model} {pool.version}: port(s) {', '.join(map(str, busy))} "
@@ -629,9 +649,7 @@ class Mesh:
         then the sidecars, then Redis; whatever is left after timeout is killed with its group."""
         self._stopping = True
         deadline = time.monotonic() + timeout
-        if self._control is not None:
-            self._control[0].close()
-            self._control = None
+        self._close_control()
         self._drain_ingress(min(timeout / 2, INGRESS_DRAIN_SECONDS))
         order = [
             [c for c in self.children if c.name == "ingress-0"],

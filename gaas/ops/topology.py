@@ -196,6 +196,10 @@ class Topology:
         base = self.port_base + (self.first_worker_block + index) * PORTS_PER_INSTANCE
         if base + PORTS_PER_INSTANCE > 65536:
             raise TopologyError(f"port_base {self.port_base} leaves too few ports for worker-{index}'s port block")
+        if base <= self.ingress_port < base + PORTS_PER_INSTANCE:
+            raise TopologyError(f"worker-{index}'s port block ({base}-{base + PORTS_PER_INSTANCE - 1}) holds the "
+                                f"ingress port {self.ingress_port}: run fewer workers, or move the ingress "
+                                "(--ingress-port) or the port base (--port-base)")
         return Instance("worker", f"worker-{index}", index, self.host, base,
                         {**self.worker_defaults, **engine, **pool})
 

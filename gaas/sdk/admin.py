@@ -55,9 +55,10 @@ class _Service:
 
     WHAT = ""
 
-    def __init__(self, address: str, stub_class) -> None:
+    def __init__(self, address: str, stub_class, run_dir: Path | None = None) -> None:
+        """run_dir: the mesh's, whose operator certificate to call as (default: GAAS_HOME's)."""
         self.address = address
-        self._channel = pki.operator_channel(address)
+        self._channel = pki.operator_channel(address, run_dir)
         self._stub = stub_class(self._channel)
 
     def _call(self, method: str, request):
@@ -81,8 +82,8 @@ class _Service:
 class Admin(_Service):
     WHAT = "the control plane"
 
-    def __init__(self, control_address: str) -> None:
-        super().__init__(control_address, control_pb2_grpc.ControlStub)
+    def __init__(self, control_address: str, run_dir: Path | None = None) -> None:
+        super().__init__(control_address, control_pb2_grpc.ControlStub, run_dir)
 
     def create_tenant(self, name: str, tier: str) -> dict:
         if tier not in TIER_TO_PB:
@@ -213,8 +214,8 @@ def _budget(b: billing_pb.Budget) -> dict:
 class BillingAdmin(_Service):
     WHAT = "billing"
 
-    def __init__(self, billing_address: str) -> None:
-        super().__init__(billing_address, billing_pb2_grpc.BillingStub)
+    def __init__(self, billing_address: str, run_dir: Path | None = None) -> None:
+        super().__init__(billing_address, billing_pb2_grpc.BillingStub, run_dir)
 
     def usage(self, tenant: str, start_ms: int = 0, end_ms: int = 0, group_by: str = "") -> dict:
         r = self._call("GetUsage", billing_pb.GetUsageRequest(

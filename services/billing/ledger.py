@@ -90,7 +90,8 @@ COLUMNS = (
     "finished_ms", "queue_ms", "ttft_ms", "e2e_ms", "client_request_id", "recorded_ms", "session_id",
 )
 # The SQL of each of gaas.contracts.usage.USAGE_GROUPS ("": the total).
-GROUPS = {"": "''", "model": "model", "key": "key_id", "day": "finished_ms / 86400000"}
+GROUPS = {"": "''", "model": "model", "version": "model || ' ' || model_version", "key": "key_id",
+          "day": "finished_ms / 86400000"}
 assert set(GROUPS) == {"", *metering.USAGE_GROUPS}
 
 

@@ -43,7 +43,7 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
         if request.end_unix_ms and request.end_unix_ms <= request.start_unix_ms:
             raise errors.InvalidArgument("end_unix_ms must be after start_unix_ms", param="end_unix_ms")
         if request.group_by and request.group_by not in usage.USAGE_GROUPS:
-            raise errors.InvalidArgument("group_by must be model, day or key", param="group_by")
+            raise errors.InvalidArgument(f"group_by must be {', '.join(usage.USAGE_GROUPS)}", param="group_by")
         total = await self._ledger.totals(tenant, request.start_unix_ms, request.end_unix_ms)
         rows = (
             await self._ledger.usage(tenant, request.start_unix_ms, request.end_unix_ms, request.group_by)

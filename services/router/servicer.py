@@ -40,7 +40,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if self._read_usage is None:
             raise errors.Unimplemented("usage is not available on this router")
         if request.by and request.by not in metering.USAGE_GROUPS:
-            raise errors.InvalidArgument("by must be model, day or key (or empty for the total only)", param="by")
+            raise errors.InvalidArgument(f"by must be {', '.join(metering.USAGE_GROUPS)} (or empty for the total only)",
+                                         param="by")
         now = metering.now_ms()
         start = metering.parse_time(request.since, "since", now)
         end = metering.parse_time(request.until, "until", now)

@@ -44,6 +44,7 @@ class Shadow:
         self._running: set[asyncio.Task] = set()
         self.copies = 0
         self.dropped = 0
+        self._said_drop = 0.0
 
     def maybe_copy(self, request: inference_pb2.GenerateRequest, principal: Principal, served_by: ModelEntry,
                    request_id: str) -> None:
@@ -51,7 +52,7 @@ class Shadow:
         split = served_by.split
         if split is None or not split.shadow or served_by.version != split.stable or not split.canary:
             return
-        if not self._chooser.shadow(split):
+        if not self._chooser.shadow(split, principal.tenant):
             return
         if len(self._running) >= self._max:
             self.dropped += 1
@@ -73,7 +74,11 @@ class Shadow:
             worker = self._scheduler.schedule(ctx, workers).worker
         except (errors.GaasError, LookupError) as exc:
             self.dropped += 1
-            log.debug("shadow copy of %s dropped: %s", request_id, exc)
+            now = time.monotonic()
+            if now - self._said_drop > 30:
+                self._said_drop = now
+                log.info("shadow copies of %s to %s are dropped (%d so far): %s", canary.name, version, self.dropped,
+                         exc)
             return
         self.copies += 1
         sent = time.perf_counter()

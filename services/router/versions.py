@@ -4,23 +4,34 @@ or the new version), else the canary for the split's weight of requests and the 
 the rest. Only versions the tenant may use (a pool's tenants) and that have workers now are chosen;
 one that has none leaves the request to another rather than to nobody.
 
-The weighted choice is a smooth one, not a coin: each request adds the weight to the model's credit
-and takes the canary when the credit reaches 100 (which pays 100 back), so after n requests the
-canary has taken n * weight / 100 of them to within one request, on every router, and a 5% step is
-5% from its first requests on, not a noisy share that 1,000 requests only bring near it."""
+The weighted choice is a smooth one, not a coin: each request adds the weight to its tenant's credit
+for the model and takes the canary when the credit reaches 100 (which pays 100 back), so after n
+requests a tenant's canary share is n * weight / 100 to within one request, on every router, and a 5%
+step is 5% from its first requests on, not a noisy share that 1,000 requests only bring near it. The
+credit is each tenant's own (one credit for all would let tenants whose requests come in step with
+each other's take the canary always or never), and starts anywhere below 100 (else every tenant's
+first requests would all go to the stable version)."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+import random
+from collections.abc import Callable, Container
 
 from gaas.contracts import errors
 from gaas.contracts.rollout import PERCENT, Split
 
 
+# Credits kept at most (model, tenant) pairs; past it the oldest are forgotten (a tenant's credit
+# then starts afresh).
+MAX_CREDITS = 100_000
+
+
 class VersionChooser:
-    def __init__(self) -> None:
-        self._credit: dict[str, int] = {}
-        self._shadow_credit: dict[str, int] = {}
+    def __init__(self, start: Callable[[], int] = lambda: random.randrange(PERCENT)) -> None:
+        """start: a new credit's value (random below 100; tests fix it)."""
+        self._start = start
+        self._credit: dict[tuple[str, str], int] = {}
+        self._shadow_credit: dict[tuple[str, str], int] = {}
 
     def choose(self, split: Split, tenant: str = "", session_version: str = "",
                available: Container[str] | None = None) -> str:
@@ -38,7 +49,7 @@ class VersionChooser:
             return session_version
         canary, stable = usable(split.canary) and split.weight > 0, usable(split.stable) and split.weight < PERCENT
         if canary and stable:
-            return split.canary if _take(self._credit, split.model, split.weight) else split.stable
+            return split.canary if self._take(self._credit, (split.model, tenant), split.weight) else split.stable
         if canary or stable:
             return split.canary if canary else split.stable
         # The split's choice cannot take it (no workers, or not this tenant's): any version that can.
@@ -50,15 +61,19 @@ class VersionChooser:
                                           param="model")
         return split.stable
 
-    def shadow(self, split: Split) -> bool:
-        """Whether this request is also copied to the canary (shadow traffic)."""
+    def shadow(self, split: Split, tenant: str = "") -> bool:
+        """Whether this request of tenant's is also copied to the canary (shadow traffic)."""
         if not split.canary or split.shadow <= 0:
             return False
-        return _take(self._shadow_credit, split.model, split.shadow)
+        return self._take(self._shadow_credit, (split.model, tenant), split.shadow)
 
-
-def _take(credits: dict[str, int], model: str, pct: int) -> bool:
-    credit = credits.get(model, 0) + pct
-    taken = credit >= PERCENT
-    credits[model] = credit - PERCENT if taken else credit
-    return taken
+    def _take(self, credits: dict[tuple[str, str], int], key: tuple[str, str], pct: int) -> bool:
+        credit = credits.pop(key, None)
+        if credit is None:
+            credit = self._start()
+            if len(credits) >= MAX_CREDITS:
+                del credits[next(iter(credits))]
+        credit += pct
+        taken = credit >= PERCENT
+        credits[key] = credit - PERCENT if taken else credit  # (re-inserted: the most recent last)
+        return taken

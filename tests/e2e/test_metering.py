@@ -188,7 +188,7 @@ def test_a_tenant_reads_its_own_usage_and_nobody_elses(mesh):
         assert g.usage(since="1d").total.completion_tokens == rb.completion
     assert http(mesh, "/v1/gaas/usage", method="GET", key="")[0] == 401
     status, body = http(mesh, "/v1/gaas/usage?by=tenant", method="GET", key=key_a)
-    assert status == 400 and "by must be model, day or key" in body
+    assert status == 400 and "by must be model, version, day, key" in body
     status, body = http(mesh, "/v1/gaas/usage?since=last+tuesday", method="GET", key=key_a)
     assert status == 400 and "ISO 8601" in body
 

@@ -63,7 +63,7 @@ def test_env_overrides(tmp_path):
         ({"services": {**DOC["services"], "worker": {"executor": "ray"}}}, "executor must be one of uni, mp"),
         ({"port_base": "lots"}, "port_base must be an integer"),
         ({"ingress": {"port": 20011}}, "collides"),
-        ({"ingress": {"port": 20071}}, "collides"),
+        ({"ingress": {"port": 20071}}, "holds the ingress port 20071"),
         ({"port_base": 65500}, "too few ports"),
     ],
 )
