@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["GAAS_GPU_MEMORY_UTILIZATION"] = str(SHARED_GPU_FRACTION)
     mesh = Mesh(topo, run_dir=run_dir, deploy_file=ROOT / "deploy" / "gaas.yaml",
                 redis_url=f"redis://127.0.0.1:{base + 291}/0", progress=say)
-    options = topo.of("worker")[0].options
-    model = mesh.spec.model(str(options["model"]))
+    options = topo.worker_defaults
+    model = mesh.spec.served[0]
     if model.preset and not is_built(Path(model.source)):
         say(f"building model {model.name} ({model.preset} preset)")
         build_model(model.preset, Path(model.source), progress=lambda m: say(f"  {m}"))

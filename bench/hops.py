@@ -149,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common.mesh import bench_mesh, demo_key, running
 
     mesh = bench_mesh("hops", 23000, say)
-    topo, run_dir = mesh.topo, mesh.run_dir
-    model = str(topo.of("worker")[0].options["model"])
+    run_dir = mesh.run_dir
+    model = mesh.spec.served[0].name
     say(f"starting the mesh (logs in {run_dir / 'logs'})")
     with running(mesh, 300, keep=True):
         key = demo_key(mesh)
+        topo = mesh.topo  # (its workers: the deployment's, started by now)
         results = asyncio.run(measure(lambda: entry_points(topo, run_dir, key, model), args.requests, args.rounds,
                                       args.concurrency, args.per_stream))
 

@@ -120,7 +120,7 @@ def gaas_run(policy: str, workers: int, blocks: int, rounds, concurrency: int) -
     from bench.common.mesh import bench_mesh, demo_key, running
 
     mesh = bench_mesh("routing", 23000, say, workers=workers,
-                      worker_options={"model": MODEL, "kv_cache_blocks": blocks},
+                      worker_options={"kv_cache_blocks": blocks}, serve_model=MODEL,
                       extra_env={"GAAS_ROUTER_POLICY": policy})
     with running(mesh, 400):
         return run_workload(f"http://{mesh.topo.ingress}/v1", demo_key(mesh), rounds, concurrency)

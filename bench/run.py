@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
               for i, path in enumerate(paths)}
     mesh = next(iter(meshes.values()))  # the native gRPC API's (the same on both paths)
     topo, run_dir = mesh.topo, mesh.run_dir
-    model = mesh.spec.model(str(topo.of("worker")[0].options["model"]))
+    model = mesh.spec.served[0]  # the deployment's served model (gaas-tiny by default)
     core, others = worker_cpus(0, 1)  # where gaas places worker-0's engine, and the rest
     vllm_procs: list[subprocess.Popen] = []
     # Each target's processes whose CPU is its front end's cost (name -> pid), and those of them
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 log = run_dir / "logs" / f"vllm-openai-server-{variant}.log"
                 say(f"starting vLLM's OpenAI server ({variant}) on 127.0.0.1:{port}, model runner on core {core} "
                     f"(log {log})")
-                executor = str(topo.of("worker")[0].options["executor"]) if variant == "engine" else "mp"
+                executor = str(topo.worker_defaults["executor"]) if variant == "engine" else "mp"
                 proc = start_vllm_server(Path(model.source), model.name, port, core, log,
                                          ["--stream-interval", str(args.stream_interval)], executor=executor)
                 vllm_procs.append(proc)

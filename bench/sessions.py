@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common.mesh import bench_mesh, demo_key, running
     from gaas.model.tokenizer import Tokenizer
 
-    mesh = bench_mesh("sessions", 23000, say, worker_options={"model": MODEL})
+    mesh = bench_mesh("sessions", 23000, say, serve_model=MODEL)
     topo, run_dir = mesh.topo, mesh.run_dir
     rows = []
     say(f"starting a mesh with one worker serving {MODEL} (logs in {run_dir / 'logs'})")

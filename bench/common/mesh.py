@@ -18,10 +18,13 @@ def bench_mesh(
     name: str, port_start: int, progress: Callable[[str], None], *, workers: int = 1,
     replicas: Mapping[str, int] | None = None, worker_options: Mapping[str, object] | None = None,
     deploy_file: Path | None = None, extra_env: Mapping[str, str] | None = None, ingress_path: str | None = None,
+    serve_model: str | None = None,
 ):
     """A gaas.launcher.mesh.Mesh, not yet started, in a new run directory (gaas-<name>-...): deploy/topology.yaml
-    with `workers` workers, other services' replicas as given, the workers' options as given, the
-    ingress's path to the workers as given (router or direct; default: the topology's).
+    with `workers` workers (of each served model: the deployment's replicas: auto), other services'
+    replicas as given, the workers' engine options as given, the ingress's path to the workers as
+    given (router or direct; default: the topology's); serve_model: that model of the deployment
+    served alone (gaas up --model).
     The run directory becomes GAAS_HOME, so in-process admin calls (gaas.sdk.admin, gaas.ops.probe) reach
     the sidecars as this mesh's operator."""
     import yaml
@@ -45,7 +48,8 @@ def bench_mesh(
     if worker_options:
         topo = topology.with_worker_options(topo, **worker_options)
     return Mesh(topo, run_dir=run_dir, deploy_file=deploy_file or ROOT / "deploy" / "gaas.yaml",
-                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=progress, extra_env=dict(extra_env or {}))
+                redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=progress, extra_env=dict(extra_env or {}),
+                serve_model=serve_model)
 
 
 @contextmanager

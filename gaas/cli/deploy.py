@@ -92,8 +92,15 @@ def rollout_text(s: dict) -> str:
     lines = [f"{s['model']}: {s['strategy']} of {s['version']} over {s['stable']}: {what}"]
     figures = s.get("figures") or {}
     old, new = figures.get(s["stable"]) or {}, figures.get(s["version"]) or {}
+    since = f"since {_ms(s['since'])}"
+    if not (old.get("requests") or new.get("requests")):
+        # Nothing in the window now (an ended roll-out): the figures of its last decision that had some.
+        decided = next((d for d in reversed(s["decisions"]) if (d.get("figures") or {}).get("new")), None)
+        if decided is not None:
+            old, new = decided["figures"].get("stable") or {}, decided["figures"]["new"]
+            since = f"at {_ms(decided['at'])}"
     if old.get("requests") or new.get("requests"):
-        lines.append(f"  the guard's window, since {_ms(s['since'])}: {'':<12}{s['stable'] + ' (stable)':<22}"
+        lines.append(f"  the guard's window, {since}: {'':<12}{s['stable'] + ' (stable)':<22}"
                      f"{s['version'] + ' (new)'}")
 
         def row(name: str, f) -> None:

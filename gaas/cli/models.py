@@ -33,7 +33,7 @@ def cmd_models(args) -> int:
         print(f"{r['name']:<16} {r['version']:<10} {r['ready_workers']} worker(s) ready  context {r['max_model_len']}"
               + (f"  replicas {r['replicas']}" if "replicas" in r else ""))
         split = r.get("split") or {}
-        for v in r.get("versions", []):
+        for v in r.get("versions", []) if r.get("replicas", "0") != "0" else []:
             share = ""
             if v["version"] == split.get("canary"):
                 share = f"  {split['weight']}% of new requests" + (f", {split['shadow']}% copied (shadow)"

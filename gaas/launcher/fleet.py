@@ -50,6 +50,12 @@ class PoolSpec:
                 "engine": dict(self.engine)}
 
     @classmethod
+    def from_model(cls, m) -> PoolSpec:
+        """A deployment file's model (gaas.settings.deployspec.ModelSpec) as its pool."""
+        return cls(model=m.name, version=m.version, source=m.source, preset=m.preset, seed=m.seed,
+                   max_model_len=m.max_model_len, replicas=m.replicas, engine=dict(m.engine), device=m.device)
+
+    @classmethod
     def from_pb(cls, p) -> PoolSpec:
         replicas: int | str = p.replicas if p.replicas == "auto" else int(p.replicas or 0)
         return cls(model=p.model, version=p.version, source=p.source, preset=p.preset, seed=int(p.seed),

@@ -537,15 +537,17 @@ class AnswerLogprobs:
         return arrays[:-1] + b',"top_logprobs":[' + b",".join(self._top) + b"]}"
 
 
-def models_list(models: list[tuple[str, int, int]], created: int) -> dict:
-    """models: (name, ready workers, context length), shaped as vLLM's model cards."""
+def models_list(models: list[tuple[str, int, int, dict[str, str]]], created: int) -> dict:
+    """models: (name, ready workers, context length, version -> its role for the versions with
+    workers), shaped as vLLM's model cards (versions: GaaS's own field)."""
     return {
         "object": "list",
         "data": [
             {
                 "id": name, "object": "model", "created": created, "owned_by": "gaas", "root": name, "parent": None,
                 "max_model_len": ctx, "ready_workers": ready, "permission": [],
+                "versions": [{"version": v, "role": role} for v, role in sorted(versions.items())],
             }
-            for name, ready, ctx in models
+            for name, ready, ctx, versions in models
         ],
     }

@@ -3,6 +3,7 @@ and its roll-outs, nothing more. ControlServicer (servicer.py) takes them in."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -95,7 +96,8 @@ class DeploymentRpcs:
     async def _pools(self) -> pb.ListPoolsResponse:
         view = await self._deployment.view()
         pools = [pool_to_pb(p) for p in await self._deployment.pools(view)]
-        return pb.ListPoolsResponse(pools=pools, version=str(hash(tuple(p.SerializeToString() for p in pools))))
+        digest = hashlib.sha256(b"".join(p.SerializeToString(deterministic=True) for p in pools)).hexdigest()[:16]
+        return pb.ListPoolsResponse(pools=pools, version=digest)
 
     async def ApplyDeployment(self, request: pb.ApplyDeploymentRequest, context) -> pb.ApplyDeploymentResponse:
         if len(request.text.encode()) > MAX_FILE_BYTES:

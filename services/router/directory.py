@@ -60,6 +60,12 @@ class ModelEntry:
         v = self.versions[version]
         return replace(self, version=version, source=v.source, max_model_len=v.max_model_len)
 
+    def role(self, version: str) -> str:
+        """A version's part in the model's roll-out: stable, canary or kept (stable when control
+        says nothing of it)."""
+        v = self.versions.get(version)
+        return v.role if v is not None else "stable"
+
     @property
     def pool(self) -> str:
         """The version whose workers may take its requests ("": any of the model's, when control

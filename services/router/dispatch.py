@@ -95,13 +95,14 @@ class Dispatcher:
         """Requests streaming now (what /load reports)."""
         return self._inflight.total
 
-    async def models(self) -> list[tuple[ModelEntry, int]]:
-        """The deployed models, each with how many serving workers it has now."""
+    async def models(self) -> list[tuple[ModelEntry, int, dict[str, int]]]:
+        """The deployed models, each with how many serving workers it has now, in all and by version."""
         snap = await self._directory.snapshot()
-        ready: dict[str, int] = {}
+        ready: dict[str, dict[str, int]] = {}
         for w in snap.workers:
-            ready[w.model] = ready.get(w.model, 0) + 1
-        return [(m, ready.get(m.name, 0)) for m in snap.models]
+            by_version = ready.setdefault(w.model, {})
+            by_version[w.model_version] = by_version.get(w.model_version, 0) + 1
+        return [(m, sum(ready.get(m.name, {}).values()), ready.get(m.name, {})) for m in snap.models]
 
     async def engine_version(self) -> str:
         """The engine version the serving workers report (one of them, should they differ)."""

@@ -30,7 +30,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         await self._pipeline.caller()
-        listed = [(m.name, n, m.max_model_len) for m, n in await self._dispatcher.models() if n > 0]
+        listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version})
+                  for m, n, by_version in await self._dispatcher.models() if n > 0]
         return openai_stream.json_body(openai_api.models_list(listed, int(time.time())))
 
     # ------------------------------------------------------------ generation
@@ -103,7 +104,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     # ------------------------------------------------------------ probes (no API key, as on vLLM)
 
     async def Health(self, request, context) -> httpbody_pb2.HttpBody:
-        if not any(n for _, n in await self._dispatcher.models()):
+        if not any(n for _, n, _ in await self._dispatcher.models()):
             raise errors.Unavailable("no model has a ready worker")
         return httpbody_pb2.HttpBody(content_type="text/plain", data=b"")
 

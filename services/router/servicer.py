@@ -30,8 +30,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         models = await self._dispatcher.models()
         return inference_pb2.ListModelsResponse(
             models=[
-                inference_pb2.ModelInfo(name=m.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len)
-                for m, n in models
+                inference_pb2.ModelInfo(name=m.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len,
+                                        versions=[inference_pb2.ModelVersionInfo(version=v, role=m.role(v),
+                                                                                 ready_workers=k)
+                                                  for v, k in sorted(versions.items())])
+                for m, n, versions in models
             ]
         )
 
@@ -59,3 +62,4 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def DeleteSession(self, request: inference_pb2.DeleteSessionRequest, context) -> inference_pb2.DeleteSessionResponse:
         return await delete_response(self._sessions, (await self._pipeline.caller()).tenant, request.session_id)
+

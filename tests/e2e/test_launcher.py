@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from gaas.launcher.fleet import PoolSpec
 from gaas.ops import redisacl, topology
 from tests.conftest import ROOT
 
@@ -31,6 +32,9 @@ def mesh(tmp_path, monkeypatch):
     m = mesh_mod.Mesh(t, run_dir=tmp_path, deploy_file=ROOT / "deploy" / "gaas.yaml",
                       redis_url="redis://:operator-pw@127.0.0.1:6379/0")
     m.redis_users = redisacl.users()  # as when gaas up starts its own Redis
+    # Its worker, as the deployment's pool (gaas-tiny, replicas auto) would start it.
+    pool = PoolSpec.from_model(m.spec.default_model)
+    m.topo = topology.with_workers(m.topo, [m.topo.worker(0, pool.options())])
     return m
 
 

@@ -201,6 +201,33 @@ def test_a_slower_version_is_back_at_0_within_30_s_failing_nothing(rmesh):
         assert "rollback: 9.0.0-slow -> " in a.revisions()[-1]["changes"][0]
 
 
+@on_direct_path("pools come and go the same whichever path serves")
+def test_a_second_model_is_served_beside_the_first_and_removed_again(rmesh):
+    """gaas-small given a worker: both models serve behind the one ingress (`/v1/models` lists
+    both); given none again, its worker drains and leaves."""
+    versions = stable(rmesh)
+    served = deployment(rmesh.files / "two.yaml", version=versions).read_text().replace(
+        "    preset: small\n    max_model_len: 4096\n    replicas: 0", "    preset: small\n    max_model_len: 4096\n    replicas: 1")
+    two = rmesh.files / "two-models.yaml"
+    two.write_text(served)
+    apply(rmesh, two)
+    _, key = new_tenant(rmesh, "two-models")
+    c = client(rmesh, key)
+    deadline = time.monotonic() + READY_SECONDS
+    while {m.id for m in c.models.list().data} != {MODEL, "gaas-small"}:
+        assert time.monotonic() < deadline, "gaas-small's worker did not come"
+        time.sleep(1)
+    assert c.completions.create(model="gaas-small", prompt="small", max_tokens=2).model == "gaas-small"
+    assert c.completions.create(model=MODEL, prompt="tiny", max_tokens=2).model == MODEL
+    apply(rmesh, deployment(rmesh.files / "one-again.yaml", version=versions))
+    deadline = time.monotonic() + 60
+    while {m.id for m in c.models.list().data} != {MODEL}:
+        assert time.monotonic() < deadline, "gaas-small's worker did not leave"
+        time.sleep(1)
+    with admin(rmesh) as a:
+        assert [p["model"] for p in a.pools()] == [MODEL]
+
+
 @on_direct_path("a worker that cannot start is the launcher's and the worker's, whichever path serves")
 def test_a_version_whose_weights_do_not_load_halts_and_the_stable_one_serves(rmesh):
     old = stable(rmesh)

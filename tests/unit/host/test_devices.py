@@ -275,8 +275,7 @@ def _mesh(tmp_path, monkeypatch, gpus, workers, **worker_options):
     if worker_options:
         t = topology.with_worker_options(t, **worker_options)
     m = mesh_mod.Mesh(t, run_dir=tmp_path, deploy_file=ROOT / "deploy" / "gaas.yaml", redis_url="redis://127.0.0.1:1/0")
-    d = m.spec.default_model
-    pool = PoolSpec(d.name, d.version, d.source, d.preset, d.seed, d.max_model_len, d.replicas, d.engine)
+    pool = PoolSpec.from_model(m.spec.default_model)
     m.topo = topology.with_workers(m.topo, [m.topo.worker(i, pool.options()) for i in range(m.topo.auto_workers)])
     return m
 
