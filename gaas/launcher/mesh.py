@@ -604,13 +604,14 @@ class Mesh:
             report(f"started {inst.name} for {pool.model} {pool.version} ({pool.role})")
 
     def _retire(self, name: str, report: Callable[[str], None]) -> None:
-        """Drain a worker whose pool shrank or went: SIGTERM (it deregisters, its streams finish or
-        are handed over); its sidecar stops once it has left (_retire_finished)."""
+        """Drain a worker whose pool shrank or went: SIGUSR1 (it deregisters, takes no new request
+        and lets its streams finish: no other worker of its version may be left to carry them on);
+        its sidecar stops once it has left (_retire_finished)."""
         self._retiring.add(name)
         child = next((c for c in self.children if c.name == name), None)
         if child is not None and child.proc.poll() is None:
             try:
-                child.proc.send_signal(signal.SIGTERM)
+                child.proc.send_signal(signal.SIGUSR1)
             except ProcessLookupError:
                 pass
         report(f"{name} drains: its pool ({fleet.key_of(self.topo.instance(name).options)[0]} "

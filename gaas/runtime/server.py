@@ -184,12 +184,15 @@ class ServiceRuntime:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
 
-    def request_stop(self, why: str = "requested", exit_code: int = 0) -> None:
+    def request_stop(self, why: str = "requested", exit_code: int = 0, grace_seconds: float | None = None) -> None:
         """Shut down gracefully; a non-zero exit_code makes the process exit with it (a supervisor
-        then knows it failed)."""
+        then knows it failed); grace_seconds: how long calls running then get to finish (the
+        settings' grace when None)."""
         if not self._stopping.is_set():
             (log.error if exit_code else log.info)("shutting down (%s)", why)
             self.exit_code = exit_code
+            if grace_seconds is not None:
+                self._grace = grace_seconds
             self._stopping.set()
 
     @property
@@ -214,7 +217,7 @@ class ServiceRuntime:
                 log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
         if self.opts.drain_seconds > 0:
             await asyncio.sleep(self.opts.drain_seconds)
-        await self.server.stop(self.opts.grace_seconds)
+        await self.server.stop(getattr(self, "_grace", None) or self.opts.grace_seconds)
         for hook in reversed(self._after_stop_hooks):
             try:
                 await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)

@@ -69,6 +69,10 @@ class WorkerSettings(Settings):
                                       "long, then hands the rest over: each is carried on at another worker from the "
                                       "tokens sent, by the router streaming it or by this worker's front end (-1: "
                                       "never; they finish here, within the grace)")
+    retire_grace_seconds: float = setting("GAAS_RETIRE_GRACE_SECONDS", 600.0, "a worker its pool needs no more "
+                                          "(SIGUSR1: gaas up, when a roll-out ends or a pool shrinks) takes no new "
+                                          "request and lets the streams it has finish, this long at most (no "
+                                          "hand-over: no other worker of its version may be left to carry them on)")
     max_waiting: int = setting("GAAS_MAX_WAITING", 128, "most requests waiting for their first token; more get "
                                "RESOURCE_EXHAUSTED, which the router takes elsewhere (0: no bound)")
     stream_interval: int = setting(

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -80,6 +81,15 @@ async def serve(cfg: WorkerSettings) -> None:
     # What Envoy sends here that names another worker (it had not heard of that one yet) is refused untaken.
     rt = ServiceRuntime(options_for("worker", cfg, named_as=cfg.advertise))
     rt.install_signal_handlers()
+    # SIGUSR1 (gaas up: the worker's pool needs it no more): leave, and let every stream finish here.
+    retired = asyncio.Event()
+
+    def retire() -> None:
+        retired.set()
+        rt.request_stop("retired: its pool needs it no more; the streams it has finish here",
+                        grace_seconds=cfg.retire_grace_seconds)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, retire)
     # The engine's KV-event sockets live in a directory only this worker's user can enter.
     events_dir = tempfile.mkdtemp(prefix=f"gaas-{cfg.instance}-kv-") if cfg.kv_events else None
     engine_task = asyncio.create_task(VllmEngine.start(cfg, kv_events_dir=events_dir))
@@ -173,7 +183,11 @@ async def serve(cfg: WorkerSettings) -> None:
         )
         rt.on_stop(keeper.stop)  # runs first: routers stop picking this worker
     if cfg.handover_seconds >= 0:
-        rt.on_stop(lambda: hand_over_later(servicer, cfg.handover_seconds))
+        async def hand_over_unless_retired() -> None:
+            if not retired.is_set():
+                await hand_over_later(servicer, cfg.handover_seconds)
+
+        rt.on_stop(hand_over_unless_retired)
     if rt.stopping:
         await rt.shutdown()
         return

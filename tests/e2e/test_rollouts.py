@@ -201,6 +201,42 @@ def test_a_slower_version_is_back_at_0_within_30_s_failing_nothing(rmesh):
         assert "rollback: 9.0.0-slow -> " in a.revisions()[-1]["changes"][0]
 
 
+def test_a_stream_on_a_version_that_is_rolled_back_finishes_whole(rmesh):
+    """Undone mid-stream, the new version's worker takes no new request but finishes the streams it
+    has (no other worker of its version is left to carry them on)."""
+    import threading
+
+    old = stable(rmesh)
+    apply(rmesh, deployment(rmesh.files / "undone.yaml", version="5.0.0-undone", replicas="1",
+                            rollout="{strategy: canary, steps: [50, 100], hold_seconds: 3600, "
+                                    "guard: {min_samples: 1000, min_requests: 1000}}"))
+    wait_state(rmesh, "progressing")
+    time.sleep(2)  # the routers' view of the split (refreshed every 0.5 s)
+    tenant, key = new_tenant(rmesh, "undone")
+    c = client(rmesh, key)
+    got: list = [None, None]
+
+    def stream(i: int) -> None:
+        text, usage = "", None
+        for chunk in c.completions.create(model=MODEL, prompt=f"a long one {i}", max_tokens=1500, stream=True,
+                                          stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+            usage = chunk.usage or usage
+        got[i] = usage
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]  # at 50%: one on each version
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    with admin(rmesh) as a:
+        a.change_rollout(MODEL, "undo")
+    for t in threads:
+        t.join(180)
+    assert [u.completion_tokens if u else None for u in got] == [1500, 1500]
+    assert by_version(rmesh, tenant, 2) == {old: 1, "5.0.0-undone": 1}
+
+
 @on_direct_path("pools come and go the same whichever path serves")
 def test_a_second_model_is_served_beside_the_first_and_removed_again(rmesh):
     """gaas-small given a worker: both models serve behind the one ingress (`/v1/models` lists
