@@ -10,7 +10,7 @@ control's ApplyDeployment):
   promotion    a healthy canary stepped up 5 -> 50 -> 100 and promoted: the requests that failed
   switch       blue-green: switched, then finished (the old version drained): the requests that failed
   shadow       50% of a tenant's requests copied to a shadowing version: the tenant's TTFT beside
-               the same run without shadowing, and what it was billed against what it sent
+               the same run with 1% copied, and what it was billed against what it sent
 
     python -m bench.rollout [--out bench/results/rollout.json]
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     files = mesh.run_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    with running(mesh, 300, keep=True):
+    with running(mesh, 300, keep=True, supervise=True):
         ingress = mesh.topo.ingress
         with admin(mesh) as a:
             load_key = tenant_key(a, "load", "gold")
@@ -205,13 +205,19 @@ def main(argv: list[str] | None = None) -> int:
             results["switch"] = {"requests": load.requests, "failed": len(load.errors), "errors": load.errors[:3]}
             say(f"switch: {len(load.errors)} of {load.requests} requests failed")
 
-            # -- shadow: the tenant's latency with and without copies
+            # -- shadow: the tenant's latency with 1% of its requests copied (the new version's worker
+            # up: on this host it shares the cores either way), then 50%
             shadow_key = tenant_key(a, "shadowed", "gold")
+            never = "guard: {min_samples: 100000, min_requests: 100000}"
+            apply(a, deployment("3.0.0-shadow", "{strategy: shadow, shadow_percent: 1, " + never + "}"),
+                  files / "shadow.yaml")
+            wait(a, "shadowing")
+            time.sleep(2)
             with Load(ingress, shadow_key, clients=2) as alone:
                 time.sleep(20)
-            apply(a, deployment("3.0.0-shadow", "{strategy: shadow, shadow_percent: 50, guard: {min_samples: 100000, "
-                                "min_requests: 100000}}"), files / "shadow.yaml")
-            wait(a, "shadowing")
+            apply(a, deployment("3.0.0-shadow", "{strategy: shadow, shadow_percent: 50, " + never + "}"),
+                  files / "shadow.yaml")
+            time.sleep(2)
             with Load(ingress, shadow_key, clients=2) as shadowed:
                 time.sleep(20)
             copies = a.rollout(MODEL)["figures"].get("3.0.0-shadow", {}).get("requests", 0)
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  blue-green switch   {r['switch']['failed']} of {r['switch']['requests']} requests failed (switch and "
           "finish)")
     sh = r["shadow"]
-    print(f"  shadow 50%          the tenant's TTFT p50 {sh['alone']['ttft_p50_ms']:.1f} -> {sh['shadowed']['ttft_p50_ms']:.1f} "
+    print(f"  shadow 1% -> 50%    the tenant's TTFT p50 {sh['alone']['ttft_p50_ms']:.1f} -> {sh['shadowed']['ttft_p50_ms']:.1f} "
           f"ms, p95 {sh['alone']['ttft_p95_ms']:.1f} -> {sh['shadowed']['ttft_p95_ms']:.1f} ms; "
           f"{sh['shadowed']['copies_judged']} copies judged; billed {sum(sh['billed'].values())} of {sh['sent']} sent, "
           f"all on {', '.join(sh['billed'])}")

@@ -53,15 +53,31 @@ def bench_mesh(
 
 
 @contextmanager
-def running(mesh, ready_s: float, *, keep: bool = False) -> Iterator:
+def running(mesh, ready_s: float, *, keep: bool = False, supervise: bool = False) -> Iterator:
     """The mesh started and serving (within ready_s seconds); stopped when the block ends, however it
-    ends, and its run directory removed unless keep (its logs kept for a look)."""
+    ends, and its run directory removed unless keep (its logs kept for a look). supervise: what `gaas
+    up` does each second meanwhile (restarts, the workers kept matching the deployment's pools), in a
+    thread that outlives every child it starts (a child gets SIGTERM when the thread that started it ends)."""
+    import threading
+
+    done = threading.Event()
+
+    def supervising() -> None:
+        while not done.wait(1.0):
+            mesh.supervise(mesh.progress)
+
+    supervisor = threading.Thread(target=supervising, name="supervise", daemon=True)
     try:
         mesh.start()
         mesh.wait_ready(ready_s)
+        if supervise:
+            supervisor.start()
         yield mesh
     finally:
         mesh.stop()
+        done.set()
+        if supervisor.is_alive():
+            supervisor.join(timeout=5)
         if keep:
             mesh.progress(f"logs kept in {mesh.run_dir / 'logs'}")
         else:

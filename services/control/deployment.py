@@ -315,6 +315,11 @@ class Deployment:
             r.undo(now)
             self._save(execute, view.ids[model], r, live=False)
         by_name = {m.name: m for m in spec.models}
+        for model, r in view.live.items():
+            # A live roll-out the file keeps going takes its model's policy as the file says it now.
+            if model in by_name and model not in p.undo and model not in p.removed and r.version == by_name[model].version:
+                if r.adopt(by_name[model].rollout, now) is not None:
+                    self._save(execute, view.ids[model], r, live=True)
         for model, (stable, version) in p.rollouts.items():
             r = Rollout(model, stable, version, by_name[model].rollout, now)
             rid = self._next_id(execute)

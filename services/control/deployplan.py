@@ -118,6 +118,10 @@ def plan(current: Current, new: DeploySpec, check_source: Callable[[ModelSpec], 
                 f"{m.name}: a roll-out from {stable} to {rolling} is under way; the file may name {rolling} (to let "
                 f"it go on) or {stable} (to undo it), not {m.version}: `gaas rollout promote {m.name}` or `gaas rollout "
                 f"undo {m.name}` first")
+        if rolling is not None and m.version == rolling and m.rollout.strategy != cur.rollout.strategy:
+            raise errors.FailedPrecondition(
+                f"{m.name}: the roll-out to {rolling} is a {cur.rollout.strategy}; its strategy cannot change under way "
+                f"(`gaas rollout promote {m.name}` or `gaas rollout undo {m.name}` first)")
         if rolling is not None and m.version == stable:
             out.undo.append(m.name)
             out.changes.append(Change(m.name, "undo", f"the roll-out to {rolling} is undone; {stable} keeps serving"))

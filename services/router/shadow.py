@@ -26,9 +26,12 @@ from services.router.versions import VersionChooser
 
 log = logging.getLogger(__name__)
 
-# Copies running at once, at most; how long one may run.
+# Copies running at once, at most; how long one may run; tokens per streamed message of a copy
+# (its first token still comes at once: TTFT is measured; the rest in few, full messages, so the
+# copy costs the mesh's front ends little per token).
 MAX_COPIES = 32
 COPY_SECONDS = 300.0
+COPY_STREAM_INTERVAL = 64
 
 
 class Shadow:
@@ -85,7 +88,7 @@ class Shadow:
         first = last = None
         call = self._workers.Generate(
             worker_pb2.WorkerGenerateRequest(request=prepared.request, request_id=f"shadow-{request_id}",
-                                             cache_salt=prepared.cache_salt),
+                                             cache_salt=prepared.cache_salt, stream_interval=COPY_STREAM_INTERVAL),
             timeout=COPY_SECONDS, metadata=((WORKER_HEADER, worker.address),))
         try:
             async for chunk in call:

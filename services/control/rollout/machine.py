@@ -130,6 +130,22 @@ class Rollout:
         self.decisions.append(decision)
         return decision
 
+    def adopt(self, policy: RolloutPolicy, now: float) -> Decision | None:
+        """A new policy for this roll-out (the file changed it; not its strategy): its steps, holds,
+        shadow share and guard from now on. A canary past the new steps' last but one stays at its
+        weight until the guard steps it to 100."""
+        if policy.strategy != self.policy.strategy:
+            raise errors.FailedPrecondition(f"{self.model}'s roll-out of {self.version} is a {self.policy.strategy}; "
+                                            f"its strategy cannot change under way (undo or promote it first)")
+        if policy == self.policy:
+            return None
+        self.policy = policy
+        self.step = min(self.step, len(policy.steps) - 1)
+        decision = Decision(now, self.state, self.weight, f"its policy changed: steps {list(policy.steps)}, holds "
+                            f"{policy.hold_s:.0f} s, shadow {policy.shadow}%")
+        self.decisions.append(decision)
+        return decision
+
     # -- the operator -------------------------------------------------------------------------
 
     def _live_or_refuse(self, what: str) -> None:

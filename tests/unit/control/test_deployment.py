@@ -177,3 +177,17 @@ async def test_a_failure_report_is_kept_for_the_rollout(deployment):
     await deployment.report_failure("tiny", "2", "CUDA out of memory", "worker-3")
     assert await deployment.failures("tiny", "2", 0) == ["worker-3: CUDA out of memory"]
     assert await deployment.failures("tiny", "2", 2_000_000) == []
+
+
+async def test_a_policy_changed_under_way_is_taken_by_the_live_rollout_but_not_a_strategy(deployment):
+    await apply(deployment, text())
+    await apply(deployment, text(version="2", strategy="shadow"))
+    await deployment.step("tiny", "2", ticker())
+    number, changes = await apply(deployment, text(version="2", strategy="shadow").replace(
+        "steps: [50, 100]", "steps: [50, 100], shadow_percent: 40"))
+    assert number and [c.kind for c in changes] == ["changed"]
+    r, _ = await deployment.rollout("tiny")
+    assert (r.state, r.policy.shadow) == (State.SHADOWING, 40) and "shadow 40%" in r.decisions[-1].reason
+    assert (await deployment.served())[0].split.shadow == 40
+    with pytest.raises(errors.FailedPrecondition, match="its strategy cannot change under way"):
+        await apply(deployment, text(version="2", strategy="canary"))
