@@ -418,6 +418,10 @@ class Deployment:
                     raise errors.FailedPrecondition(f"{model} has no roll-out under way{said}; nothing to {action}")
                 undo_to = await self._previous_version(view, model, to_revision)
             else:
+                if to_revision:
+                    raise errors.FailedPrecondition(
+                        f"{model}'s roll-out to {r.version} is under way: `gaas rollout undo {model}` rolls it back; "
+                        "--to-revision goes back to an earlier revision's version once no roll-out is under way")
                 getattr(r, action)(now)
                 decision = r.decisions[-1]
                 await self._db.run(lambda execute: self._finish(execute, view, model, view.ids[model], r, decision))

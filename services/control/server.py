@@ -10,6 +10,8 @@ import asyncio
 import logging
 from pathlib import Path
 
+from prometheus_client import Gauge
+
 from gaas.contracts import qos
 from gaas.settings import deployspec
 from gaas.runtime import redisconn
@@ -62,7 +64,13 @@ async def serve(cfg: ControlSettings) -> None:
     membership = Membership(registry.list)
     following = asyncio.create_task(membership.run(), name="membership")
     # Roll-outs, driven by whichever control replica holds the lead.
-    driver = Driver(deployment, registry, redis, cfg.instance)
+    driver = Driver(deployment, registry, redis, cfg.instance,
+                    weights=Gauge("gaas_control_rollout_weight_percent", "Share of new requests each live roll-out's "
+                                  "new version takes, percent (on the control replica that drives roll-outs)",
+                                  ["model", "version"], registry=rt.metrics.registry),
+                    decisions=rt.metrics.counter("rollout_decisions_total", "Roll-out decisions by model and the state "
+                                                 "they led to (progressing, promoted, rolled-back, halted...)",
+                                                 ("model", "state")))
     driving = asyncio.create_task(driver.run(), name="rollouts")
     servicer = ControlServicer(registry, catalog, tenants, prefixes, policies, membership_changed=membership.refresh,
                                deployment=deployment, driver=driver)

@@ -42,7 +42,12 @@ return 0
 
 class Driver:
     def __init__(self, deployment: Deployment, registry: WorkerRegistry, redis, instance: str,
-                 clock: Callable[[], float] = time.time, period: float = PERIOD_SECONDS) -> None:
+                 clock: Callable[[], float] = time.time, period: float = PERIOD_SECONDS,
+                 weights=None, decisions=None) -> None:
+        """weights: a gauge (model, version) of each live roll-out's share, percent; decisions: a
+        counter (model, state) of the decisions made (Prometheus, when the server gives them)."""
+        self._weights = weights
+        self._decisions = decisions
         self._deployment = deployment
         self._registry = registry
         self._redis = redis
@@ -55,6 +60,8 @@ class Driver:
         self._windows: dict[str, Window] = {}
         self._last_id = ""
         self._wake = asyncio.Event()
+        # The (model, version) label sets the weights gauge shows.
+        self._shown: set[tuple[str, str]] = set()
 
     def window(self, model: str) -> Window | None:
         return self._windows.get(model)
@@ -98,7 +105,18 @@ class Driver:
             ready = await self._ready(view, r)
             failures = await self._deployment.failures(model, r.version, int(r.started_at * 1000))
             now, window, failed = self._clock(), self._windows[model], failures[-1] if failures else ""
-            await self._deployment.step(model, r.version, lambda x: x.tick(now, ready, window, failed))
+            decision = await self._deployment.step(model, r.version, lambda x: x.tick(now, ready, window, failed))
+            if self._decisions is not None and decision is not None:
+                self._decisions.labels(model, str(decision.state)).inc()
+            if self._weights is not None:
+                weight = decision.weight if decision is not None else r.weight
+                if decision is not None and decision.state.ended:
+                    if (model, r.version) in self._shown:
+                        self._weights.remove(model, r.version)
+                        self._shown.discard((model, r.version))
+                else:
+                    self._weights.labels(model, r.version).set(weight)
+                    self._shown.add((model, r.version))
 
     async def _read_outcomes(self, window_s: float) -> None:
         if not self._windows:

@@ -191,3 +191,20 @@ async def test_a_policy_changed_under_way_is_taken_by_the_live_rollout_but_not_a
     assert (await deployment.served())[0].split.shadow == 40
     with pytest.raises(errors.FailedPrecondition, match="its strategy cannot change under way"):
         await apply(deployment, text(version="2", strategy="canary"))
+
+
+async def test_undo_to_a_revision_rolls_its_version_out_again(deployment):
+    await apply(deployment, text())                          # revision 1: 1
+    await apply(deployment, text(version="2"))               # 2: rolling out 2
+    await deployment.step("tiny", "2", ticker())
+    await deployment.change("tiny", "promote")               # 2 is stable
+    await apply(deployment, text(version="3"))               # 3: rolling out 3
+    await deployment.step("tiny", "3", ticker())
+    await deployment.change("tiny", "promote")               # 3 is stable
+    with pytest.raises(errors.NotFound, match="there is no revision 99"):
+        await deployment.change("tiny", "undo", to_revision=99)
+    r = await deployment.change("tiny", "undo", to_revision=1)
+    assert (r.stable, r.version, r.state) == ("3", "1", State.STARTING)
+    assert (await deployment.revisions())[-1]["origin"] == "gaas rollout undo tiny --to-revision 1"
+    with pytest.raises(errors.FailedPrecondition, match="under way"):
+        await deployment.change("tiny", "undo", to_revision=1)
