@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from gaas.ops import pki
 from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import INGRESS_PATH, on_direct_path, process_alive
-from tests.meshutil import gaas, generate
+from tests.meshutil import ROOT, gaas, generate
 from tests.e2e.test_metering import (MODEL, Load, Received, children, client, instance, ledger_totals, needs_own_mesh,
                                  new_tenant,
                                  wait_for_ledger, wait_restarted, wait_serving)
@@ -37,6 +38,50 @@ def process_name(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return ""
+
+
+def engine_counts(mesh, worker: str) -> tuple[int, float]:
+    """(requests WORKER's engine runs now, tokens it has generated), by vLLM's own gauge and counter
+    on the worker's metrics port, updated each engine step (a load report to control can be half a
+    second old: longer than a stream here)."""
+    from gaas.ops import topology
+    from tests.conftest import MESH_WORKERS
+
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base,
+                         ingress_port=int(mesh.ingress.rsplit(":", 1)[1]), workers=MESH_WORKERS)
+    w = topo.instance(worker)
+    body = urllib.request.urlopen(f"http://{w.host}:{w.metrics_port}/metrics", timeout=5).read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + "{"))
+
+    return int(total("vllm:num_requests_running")), total("vllm:generation_tokens_total")
+
+
+def wait_streaming_on(mesh, worker: str, streams: "Streams", generated_before: float, timeout: float = 60.0) -> None:
+    """Until WORKER runs streams of these and has sent tokens of them (so a kill now cuts streams
+    mid-way, not before their first token). Each stream lasts about a second here, and a stream's
+    first token may wait in the router's queue while others run: so not until every stream has
+    started. Fails, saying how the router placed the requests, when none ran there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running, generated = engine_counts(mesh, worker)
+        if running >= 1 and generated - generated_before >= 8:
+            return
+        if not any(t.is_alive() for t in streams._threads) or time.monotonic() > deadline:
+            pytest.fail(f"no stream ran on {worker} while the streams ran; the router placed them: {placed(mesh)}")
+        time.sleep(0.01)
+
+
+def placed(mesh) -> dict[str, int]:
+    """How many requests the router logs as served by each worker (moved ones apart)."""
+    counts: dict[str, int] = {}
+    log = mesh.run_dir / "logs" / "router-0.log"
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        if '"served for ' in line:
+            by = line.split(" by ", 1)[1].split(":", 1)[0]
+            counts[by] = counts.get(by, 0) + 1
+    return counts
 
 
 def registered(mesh) -> list[str]:
@@ -177,12 +222,13 @@ def test_kill_9_of_a_worker_serving_streams_leaves_every_stream_whole(mesh):
                + [f"Move test {i} {time.monotonic_ns()}: the river runs down to the sea and " * 3 for i in range(8, 16)])
     expected = undisturbed(c, prompts, received)
     moves = moves_logged(mesh)
+    generated = engine_counts(mesh, WORKER)[1]
     streams = Streams(c, prompts)
-    streams.wait_started()
+    wait_streaming_on(mesh, WORKER, streams, generated)
     os.kill(pid if INGRESS_PATH == "router" else engine_core(pid), signal.SIGKILL)
     streams.join()
     assert streams.errors == [], streams.errors[:3]
-    assert moves_logged(mesh) > moves, f"no stream was on the killed worker ({KILLED})"
+    assert moves_logged(mesh) > moves, f"no stream was on the killed worker ({KILLED}); placed: {placed(mesh)}"
     for i, (got, want) in enumerate(zip(streams.texts, expected)):
         assert got == want, f"stream {i}: its text differs from an undisturbed run's"
     for u in streams.usage:
