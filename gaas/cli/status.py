@@ -16,10 +16,11 @@ def cmd_status(args) -> int:
     state = mesh_state(Path(args.run_dir))
     topo = mesh_topology(args, state)
     health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout)
-    rollouts = _rollouts(topo)
+    rollouts, scaled = _rollouts(topo), _autoscaled(topo)
     if args.json:
         print(json.dumps({**health.to_dict(), "ingress_path": topo.ingress_path, "billing": _billing_status(topo),
                           "flow": [_router_flow(r.inbound) for r in topo.of("router")], "rollouts": rollouts,
+                          "autoscaled": scaled,
                           "running_from": str(args.run_dir) if state else None}, indent=2))
         return 0 if health.healthy else 1
     path = ("generations stream from the worker the router picks at the ingress" if topo.ingress_path == "direct"
@@ -45,6 +46,10 @@ def cmd_status(args) -> int:
         share = (f"{r['weight']}%" if r["state"] != "shadowing" else f"{r['shadow']}% copied (shadow)")
         print(f"\nroll-out: {r['model']} {r['strategy']} of {r['version']} over {r['stable']}: {r['state']}, {share} "
               f"(gaas rollout status {r['model']})")
+    for p in scaled:
+        a = p["autoscale"]
+        print(f"\nautoscaled: {p['model']} {p['version']}: {p['replicas']} worker(s) of {a['min']}-{a['max']}"
+              + (f"; last decision: {a['reason']}" if a["reason"] else ""))
     flows = router_flows(topo)
     for f in flows:
         print(f"\n{f['router']}: flow control {'on' if f['qos_enabled'] else 'OFF (GAAS_QOS=off)'}")
@@ -97,6 +102,18 @@ def _rollouts(topo) -> list[dict]:
                     s = admin.rollout(m["name"])
                     out.append({k: s[k] for k in ("model", "stable", "version", "strategy", "state", "weight", "shadow")})
             return out
+    except (GaasError, OSError):
+        return []
+
+
+def _autoscaled(topo) -> list[dict]:
+    """The autoscaled pools: their workers now, bounds and the last decision's reason."""
+    from gaas.contracts.errors import GaasError
+    from gaas.sdk.admin import Admin
+
+    try:
+        with Admin(topo.of("control")[0].inbound) as admin:
+            return [p for p in admin.pools() if "autoscale" in p]
     except (GaasError, OSError):
         return []
 

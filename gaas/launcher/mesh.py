@@ -198,8 +198,10 @@ class Mesh:
             m = self.spec.model(entry["name"])
             entry["source"] = m.source
             if entry["name"] == name:
-                entry["replicas"] = m.replicas if m.serves else deployspec.AUTO
+                if m.autoscale is None:  # (an autoscaled one keeps its bounds)
+                    entry["replicas"] = m.replicas if m.serves else deployspec.AUTO
             else:
+                entry.pop("autoscale", None)
                 entry["replicas"] = 0
         path = self.run_dir / "deploy" / f"serving-{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)

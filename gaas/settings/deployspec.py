@@ -4,8 +4,9 @@ on `gaas apply`), `gaas up` and `gaas apply`/`gaas diff`, which check it before 
 
 Each model entry is a pool of workers serving one version of the model: where its weights are,
 its engine settings, how many workers (`replicas`), the device they need, which tenants may use it,
-the tenants kept on an earlier version (`pins`), and how a new version is rolled out when the file
-changes the version (`rollout`; gaas.contracts.rollout)."""
+the tenants kept on an earlier version (`pins`), how a new version is rolled out when the file
+changes the version (`rollout`; gaas.contracts.rollout), and, instead of a fixed `replicas`, how
+its pool scales on load (`autoscale`; gaas.contracts.autoscale)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from gaas.contracts.autoscale import AutoscalePolicy
 from gaas.contracts.rollout import GuardPolicy, RolloutPolicy, Strategy
 from gaas.contracts.tenancy import TIERS
 from gaas.settings import located
@@ -34,7 +36,12 @@ AUTO = "auto"
 DEVICES = ("any", "cpu", "gpu")
 
 MODEL_FIELDS = ("name", "version", "source", "preset", "seed", "max_model_len", "default", "replicas", "engine",
-                "device", "tenants", "pins", "rollout")
+                "device", "tenants", "pins", "rollout", "autoscale")
+# autoscale's fields: the file's name -> AutoscalePolicy's.
+AUTOSCALE_FIELDS = {"min": "min", "max": "max", "target_requests": "target_requests",
+                    "target_kv_usage": "target_kv_usage", "up_after_seconds": "up_after_s",
+                    "down_after_seconds": "down_after_s", "cooldown_seconds": "cooldown_s",
+                    "zero_after_seconds": "zero_after_s"}
 ROLLOUT_FIELDS = ("strategy", "steps", "hold_seconds", "start_timeout_seconds", "shadow_percent", "guard")
 GUARD_FIELDS = ("window_seconds", "ttft_p95_ms", "min_samples", "min_requests", "ttft_tolerance", "error_margin",
                 "throughput_tolerance")
@@ -77,12 +84,15 @@ class ModelSpec:
     pins: Mapping[str, str] = field(default_factory=dict)
     # How a new version of the model is rolled out.
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)
+    # How its workers scale on load (None: replicas, fixed).
+    autoscale: AutoscalePolicy | None = None
 
     def pool(self) -> dict:
         """What a worker of this version is started with (the pool control keeps by version)."""
         return {"model": self.name, "version": self.version, "source": self.source, "preset": self.preset,
                 "seed": self.seed, "max_model_len": self.max_model_len, "replicas": self.replicas,
-                "engine": dict(self.engine), "device": self.device, "tenants": list(self.tenants)}
+                "engine": dict(self.engine), "device": self.device, "tenants": list(self.tenants),
+                "autoscale": self.autoscale.as_dict() if self.autoscale else None}
 
     def as_dict(self) -> dict:
         """Everything about it, as JSON (what control's revisions keep); from_dict reads it back."""
@@ -95,7 +105,8 @@ class ModelSpec:
                    max_model_len=int(d["max_model_len"]), is_default=bool(d.get("is_default")),
                    seed=int(d.get("seed", 0)), replicas=d.get("replicas", 0), engine=dict(d.get("engine") or {}),
                    device=d.get("device", "any"), tenants=tuple(d.get("tenants") or ()),
-                   pins=dict(d.get("pins") or {}), rollout=RolloutPolicy.from_dict(d["rollout"]))
+                   pins=dict(d.get("pins") or {}), rollout=RolloutPolicy.from_dict(d["rollout"]),
+                   autoscale=AutoscalePolicy.from_dict(d["autoscale"]) if d.get("autoscale") else None)
 
     def at(self, pool: Mapping) -> ModelSpec:
         """This model as it was declared for another version (pool: that version's, as pool() gave it)."""
@@ -104,12 +115,14 @@ class ModelSpec:
         return replace(self, version=pool["version"], source=pool["source"], preset=pool.get("preset", ""),
                        seed=int(pool.get("seed", 0)), max_model_len=int(pool["max_model_len"]),
                        replicas=pool.get("replicas", 0), engine=dict(pool.get("engine") or {}),
-                       device=pool.get("device", "any"), tenants=tuple(pool.get("tenants") or ()))
+                       device=pool.get("device", "any"), tenants=tuple(pool.get("tenants") or ()),
+                       autoscale=AutoscalePolicy.from_dict(pool["autoscale"]) if pool.get("autoscale") else None)
 
     @property
     def serves(self) -> bool:
-        """Whether it is to have workers (replicas auto, or above 0)."""
-        return self.replicas == AUTO or bool(self.replicas)
+        """Whether it is to have workers (replicas auto or above 0, or autoscaled: a pool at zero
+        is brought back by its first request)."""
+        return self.replicas == AUTO or bool(self.replicas) or self.autoscale is not None
 
 
 # Stripe meter event names per kind of token, unless the deployment file names others.
@@ -263,10 +276,36 @@ class _Checker:
             if not isinstance(v, (str, int, float)) or not VERSION_RE.fullmatch(str(v)):
                 self.fail((*path, "pins", tenant), f"pins: {tenant}'s version {v!r} is not a version")
         rollout = self.rollout(entry.get("rollout"), (*path, "rollout"), qos)
+        autoscale = None
+        if entry.get("autoscale") is not None:
+            if "replicas" in entry:
+                self.fail((*path, "autoscale"), f"{name}: give replicas (a fixed count) or autoscale (min and max), "
+                                                "not both")
+            autoscale = self.autoscale(entry["autoscale"], (*path, "autoscale"))
+            replicas = autoscale.min
         return ModelSpec(name=name, version=version, source=source, preset=preset, max_model_len=max_len,
                          is_default=bool(entry.get("default", False)), seed=seed, replicas=replicas, engine=engine,
                          device=device, tenants=tuple(tenants), pins={t: str(v) for t, v in pins.items()},
-                         rollout=rollout)
+                         rollout=rollout, autoscale=autoscale)
+
+    def autoscale(self, doc: object, path: tuple) -> AutoscalePolicy:
+        doc = self.mapping(doc, path, tuple(AUTOSCALE_FIELDS), "autoscale")
+        if "max" not in doc:
+            self.fail(path, "autoscale needs max (the most workers), e.g. {min: 1, max: 4}")
+        kw: dict = {}
+        for key, attr in AUTOSCALE_FIELDS.items():
+            if key not in doc:
+                continue
+            if key in ("min", "max"):
+                kw[attr] = self.integer(doc[key], (*path, key), f"autoscale.{key}", 0)
+            else:
+                kw[attr] = self.number(doc[key], (*path, key), f"autoscale.{key}",
+                                       positive=key in ("target_requests", "target_kv_usage"))
+        try:
+            return AutoscalePolicy(**kw)
+        except ValueError as exc:
+            which = next((k for k in AUTOSCALE_FIELDS if f"autoscale.{k} " in str(exc)), "min")
+            self.fail((*path, which) if which in doc else path, str(exc))
 
     def rollout(self, doc: object, path: tuple, qos: Mapping) -> RolloutPolicy:
         doc = self.mapping(doc, path, ROLLOUT_FIELDS, "rollout")

@@ -84,6 +84,9 @@ class WorkerSettings(Settings):
     kv_cache_blocks: int = setting("GAAS_KV_CACHE_BLOCKS", 0, "KV-cache size in blocks (vLLM's "
                                    "num_gpu_blocks_override; 0: sized by memory)")
     kv_events: bool = setting("GAAS_KV_EVENTS", True, "publish the engine's KV events to the KV directories")
+    warmup_requests: int = setting("GAAS_WARMUP_REQUESTS", 2, "requests a worker runs through its engine once "
+                                   "loaded, before it registers and takes traffic (0: none)",
+                                   check=lambda n: None if n >= 0 else f"must be 0 or more, got {n}")
     lease_renew_seconds: float = setting("GAAS_LEASE_RENEW_SECONDS", 0.5, "how often its lease is renewed, each "
                                          "renewal with a load report (control decides how long a lease lasts)")
     redis_url: str = setting("GAAS_REDIS_URL", "", "Redis, where the usage of generations the ingress sends here "

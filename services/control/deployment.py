@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gaas.contracts import errors
+from gaas.contracts.autoscale import AutoscalePolicy
 from gaas.contracts.rollout import Split, State
 from gaas.runtime.sql import Database
 from gaas.settings.deployspec import DeploySpec, ModelSpec, parse_text, root_of
@@ -71,8 +72,28 @@ SCHEMA = [
         worker TEXT NOT NULL,
         at_ms BIGINT NOT NULL
     )""",
+    # An autoscaled pool's workers as its autoscaler last decided (services/control/scaling.py),
+    # and every decision with its reason.
+    """CREATE TABLE IF NOT EXISTS pool_scale (
+        model TEXT NOT NULL,
+        version TEXT NOT NULL,
+        replicas INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        at_ms BIGINT NOT NULL,
+        PRIMARY KEY (model, version)
+    )""",
+    """CREATE TABLE IF NOT EXISTS scale_decisions (
+        model TEXT NOT NULL,
+        version TEXT NOT NULL,
+        replicas INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        at_ms BIGINT NOT NULL
+    )""",
 ]
-TABLES = ("deploy_revisions", "deploy_pools", "deploy_stable", "rollouts", "pool_failures")
+TABLES = ("deploy_revisions", "deploy_pools", "deploy_stable", "rollouts", "pool_failures", "pool_scale",
+          "scale_decisions")
+# Scale decisions kept per pool (the oldest go).
+DECISIONS_KEPT = 200
 
 # Roles of a version's pool.
 STABLE, CANARY, KEPT = "stable", "canary", "kept"
@@ -87,9 +108,17 @@ class Pool:
 
     model: str
     version: str
-    # ModelSpec.pool(): source, preset, seed, max_model_len, replicas, engine, device, tenants.
+    # ModelSpec.pool(): source, preset, seed, max_model_len, replicas, engine, device, tenants,
+    # autoscale (replicas: for an autoscaled pool, what its autoscaler decided).
     spec: Mapping
     role: str
+    # An autoscaled pool's last decision: why it has its replicas ("" none yet, or not autoscaled).
+    reason: str = ""
+
+    @property
+    def autoscale(self) -> AutoscalePolicy | None:
+        a = self.spec.get("autoscale")
+        return AutoscalePolicy.from_dict(a) if a else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +144,8 @@ class View:
     live: dict[str, Rollout] = field(default_factory=dict)
     # Rollout id of each live roll-out.
     ids: dict[str, int] = field(default_factory=dict)
+    # (model, version) -> an autoscaled pool's workers as last decided, and why.
+    scale: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
 
     def current(self) -> Current:
         return Current(models=self.models, stable=self.stable, rolling={m: r.version for m, r in self.live.items()},
@@ -165,6 +196,8 @@ class Deployment:
         for rid, model, data in execute("SELECT id, model, data FROM rollouts WHERE live = 1"):
             v.live[model] = Rollout.from_dict(json.loads(data))
             v.ids[model] = int(rid)
+        v.scale = {(m, ver): (int(n), reason) for m, ver, n, reason in
+                   execute("SELECT model, version, replicas, reason FROM pool_scale")}
         return v
 
     def _spec(self, number: int, file: str, text: str) -> DeploySpec:
@@ -210,8 +243,40 @@ class Deployment:
                 spec = s.versions[version]
                 if role == STABLE and version == s.model.version:
                     spec = s.model.pool()  # the declared replicas
-                out.append(Pool(s.model.name, version, spec, role))
+                reason = ""
+                if spec.get("autoscale"):
+                    policy = AutoscalePolicy.from_dict(spec["autoscale"])
+                    replicas, reason = v.scale.get((s.model.name, version), (policy.initial, ""))
+                    spec = {**spec, "replicas": max(policy.min, min(policy.max, replicas))}
+                out.append(Pool(s.model.name, version, spec, role, reason))
         return out
+
+    async def scaled(self, model: str, version: str, replicas: int, reason: str) -> None:
+        """An autoscaled pool's new count of workers (what ListPools tells launchers), and why."""
+        at = int(self._clock() * 1000)
+
+        def write(execute) -> None:
+            execute("DELETE FROM pool_scale WHERE model = ? AND version = ?", (model, version))
+            execute("INSERT INTO pool_scale (model, version, replicas, reason, at_ms) VALUES (?, ?, ?, ?, ?)",
+                    (model, version, replicas, reason[:500], at))
+            execute("INSERT INTO scale_decisions (model, version, replicas, reason, at_ms) VALUES (?, ?, ?, ?, ?)",
+                    (model, version, replicas, reason[:500], at))
+            rows = execute("SELECT at_ms FROM scale_decisions WHERE model = ? AND version = ? ORDER BY at_ms DESC "
+                           f"LIMIT 1 OFFSET {DECISIONS_KEPT}", (model, version))
+            if rows:
+                execute("DELETE FROM scale_decisions WHERE model = ? AND version = ? AND at_ms <= ?",
+                        (model, version, rows[0][0]))
+
+        await self._db.run(write)
+        self._changed()
+
+    async def scale_decisions(self, model: str = "", limit: int = 50) -> list[dict]:
+        """The autoscalers' latest decisions, newest first (model: only its pools')."""
+        where, args = ("WHERE model = ?", (model,)) if model else ("", ())
+        rows = await self._db.execute(
+            f"SELECT model, version, replicas, reason, at_ms FROM scale_decisions {where} ORDER BY at_ms DESC "
+            f"LIMIT {int(limit)}", args)
+        return [{"model": m, "version": v, "replicas": int(n), "reason": r, "at_ms": int(at)} for m, v, n, r, at in rows]
 
     async def revisions(self, model: str = "") -> list[dict]:
         rows = await self._db.execute(

@@ -9,7 +9,7 @@ Per model:
   - a new version of a served model is rolled out from the stable one by the model's rollout
     policy; while a roll-out is live, the file may name its new version (nothing to do) or the stable
     one (the roll-out is undone), nothing else;
-  - the same version: replicas scale, tenants, pins and the rollout policy change at once; what its
+  - the same version: replicas (or autoscale) scale, tenants, pins and the rollout policy change at once; what its
     workers run with (source, engine, device, max_model_len) needs a new version while it has any.
 Sections other than models: prices take effect at once (routers read them from control); qos,
 sessions and the Stripe meters are read by routers and billing when they start.
@@ -84,6 +84,8 @@ def sections_of(spec: DeploySpec) -> dict[str, object]:
 
 
 def _workers(m: ModelSpec) -> str:
+    if (a := m.autoscale) is not None:
+        return f"{a.min}-{a.max} workers on load ({a.target_requests:g} requests each)"
     if m.replicas == "auto":
         return "auto workers"
     return f"{m.replicas} worker{'s' if m.replicas != 1 else ''}" if m.replicas else "no workers (catalogued)"
@@ -169,9 +171,10 @@ def _same_version(out: Plan, cur: ModelSpec, m: ModelSpec, served: bool) -> None
         raise errors.FailedPrecondition(
             f"{m.name} {m.version}: its workers run with its {', '.join(differs)} as applied; a change of "
             f"{', '.join(differs)} needs a new version (change `version:` and it is rolled out)")
-    if differs or cur.replicas != m.replicas:
+    scaled = cur.replicas != m.replicas or cur.autoscale != m.autoscale
+    if differs or scaled:
         out.pools[(m.name, m.version)] = m.pool()
-    if cur.replicas != m.replicas:
+    if scaled:
         out.changes.append(Change(m.name, "scaled", f"{m.version}: {_workers(cur)} -> {_workers(m)}"))
     if differs:
         out.changes.append(Change(m.name, "changed", f"{m.version}: {', '.join(differs)}"))

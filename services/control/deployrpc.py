@@ -29,10 +29,13 @@ MAX_FILE_BYTES = 1 << 20
 
 def pool_to_pb(p: Pool) -> pb.Pool:
     s = p.spec
-    return pb.Pool(model=p.model, version=p.version, source=s["source"], preset=s.get("preset", ""),
-                   seed=int(s.get("seed", 0)), max_model_len=int(s["max_model_len"]), replicas=str(s.get("replicas", 0)),
-                   engine_json=json.dumps(s.get("engine") or {}, sort_keys=True), device=s.get("device", "any"),
-                   tenants=list(s.get("tenants") or ()), role=p.role)
+    out = pb.Pool(model=p.model, version=p.version, source=s["source"], preset=s.get("preset", ""),
+                  seed=int(s.get("seed", 0)), max_model_len=int(s["max_model_len"]), replicas=str(s.get("replicas", 0)),
+                  engine_json=json.dumps(s.get("engine") or {}, sort_keys=True), device=s.get("device", "any"),
+                  tenants=list(s.get("tenants") or ()), role=p.role)
+    if (a := p.autoscale) is not None:
+        out.autoscaled, out.min_replicas, out.max_replicas, out.scale_reason = True, a.min, a.max, p.reason
+    return out
 
 
 class DeploymentRpcs:
@@ -79,6 +82,7 @@ class DeploymentRpcs:
             s = served.get(name)
             if s is not None:
                 entry.replicas = str(s.model.replicas)
+                entry.autoscaled = any(pool.get("autoscale") for pool in s.versions.values())
                 for version, pool in s.versions.items():
                     entry.versions.append(pb.ModelVersion(version=version, source=pool["source"],
                                                           max_model_len=int(pool["max_model_len"]),

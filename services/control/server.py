@@ -24,6 +24,7 @@ from gaas.model.build import check_model
 from services.control.catalog import ModelCatalog
 from services.control.deployment import Deployment
 from services.control.rollout.driver import Driver
+from services.control.scaling import Autoscalers
 from services.control.membership import Membership
 from services.control.prefixes import PrefixStore
 from services.control.registry import WorkerRegistry
@@ -63,8 +64,15 @@ async def serve(cfg: ControlSettings) -> None:
     # The workers' endpoints every Envoy of the mesh takes from here (xDS), following the registry.
     membership = Membership(registry.list)
     following = asyncio.create_task(membership.run(), name="membership")
-    # Roll-outs, driven by whichever control replica holds the lead.
-    driver = Driver(deployment, registry, redis, cfg.instance,
+    # Roll-outs and the autoscaled pools, driven by whichever control replica holds the lead.
+    autoscalers = Autoscalers(
+        deployment, registry, redis,
+        replicas_gauge=Gauge("gaas_control_pool_replicas", "Workers each autoscaled pool is to have, as its "
+                             "autoscaler decided (on the control replica that drives)", ["model", "version"],
+                             registry=rt.metrics.registry),
+        decisions_counter=rt.metrics.counter("autoscale_decisions_total", "Autoscaling decisions by model and "
+                                             "direction (up, down, zero)", ("model", "direction")))
+    driver = Driver(deployment, registry, redis, cfg.instance, autoscalers=autoscalers,
                     weights=Gauge("gaas_control_rollout_weight_percent", "Share of new requests each live roll-out's "
                                   "new version takes, percent (on the control replica that drives roll-outs)",
                                   ["model", "version"], registry=rt.metrics.registry),

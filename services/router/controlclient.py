@@ -48,7 +48,7 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
                 m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())),
                 {TIER_FROM_PB.get(p.tier, DEFAULT_TIER): Price(p.input, p.cached_input, p.output) for p in m.prices},
                 versions={v.version: VersionEntry(v.source, v.max_model_len, v.role) for v in m.versions},
-                split=_split(m),
+                split=_split(m), autoscaled=m.autoscaled,
             )
             for m in models_resp.models
         ]

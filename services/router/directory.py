@@ -52,6 +52,8 @@ class ModelEntry:
     versions: Mapping[str, VersionEntry] = field(default_factory=dict)
     # How new requests are split between the versions (None: all to the version above).
     split: Split | None = None
+    # Its pools scale on load: a request while no worker serves it waits for one to start.
+    autoscaled: bool = False
 
     def at(self, version: str) -> ModelEntry:
         """The model as served by version (its weights, tokenizer and window)."""

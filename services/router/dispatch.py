@@ -32,6 +32,7 @@ from services.router.flow import Flow
 from services.router.kvclient import KVDirectoryClient
 from services.router.outcomes import Outcomes, RolloutReporter, RouterMetrics
 from services.router.placement import DirectPlacement, Inflight, Placer
+from services.router.demand import Demand
 from services.router.prepare import Prepared, Preparer
 from services.router.relay import Relay
 from services.router.scheduling.hooks import Hooks
@@ -63,6 +64,7 @@ class Dispatcher:
         activity: TenantActivity | None = None,
         coalescing: Coalescing = Coalescing(),
         reporter: RolloutReporter | None = None,
+        demand: Demand | None = None,
     ) -> None:
         self._directory = directory
         self.activity = activity or TenantActivity()
@@ -77,7 +79,8 @@ class Dispatcher:
                   *([Routed(metrics.routed, scheduler.name)] if metrics.routed is not None else [])],
             response=[FlowAccounting(self._flow), PredictionCheck(self.outcomes.check_prediction)],
         )
-        self.preparer = Preparer(directory, scheduler, tokenizer_for, kv, metrics.lookup_seconds)
+        self.preparer = Preparer(directory, scheduler, tokenizer_for, kv, metrics.lookup_seconds, demand,
+                                 lambda tier: self._flow.policy(tier).queue_timeout_s)
         self.placer = Placer(directory, scheduler, self._flow, self.hooks, self._inflight, metrics, self.outcomes,
                              self.activity, coalescing)
         self.relay = Relay(directory, self.placer, worker_stub, self._flow, self.hooks, self._inflight, metrics,

@@ -51,6 +51,7 @@ from gaas.v1 import ext_proc_pb2_grpc, inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
+from services.router.prepare import ScalingUp, may_wait_for_scale_up
 from services.router.sessions import Held
 
 log = logging.getLogger(__name__)
@@ -323,9 +324,14 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         else:
             return  # the client went away before its body was complete
         native = headers.get(":path", "") == NATIVE_GENERATE
+        # A request for an autoscaled model none of whose workers serves yet is passed on to the
+        # router's own route and waits there (ScalingUp): the ingress is not held on a decision.
+        may_wait_for_scale_up.set(False)
         try:
             placement = await (self._decide_native(headers, bytes(body), timing) if native
                                else self._decide(headers, bytes(body), timing))
+        except ScalingUp:
+            placement = None
         except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
             if (err := status.answer_in_stream(exc)) is None:
                 raise

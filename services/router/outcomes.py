@@ -1,7 +1,8 @@
 """What the router records of each generation's outcome, whichever path served it: requests by
 model, tier and outcome, their tokens by kind, TTFT and time per output token, the latency
 decomposition by part, the KV directory's predictions the engines did not bear out, and, for a
-model under a roll-out, each request's outcome by version for the control plane's SLO guard."""
+model under a roll-out or autoscaled, each request's outcome by version for the control plane's
+SLO guard and autoscaler."""
 
 from __future__ import annotations
 
@@ -95,8 +96,9 @@ class Outcomes:
     def rollout(self, model, tier: str, ok: bool, ttft_ms: float | None = None, output_tokens: int = 0,
                 decode_s: float = 0.0, shadow: bool = False) -> None:
         """A request of model (services/router/directory.ModelEntry, at the version that served it)
-        ended: its outcome for the guard, while a roll-out of the model is under way."""
-        if self._reporter is None or not model.rolling_out:
+        ended: its outcome for the guard, while a roll-out of the model is under way, and for the
+        autoscaler of an autoscaled model."""
+        if self._reporter is None or not (model.rolling_out or model.autoscaled):
             return
         self._reporter.add(Outcome(at=time.time(), version=model.version, tier=tier, ok=ok, ttft_ms=ttft_ms,
                                    output_tokens=output_tokens, decode_s=decode_s, model=model.name, shadow=shadow))

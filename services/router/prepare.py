@@ -7,6 +7,7 @@ live, without waiting for the answer: the lookup overlaps the tenant's admission
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from gaas.contracts import errors, genrequest, kvhash
 from gaas.contracts.principal import Principal
 from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer
 from gaas.v1 import inference_pb2
+from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.kvclient import KVDirectoryClient
 from services.router.scheduling import Scheduler
@@ -85,9 +87,27 @@ def shared_tokens(tok: Tokenizer, request: inference_pb2.GenerateRequest, text: 
     return n
 
 
+# How often a request waiting for an autoscaled model's first worker looks again, s.
+SCALE_UP_POLL_S = 0.5
+# Whether a request may wait here for an autoscaled model's first worker (False while the ingress
+# waits for this router's decision on the direct path: it is passed on to the router's own route,
+# where it waits; the ingress is not held on a decision for as long as a worker takes to start).
+may_wait_for_scale_up: contextvars.ContextVar[bool] = contextvars.ContextVar("may_wait_for_scale_up", default=True)
+
+
+class ScalingUp(errors.Unavailable):
+    """No worker serves an autoscaled model yet, and this request may not wait for one here (its
+    autoscaler has been told): whoever decides passes it on to where it may wait."""
+
+
 class Preparer:
     def __init__(self, directory: MeshDirectory, scheduler: Scheduler, tokenizer_for: Callable[[ModelEntry], Tokenizer],
-                 kv: KVDirectoryClient | None, lookup_seconds=None) -> None:
+                 kv: KVDirectoryClient | None, lookup_seconds=None, demand: Demand | None = None,
+                 queue_timeout: Callable[[str], float] = lambda tier: 0.0) -> None:
+        """demand: where a request for an autoscaled model no worker serves says it waits;
+        queue_timeout(tier): how long it may wait for one to start."""
+        self._demand = demand
+        self._queue_timeout = queue_timeout
         self._directory = directory
         self._scheduler = scheduler
         self._tokenizer_for = tokenizer_for
@@ -135,8 +155,9 @@ class Preparer:
                          prefix: PromptPrefix | None = None) -> Prepared:
         """prepare() for the given model version (a shadow copy's: services/router/shadow.py)."""
         genrequest.check(request, model.max_model_len or None)
-        # A model (version) nobody serves is refused before any work.
-        workers = await self._directory.workers(model.name, model.pool)
+        # A model (version) nobody serves is refused before any work (an autoscaled one's waits
+        # for a worker to start first).
+        workers = await self.serving(model, principal)
         tok = await self.tokenizer(model)
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
@@ -165,6 +186,33 @@ class Preparer:
             prepared.cached_cap = shared_tokens(tok, request, shared[1], ids)
         self._ask_prefix(prepared, workers)
         return prepared
+
+    async def serving(self, model: ModelEntry, principal: Principal):
+        """The workers serving model's pool; for an autoscaled model none of whose workers serves,
+        the autoscaler is told and the request waits up to its tier's queue timeout for one
+        (errors.Unavailable, with Retry-After, past it)."""
+        try:
+            return await self._directory.workers(model.name, model.pool)
+        except errors.Unavailable:
+            if not model.autoscaled or self._demand is None:
+                raise
+        if not may_wait_for_scale_up.get():
+            await self._demand.mark(model.name)
+            raise ScalingUp(f"no worker serves {model.name!r} yet; its pool is scaling up")
+        wait = self._queue_timeout(principal.tier)
+        deadline = time.monotonic() + wait
+        log.info("no worker serves %s: the request waits up to %g s while its autoscaler starts one", model.name, wait)
+        while True:
+            await self._demand.mark(model.name)
+            await asyncio.sleep(SCALE_UP_POLL_S)
+            try:
+                return await self._directory.workers(model.name, model.pool)
+            except errors.Unavailable:
+                if time.monotonic() >= deadline:
+                    raise errors.Unavailable(
+                        f"no worker of {model.name!r} started within the {principal.tier} tier's queue timeout "
+                        f"({wait:g} s); its pool is scaling up from zero: retry in a few seconds",
+                        retry_after=5.0) from None
 
     def _ask_prefix(self, prepared: Prepared, workers) -> None:
         """Hash the prompt's blocks and start the KV directory lookup without waiting for it.

@@ -39,6 +39,7 @@ from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
 from services.router.openai_servicer import OpenAIServicer
+from services.router.demand import Demand
 from services.router.outcomes import RolloutReporter
 from services.router.pipeline import Pipeline
 from services.router.scheduling import make_scheduler
@@ -91,6 +92,7 @@ async def serve(cfg: RouterSettings) -> None:
         flow=flow,
         coalescing=Coalescing(cfg.coalesce_per_step, max(1, cfg.coalesce_max)),
         reporter=reporter,
+        demand=Demand(redis),
         metrics=RouterMetrics(
             routed=rt.metrics.counter("routed_total", "Requests sent to each worker, by policy", ("policy", "worker")),
             prediction_misses=rt.metrics.counter(

@@ -30,6 +30,7 @@ from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to
 from services.worker.engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
+from services.worker.warmup import warm_up
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger("gaas.worker")
@@ -142,6 +143,11 @@ async def serve(cfg: WorkerSettings) -> None:
             await report_start_failure(control_pb2_grpc.ControlStub(channel), cfg, exc)
         await rt.shutdown()
         raise SystemExit(1) from None
+    # A few requests through the engine before any router can send it one (it registers after).
+    try:
+        await warm_up(engine, cfg.warmup_requests)
+    except Exception as exc:  # noqa: BLE001 - its own requests will say what is wrong, if anything is
+        log.warning("the warm-up failed (%s: %s); serving all the same", type(exc).__name__, exc)
     servicer.engine = engine
     # The engine stops after the server has (streams in flight finish first), its sockets after it.
     if events_dir:

@@ -5,7 +5,9 @@ roll-out with whether its new version's workers are ready, why they failed if a 
 and the window (services/control/deployment.py's step saves what it decides).
 
 A replica that becomes the leader reads the last window's worth of the stream first, so the guard
-judges on the same figures whoever drives."""
+judges on the same figures whoever drives. The same leader runs the autoscaled pools' autoscalers
+(services/control/scaling.py) after the roll-outs, on the same outcomes (routers report those of
+autoscaled models too)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from services.control.deployment import Deployment, View
 from services.control.registry import SERVING, WorkerRegistry
 from services.control.rollout.figures import Window
 from services.control.rollout.machine import Rollout
+from services.control.scaling import SIGNAL_WINDOW_S
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,11 @@ return 0
 class Driver:
     def __init__(self, deployment: Deployment, registry: WorkerRegistry, redis, instance: str,
                  clock: Callable[[], float] = time.time, period: float = PERIOD_SECONDS,
-                 weights=None, decisions=None) -> None:
+                 weights=None, decisions=None, autoscalers=None) -> None:
         """weights: a gauge (model, version) of each live roll-out's share, percent; decisions: a
-        counter (model, state) of the decisions made (Prometheus, when the server gives them)."""
+        counter (model, state) of the decisions made (Prometheus, when the server gives them);
+        autoscalers: services.control.scaling.Autoscalers, looked at after the roll-outs."""
+        self._autoscalers = autoscalers
         self._weights = weights
         self._decisions = decisions
         self._deployment = deployment
@@ -89,18 +94,27 @@ class Driver:
             log.info("%s roll-outs", "driving" if leading else "no longer driving")
             self._leading = leading
             self._last_id = ""
+            if self._autoscalers is not None:
+                self._autoscalers.forget()
         if not leading:
             return
         view = await self._deployment.view()
         live = {m: r for m, r in view.live.items() if not r.state.ended}
-        for model, r in live.items():
+        # The models whose outcomes are kept, each over the longer of its guard's window and the
+        # autoscaler's.
+        spans = {m: r.policy.guard.window_s for m, r in live.items()}
+        if self._autoscalers is not None:
+            for p in await self._deployment.pools(view):
+                if p.autoscale is not None:
+                    spans[p.model] = max(spans.get(p.model, 0.0), SIGNAL_WINDOW_S)
+        for model, span in spans.items():
             w = self._windows.get(model)
-            if w is None or w.window_s != r.policy.guard.window_s:
-                self._windows[model] = Window(r.policy.guard.window_s)
+            if w is None or w.window_s != span:
+                self._windows[model] = Window(span)
         for model in list(self._windows):
-            if model not in live:
+            if model not in spans:
                 del self._windows[model]
-        await self._read_outcomes(max((r.policy.guard.window_s for r in live.values()), default=60.0))
+        await self._read_outcomes(max(spans.values(), default=60.0))
         for model, r in live.items():
             ready = await self._ready(view, r)
             failures = await self._deployment.failures(model, r.version, int(r.started_at * 1000))
@@ -117,6 +131,10 @@ class Driver:
                 else:
                     self._weights.labels(model, r.version).set(weight)
                     self._shown.add((model, r.version))
+        if self._autoscalers is not None:
+            qos = view.spec.policy if view.spec is not None else None
+            await self._autoscalers.look(view, self._clock(), self._windows,
+                                         lambda tier: float(qos(tier).ttft_target_ms) if qos else 0.0)
 
     async def _read_outcomes(self, window_s: float) -> None:
         if not self._windows:

@@ -12,10 +12,12 @@ import pytest
 import redis as redis_sync
 
 from gaas.contracts import rollout, sessions, usage as metering
+from gaas.contracts.autoscale import DEMAND_KEY
 from gaas.metering import admission, direct
 from gaas.ops import redisacl
 from gaas.contracts.usage import UsageEvent
 from services.control import registry
+
 
 TENANT = "acme"
 
@@ -30,12 +32,12 @@ def _made_by() -> dict[str, list[str]]:
     return {
         "router": [*admission.admit_keys(TENANT, "202612", "r1"), *record_keys, *claim_keys,
                    *admission.release_keys(TENANT), sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT),
-                   "&" + direct.report_channel("router-0"), rollout.OUTCOMES_STREAM],
+                   "&" + direct.report_channel("router-0"), rollout.OUTCOMES_STREAM, DEMAND_KEY.format("gaas-tiny")],
         "worker": [*admission.record_args(event, "own")[0], admission.progress_key(TENANT, "r1"),
                    sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT), "&" + direct.report_channel("router-0")],
         "billing": [metering.STREAM, admission.spend_key(TENANT, "202612"), admission.budget_key(TENANT)],
         "control": [registry._KEY.format("worker-0"), registry._INDEX, registry._ALIVE, rollout.OUTCOMES_STREAM,
-                    rollout.LEADER_KEY],
+                    rollout.LEADER_KEY, DEMAND_KEY.format("gaas-tiny")],
     }
 
 

@@ -101,6 +101,13 @@ def test_the_shipped_file_serves_the_default_model_only():
      "unknown tier"),
     (('pins: {acme: "1.0.0"}', "pins: {acme: [1]}"), 9, "models[0].pins.acme", "is not a version"),
     (("  gold: {ttft_target_ms: 400}", "  gold: {ttft_target_ms: -1}"), 14, "qos", None),
+    (("    replicas: 2\n", "    replicas: 2\n    autoscale: {min: 1, max: 3}\n"), 7, "models[0].autoscale",
+     "give replicas (a fixed count) or autoscale (min and max), not both"),
+    (("    replicas: 2\n", "    autoscale: {min: 4, max: 3}\n"), 6, "models[0].autoscale.min", "0 <= min <= max"),
+    (("    replicas: 2\n", "    autoscale: {min: 1}\n"), 6, "models[0].autoscale", "autoscale needs max"),
+    (("    replicas: 2\n", "    autoscale: {max: 2, step: 1}\n"), 6, "models[0].autoscale.step", "unknown field 'step'"),
+    (("    replicas: 2\n", "    autoscale: {max: 2, target_kv_usage: 2}\n"), 6, "models[0].autoscale.target_kv_usage",
+     "must be in (0, 1]"),
 ])
 def test_an_error_names_the_file_the_line_and_the_field(tmp_path, change, line, field, message):
     text = GOOD.replace(*change)
@@ -131,3 +138,13 @@ def test_a_missing_source_is_named_before_anything_runs(source, preset, message)
 
     said = check_source("m", "2", source, preset)
     assert (said is None) if message is None else (message in said)
+
+
+def test_an_autoscaled_pool_serves_from_min_and_keeps_its_policy_through_a_revision(tmp_path):
+    text = GOOD.replace("    replicas: 2\n", "    autoscale: {min: 0, max: 3, target_requests: 2, cooldown_seconds: 10}\n")
+    m = deployspec.parse_text(text, tmp_path, "d.yaml").model("chat")
+    a = m.autoscale
+    assert (a.min, a.max, a.target_requests, a.cooldown_s, a.initial) == (0, 3, 2.0, 10.0, 1)
+    assert m.serves, "a pool at min 0 is served: its first request brings a worker"
+    assert deployspec.ModelSpec.from_dict(m.as_dict()) == m
+    assert m.at(m.pool()).autoscale == a
