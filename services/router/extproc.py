@@ -51,7 +51,8 @@ from gaas.v1 import ext_proc_pb2_grpc, inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
-from services.router.prepare import ScalingUp, may_wait_for_scale_up
+from services.router.holding import deciding_for_ingress
+from services.router.prepare import ScalingUp
 from services.router.sessions import Held
 
 log = logging.getLogger(__name__)
@@ -324,9 +325,10 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         else:
             return  # the client went away before its body was complete
         native = headers.get(":path", "") == NATIVE_GENERATE
-        # A request for an autoscaled model none of whose workers serves yet is passed on to the
-        # router's own route and waits there (ScalingUp): the ingress is not held on a decision.
-        may_wait_for_scale_up.set(False)
+        # The ingress is not held on a decision long (services/router/holding.py): a request for an
+        # autoscaled model none of whose workers serves yet is passed on to the router's own route
+        # and waits there (ScalingUp).
+        deciding_for_ingress.set(True)
         try:
             placement = await (self._decide_native(headers, bytes(body), timing) if native
                                else self._decide(headers, bytes(body), timing))

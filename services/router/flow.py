@@ -26,6 +26,7 @@ from gaas.contracts.tenancy import DEFAULT_TIER
 from gaas.contracts.ids import WorkerId
 from services.router.breakers import Breakers
 from services.router.scheduling import Candidate, Decision, RequestContext, Scheduler
+from services.router.holding import DECISION_HOLD_S, deciding_for_ingress
 from services.router.scheduling.types import NoCapacity
 from services.router.waitqueue import WaitQueue
 from services.router.windows import Windows
@@ -103,6 +104,8 @@ class Flow:
         why = f"the {tier} tier's queue timeout is {policy.queue_timeout_s:g} s"
         if time_remaining is not None and time_remaining < wait:
             wait, why = time_remaining, "the request's deadline"
+        if deciding_for_ingress.get() and DECISION_HOLD_S < wait:
+            wait, why = DECISION_HOLD_S, f"the ingress waits on a decision at most {DECISION_HOLD_S:g} s"
         return await self.queue.wait(
             band, tenant, ctx.model, self._clock() + wait, place_now, why,
             abandon=lambda decision: self.finished(decision.worker.worker_id),

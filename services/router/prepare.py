@@ -7,7 +7,6 @@ live, without waiting for the answer: the lookup overlaps the tenant's admission
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer
 from gaas.v1 import inference_pb2
 from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
+from services.router.holding import deciding_for_ingress
 from services.router.kvclient import KVDirectoryClient
 from services.router.scheduling import Scheduler
 from services.router.versions import VersionChooser
@@ -89,10 +89,6 @@ def shared_tokens(tok: Tokenizer, request: inference_pb2.GenerateRequest, text: 
 
 # How often a request waiting for an autoscaled model's first worker looks again, s.
 SCALE_UP_POLL_S = 0.5
-# Whether a request may wait here for an autoscaled model's first worker (False while the ingress
-# waits for this router's decision on the direct path: it is passed on to the router's own route,
-# where it waits; the ingress is not held on a decision for as long as a worker takes to start).
-may_wait_for_scale_up: contextvars.ContextVar[bool] = contextvars.ContextVar("may_wait_for_scale_up", default=True)
 
 
 class ScalingUp(errors.Unavailable):
@@ -196,7 +192,7 @@ class Preparer:
         except errors.Unavailable:
             if not model.autoscaled or self._demand is None:
                 raise
-        if not may_wait_for_scale_up.get():
+        if deciding_for_ingress.get():  # (services/router/holding.py: passed on to wait on the router's route)
             await self._demand.mark(model.name)
             raise ScalingUp(f"no worker serves {model.name!r} yet; its pool is scaling up")
         wait = self._queue_timeout(principal.tier)
