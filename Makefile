@@ -11,7 +11,8 @@ help:
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge, roll-outs (a breach back to 0%, failed requests"
-	@echo "             while promoting and switching, the cost of an apply) (prints tables, writes bench/results/*.json)"
+	@echo "             while promoting and switching, the cost of an apply), autoscaling (a step served by a new worker, scale-in, scale from zero)"
+	@echo "             (prints tables, writes bench/results/*.json)"
 	@echo "make gpu-check   on a host with NVIDIA GPUs: install, start the mesh (one worker per GPU), stream"
 	@echo "             through it, compare with vLLM's own server on the same GPU (bench/results/gpu-check.json)"
 	@echo "make model   build the tiny local model into models/gaas-tiny"
@@ -52,6 +53,7 @@ bench: proto
 	$(BIN)/python -m bench.sessions
 	$(BIN)/python -m bench.edge
 	$(BIN)/python -m bench.rollout
+	$(BIN)/python -m bench.autoscale
 
 gpu-check:
 	@bash scripts/gpu-check.sh
