@@ -9,8 +9,8 @@ and why. Pure: time and signals come in as arguments, so it is tested with a fak
          half its target and no tier is past its TTFT target, for down_after_s: one worker fewer
          (it drains first: gaas up retires it);
   zero   with min 0, nothing running, waiting or asked for, for zero_after_s: no worker.
-No change while a worker it asked for is still starting, nor within cooldown_s of the last (but a
-request waiting for a pool at zero)."""
+No change while a worker it asked for is still starting (and the windows count from when it serves),
+nor within cooldown_s of the last (but a request waiting for a pool at zero)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ class PoolScaler:
             if s.demand and p.max >= 1:
                 return self._go(now, 1, "a request waits for a worker of a pool at zero")
             return None
+        if s.starting:
+            # A worker asked for is not serving yet: nothing is judged until it is (its start would
+            # count as idle time, or as load the new worker is there to take).
+            self._up_since = self._down_since = self._idle_since = None
+            return None
         outstanding = s.running + s.waiting
         self._idle_since = (self._idle_since or now) if outstanding == 0 and not s.demand else None
         per_worker = outstanding / max(s.ready, 1)
@@ -76,7 +81,7 @@ class PoolScaler:
                 and s.ready >= self.replicas)
         self._up_since = (self._up_since or now) if up else None
         self._down_since = (self._down_since or now) if down else None
-        if s.starting or now - self.changed_at < p.cooldown_s:
+        if now - self.changed_at < p.cooldown_s:
             return None
         if up and self.replicas < p.max and now - self._up_since >= p.up_after_s:
             return self._go(now, self.replicas + 1, up)

@@ -46,7 +46,8 @@ def test_up_on_load_after_its_window_and_each_cooldown_to_max(signals, changes):
 def test_no_second_worker_while_the_first_one_asked_for_starts():
     s = PoolScaler(POLICY, 1, now=0)
     starting = lambda t, replicas: Signals(ready=1, starting=replicas - 1 if t < 40 else 0, running=20)
-    assert run(s, starting, 0, 60) == [(10, 2), (40, 3)]
+    # Up at 10; the load is judged again once the new worker serves (t=40): 5 s more, then up.
+    assert run(s, starting, 0, 60) == [(10, 2), (45, 3)]
 
 
 def test_down_one_at_a_time_when_the_load_fits_fewer_and_never_below_min():
@@ -76,3 +77,12 @@ def test_the_policy_refuses_what_cannot_scale():
                         ({"target_requests": 0}, "above 0"), ({"target_kv_usage": 1.5}, r"in \(0, 1\]")):
         with pytest.raises(ValueError, match=message):
             AutoscalePolicy(**kw)
+
+
+def test_a_worker_slower_to_start_than_zero_after_is_not_sent_away_the_moment_it_serves():
+    """The idle clock counts from when the pool serves (CI's first start builds the engine for longer
+    than zero_after_s)."""
+    policy = AutoscalePolicy(min=0, max=2, zero_after_s=20, cooldown_s=5)
+    s = PoolScaler(policy, 1, now=0)
+    starting_then_idle = lambda t, replicas: Signals(ready=1 if t >= 50 else 0, starting=0 if t >= 50 else 1)
+    assert run(s, starting_then_idle, 0, 80) == [(70, 0)], "idle for 20 s from t=50, not from t=0"
