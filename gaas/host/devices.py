@@ -192,13 +192,13 @@ class CpuMonitor:
     def __init__(self, cores: set[int]) -> None:
         self._cores = tuple(sorted(cores)) or tuple(sorted(os.sched_getaffinity(0)))
         self._last: dict[int, tuple[int, int]] = {}
-        self._description = DeviceDescription("cpu", _cpu_model(), _meminfo().get("MemTotal", 0), cpu_cores=self._cores)
+        self._description = DeviceDescription("cpu", cpu_model(), meminfo().get("MemTotal", 0), cpu_cores=self._cores)
 
     def describe(self) -> DeviceDescription:
         return self._description
 
     def sample(self) -> DeviceSample:
-        info = _meminfo()
+        info = meminfo()
         total = info.get("MemTotal", 0)
         used = total - info.get("MemAvailable", total)
         busy = idle = 0
@@ -278,7 +278,7 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _meminfo() -> dict[str, int]:
+def meminfo() -> dict[str, int]:
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -292,7 +292,7 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

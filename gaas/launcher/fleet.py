@@ -35,6 +35,14 @@ class PoolSpec:
     device: str = "any"
     # stable, canary or kept.
     role: str = "stable"
+    # What a device must offer beyond its kind (gaas.contracts.device; {}: nothing).
+    device_needs: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def requirement(self):
+        from gaas.contracts.device import DeviceRequirement
+
+        return DeviceRequirement.parse(dict(self.device_needs) or self.device)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -53,14 +61,16 @@ class PoolSpec:
     def from_model(cls, m) -> PoolSpec:
         """A deployment file's model (gaas.settings.deployspec.ModelSpec) as its pool."""
         return cls(model=m.name, version=m.version, source=m.source, preset=m.preset, seed=m.seed,
-                   max_model_len=m.max_model_len, replicas=m.replicas, engine=dict(m.engine), device=m.device)
+                   max_model_len=m.max_model_len, replicas=m.replicas, engine=dict(m.engine), device=m.device,
+                   device_needs=dict(m.device_needs))
 
     @classmethod
     def from_pb(cls, p) -> PoolSpec:
         replicas: int | str = p.replicas if p.replicas == "auto" else int(p.replicas or 0)
         return cls(model=p.model, version=p.version, source=p.source, preset=p.preset, seed=int(p.seed),
                    max_model_len=int(p.max_model_len), replicas=replicas,
-                   engine=json.loads(p.engine_json or "{}"), device=p.device or "any", role=p.role or "stable")
+                   engine=json.loads(p.engine_json or "{}"), device=p.device or "any", role=p.role or "stable",
+                   device_needs=json.loads(p.device_needs_json or "{}"))
 
 
 def key_of(options: Mapping[str, object]) -> tuple[str, str]:

@@ -106,6 +106,8 @@ class Mesh:
         # The GPUs this host lets us use (gaas.host.devices): a worker on each, by UUID (workers
         # beyond their number share, splitting the memory); none: CPU workers, one per core.
         self.gpus = visible_gpus()
+        # This host's devices as placement sees them (read on first use).
+        self._profiles = None
         self._stopping = False
         # The workers told to drain (their pool shrank or went), by name; the pools' last answer;
         # models being built for a pool, and the pools this host cannot run (said to control once).
@@ -532,13 +534,21 @@ class Mesh:
 
     def _placeable(self, pool: fleet.PoolSpec) -> bool:
         """Whether this host can run the pool's workers (said to control once when not)."""
-        wrong = ("needs a GPU; this host has none" if pool.device == "gpu" and not self.gpus else
-                 "needs a CPU host; this host's engine is vLLM for its GPUs" if pool.device == "cpu" and self.gpus else
-                 self._build_errors.get(pool.source) or check_source(pool.model, pool.version, pool.source, pool.preset))
+        wrong = (self._placement(pool).reason() or self._build_errors.get(pool.source)
+                 or check_source(pool.model, pool.version, pool.source, pool.preset))
         if wrong and pool.key not in self._refused:
             self._refused.add(pool.key)
             self._report_failure(pool, wrong)
         return not wrong
+
+    def _placement(self, pool: fleet.PoolSpec):
+        """Which of this host's devices the pool's workers may run on (gaas.contracts.device)."""
+        from gaas.contracts.device import choose
+        from gaas.host.profiles import host_profiles
+
+        if self._profiles is None:
+            self._profiles = host_profiles(self.gpus)
+        return choose(pool.requirement, self._profiles)
 
     def _model_ready(self, pool: fleet.PoolSpec, wait: bool) -> bool:
         """Whether the pool's weights are there: a preset's are built when missing (wait: here and

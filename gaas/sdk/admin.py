@@ -160,7 +160,8 @@ class Admin(_Service):
 
     def pools(self) -> list[dict]:
         return [{"model": p.model, "version": p.version, "role": p.role, "replicas": p.replicas, "source": p.source,
-                 "device": p.device, "engine": json.loads(p.engine_json or "{}"),
+                 "device": p.device, "device_needs": json.loads(p.device_needs_json or "{}"),
+                 "engine": json.loads(p.engine_json or "{}"),
                  **({"autoscale": {"min": p.min_replicas, "max": p.max_replicas, "reason": p.scale_reason}}
                     if p.autoscaled else {})}
                 for p in self._call("ListPools", pb.ListPoolsRequest()).pools]

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from gaas.contracts.autoscale import AutoscalePolicy
+from gaas.contracts.device import DeviceError, DeviceRequirement
 from gaas.contracts.rollout import GuardPolicy, RolloutPolicy, Strategy
 from gaas.contracts.tenancy import TIERS
 from gaas.settings import located
@@ -86,13 +87,21 @@ class ModelSpec:
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)
     # How its workers scale on load (None: replicas, fixed).
     autoscale: AutoscalePolicy | None = None
+    # What a device must offer its workers beyond its kind (device above): gpu_memory_gib,
+    # gpu_models, compute_capability, interconnect, cpu_cores, memory_gib (gaas.contracts.device).
+    device_needs: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def requirement(self) -> DeviceRequirement:
+        return DeviceRequirement.parse(dict(self.device_needs) or self.device)
 
     def pool(self) -> dict:
         """What a worker of this version is started with (the pool control keeps by version)."""
         return {"model": self.name, "version": self.version, "source": self.source, "preset": self.preset,
                 "seed": self.seed, "max_model_len": self.max_model_len, "replicas": self.replicas,
                 "engine": dict(self.engine), "device": self.device, "tenants": list(self.tenants),
-                "autoscale": self.autoscale.as_dict() if self.autoscale else None}
+                "autoscale": self.autoscale.as_dict() if self.autoscale else None,
+                "device_needs": dict(self.device_needs)}
 
     def as_dict(self) -> dict:
         """Everything about it, as JSON (what control's revisions keep); from_dict reads it back."""
@@ -106,7 +115,8 @@ class ModelSpec:
                    seed=int(d.get("seed", 0)), replicas=d.get("replicas", 0), engine=dict(d.get("engine") or {}),
                    device=d.get("device", "any"), tenants=tuple(d.get("tenants") or ()),
                    pins=dict(d.get("pins") or {}), rollout=RolloutPolicy.from_dict(d["rollout"]),
-                   autoscale=AutoscalePolicy.from_dict(d["autoscale"]) if d.get("autoscale") else None)
+                   autoscale=AutoscalePolicy.from_dict(d["autoscale"]) if d.get("autoscale") else None,
+                   device_needs=dict(d.get("device_needs") or {}))
 
     def at(self, pool: Mapping) -> ModelSpec:
         """This model as it was declared for another version (pool: that version's, as pool() gave it)."""
@@ -116,7 +126,8 @@ class ModelSpec:
                        seed=int(pool.get("seed", 0)), max_model_len=int(pool["max_model_len"]),
                        replicas=pool.get("replicas", 0), engine=dict(pool.get("engine") or {}),
                        device=pool.get("device", "any"), tenants=tuple(pool.get("tenants") or ()),
-                       autoscale=AutoscalePolicy.from_dict(pool["autoscale"]) if pool.get("autoscale") else None)
+                       autoscale=AutoscalePolicy.from_dict(pool["autoscale"]) if pool.get("autoscale") else None,
+                       device_needs=dict(pool.get("device_needs") or {}))
 
     @property
     def serves(self) -> bool:
@@ -261,9 +272,11 @@ class _Checker:
         except ValueError as exc:
             key = str(exc).split(" ", 1)[0]
             self.fail((*path, "engine", key) if key in engine else (*path, "engine"), str(exc))
-        device = str(entry.get("device", "any"))
-        if device not in DEVICES:
-            self.fail((*path, "device"), f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        try:
+            need = DeviceRequirement.parse(entry.get("device", "any"))
+        except DeviceError as exc:
+            self.fail((*path, "device", exc.field) if exc.field else (*path, "device"), str(exc))
+        device, device_needs = need.kind, ({} if need.simple else need.as_dict())
         tenants = entry.get("tenants") or []
         if not isinstance(tenants, list) or not all(isinstance(t, str) and TENANT_RE.fullmatch(t) for t in tenants):
             self.fail((*path, "tenants"), "tenants must be a list of tenant names ([]: every tenant)")
@@ -286,7 +299,7 @@ class _Checker:
         return ModelSpec(name=name, version=version, source=source, preset=preset, max_model_len=max_len,
                          is_default=bool(entry.get("default", False)), seed=seed, replicas=replicas, engine=engine,
                          device=device, tenants=tuple(tenants), pins={t: str(v) for t, v in pins.items()},
-                         rollout=rollout, autoscale=autoscale)
+                         rollout=rollout, autoscale=autoscale, device_needs=device_needs)
 
     def autoscale(self, doc: object, path: tuple) -> AutoscalePolicy:
         doc = self.mapping(doc, path, tuple(AUTOSCALE_FIELDS), "autoscale")

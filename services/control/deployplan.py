@@ -24,7 +24,7 @@ from gaas.contracts import errors
 from gaas.settings.deployspec import DeploySpec, ModelSpec
 
 # What a worker of a version runs with: changing it needs a new version while the version has workers.
-RUNS_WITH = ("source", "preset", "seed", "engine", "device", "max_model_len")
+RUNS_WITH = ("source", "preset", "seed", "engine", "device", "device_needs", "max_model_len")
 
 
 @dataclass(frozen=True, slots=True)

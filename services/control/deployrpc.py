@@ -32,7 +32,8 @@ def pool_to_pb(p: Pool) -> pb.Pool:
     out = pb.Pool(model=p.model, version=p.version, source=s["source"], preset=s.get("preset", ""),
                   seed=int(s.get("seed", 0)), max_model_len=int(s["max_model_len"]), replicas=str(s.get("replicas", 0)),
                   engine_json=json.dumps(s.get("engine") or {}, sort_keys=True), device=s.get("device", "any"),
-                  tenants=list(s.get("tenants") or ()), role=p.role)
+                  tenants=list(s.get("tenants") or ()), role=p.role,
+                  device_needs_json=json.dumps(s.get("device_needs") or {}, sort_keys=True))
     if (a := p.autoscale) is not None:
         out.autoscaled, out.min_replicas, out.max_replicas, out.scale_reason = True, a.min, a.max, p.reason
     return out

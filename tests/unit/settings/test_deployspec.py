@@ -108,6 +108,9 @@ def test_the_shipped_file_serves_the_default_model_only():
     (("    replicas: 2\n", "    autoscale: {max: 2, step: 1}\n"), 6, "models[0].autoscale.step", "unknown field 'step'"),
     (("    replicas: 2\n", "    autoscale: {max: 2, target_kv_usage: 2}\n"), 6, "models[0].autoscale.target_kv_usage",
      "must be in (0, 1]"),
+    (("    replicas: 2\n", "    replicas: 2\n    device: {kind: gpu, gpus: 2}\n"), 7, "models[0].device.gpus",
+     "unknown device requirement 'gpus'"),
+    (("    replicas: 2\n", "    replicas: 2\n    device: tpu\n"), 7, "models[0].device", "device must be one of any, cpu, gpu"),
 ])
 def test_an_error_names_the_file_the_line_and_the_field(tmp_path, change, line, field, message):
     text = GOOD.replace(*change)
@@ -148,3 +151,13 @@ def test_an_autoscaled_pool_serves_from_min_and_keeps_its_policy_through_a_revis
     assert m.serves, "a pool at min 0 is served: its first request brings a worker"
     assert deployspec.ModelSpec.from_dict(m.as_dict()) == m
     assert m.at(m.pool()).autoscale == a
+
+
+def test_a_device_requirement_is_kept_with_its_pool(tmp_path):
+    text = GOOD.replace("    replicas: 2\n", "    replicas: 2\n    device: {gpu_models: [H200], gpu_memory_gib: 80}\n")
+    m = deployspec.parse_text(text, tmp_path, "d.yaml").model("chat")
+    assert m.device == "gpu" and dict(m.device_needs) == {"kind": "gpu", "gpu_memory_gib": 80.0, "gpu_models": ["H200"]}
+    assert m.requirement.describe() == "a GPU, H200, >= 80 GiB"
+    assert deployspec.ModelSpec.from_dict(m.as_dict()) == m and m.at(m.pool()).requirement == m.requirement
+    plain = deployspec.parse_text(GOOD, tmp_path, "d.yaml").model("chat")
+    assert plain.device_needs == {} and plain.requirement.kind == "any"
