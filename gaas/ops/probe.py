@@ -77,6 +77,30 @@ def envoy_ready(admin: Path, timeout: float = 1.0) -> bool:
         return False
 
 
+# The ingress's clusters a request needs a healthy host of (the routers: its decision or its route,
+# and its key check): until its health checks have passed one, a request gets 503 no_healthy_upstream.
+INGRESS_NEEDS = ("router", "router_authz")
+
+
+def ingress_ready(admin: Path, timeout: float = 1.0) -> bool:
+    """The ingress's Envoy is ready and has a healthy router to send requests to (each cluster of
+    INGRESS_NEEDS it has, from its admin /clusters: `NAME::HOST::health_flags::healthy`)."""
+    if not envoy_ready(admin, timeout):
+        return False
+    try:
+        status, body = envoy_admin(admin, "/clusters", timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return False
+    if status != 200:
+        return False
+    lines = [line for line in body.decode(errors="replace").splitlines() if "::health_flags::" in line]
+    for cluster in INGRESS_NEEDS:
+        mine = [line for line in lines if line.startswith(cluster + "::")]
+        if mine and not any(line.endswith("::health_flags::healthy") for line in mine):
+            return False
+    return True
+
+
 def grpc_health(address: str, timeout: float = 1.0, run_dir: Path | None = None) -> tuple[str, str]:
     """(status, detail) of the standard health service at address (a sidecar, reached as the
     operator of run_dir's mesh; default $GAAS_HOME)."""
@@ -152,7 +176,7 @@ def probe(topo: Topology, run_dir: Path, timeout: float = 1.0) -> MeshHealth:
         )
 
     with ThreadPoolExecutor(max_workers=8) as pool:
-        ingress_f = pool.submit(envoy_ready, LocalSockets.of(sockets, "ingress-0").admin, timeout)
+        ingress_f = pool.submit(ingress_ready, LocalSockets.of(sockets, "ingress-0").admin, timeout)
         controls = topo.of("control")
         workers_f = pool.submit(list_workers, controls[0].inbound, timeout, run_dir) if controls else None
         kvs = topo.of("kvcache")
