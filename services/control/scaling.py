@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 from gaas.contracts.autoscale import DEMAND_KEY, AutoscalePolicy
 from services.control.autoscale import PoolScaler, ScaleDecision, Signals
-from services.control.deployment import Deployment, Pool, View
+from services.control.deployment import Deployment, Pool
 from services.control.registry import SERVING, WorkerRegistry
 from services.control.rollout.figures import Window
 
@@ -43,10 +43,10 @@ class Autoscalers:
         """Another replica leads: its scalers start from what it reads."""
         self._scalers.clear()
 
-    async def look(self, view: View, now: float, windows: Mapping[str, Window],
+    async def look(self, pools: list[Pool], now: float, windows: Mapping[str, Window],
                    target_ms: Callable[[str], float]) -> list[tuple[Pool, ScaleDecision]]:
-        """One look at every autoscaled pool; the decisions made (each saved)."""
-        pools = [p for p in await self._deployment.pools(view) if p.autoscale is not None]
+        """One look at every autoscaled pool (pools: the deployment's autoscaled pools as of this
+        look); the decisions made (each saved)."""
         keys = {(p.model, p.version) for p in pools}
         for key in [k for k in self._scalers if k not in keys]:
             del self._scalers[key]

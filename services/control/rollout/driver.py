@@ -103,10 +103,10 @@ class Driver:
         # The models whose outcomes are kept, each over the longer of its guard's window and the
         # autoscaler's.
         spans = {m: r.policy.guard.window_s for m, r in live.items()}
-        if self._autoscalers is not None:
-            for p in await self._deployment.pools(view):
-                if p.autoscale is not None:
-                    spans[p.model] = max(spans.get(p.model, 0.0), SIGNAL_WINDOW_S)
+        scaled = ([p for p in await self._deployment.pools(view) if p.autoscale is not None]
+                  if self._autoscalers is not None else [])
+        for p in scaled:
+            spans[p.model] = max(spans.get(p.model, 0.0), SIGNAL_WINDOW_S)
         for model, span in spans.items():
             w = self._windows.get(model)
             if w is None or w.window_s != span:
@@ -133,7 +133,7 @@ class Driver:
                     self._shown.add((model, r.version))
         if self._autoscalers is not None:
             qos = view.spec.policy if view.spec is not None else None
-            await self._autoscalers.look(view, self._clock(), self._windows,
+            await self._autoscalers.look(scaled, self._clock(), self._windows,
                                          lambda tier: float(qos(tier).ttft_target_ms) if qos else 0.0)
 
     async def _read_outcomes(self, window_s: float) -> None:
