@@ -5,17 +5,13 @@ workers being ready is what starts its share."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from gaas.contracts.rollout import OUTCOMES_STREAM, Outcome, State
-from gaas.runtime.sql import Database
 from gaas.settings.deployspec import parse_text
-from services.control.catalog import ModelCatalog
-from services.control.deployment import Deployment
 from services.control.registry import SERVING
 from services.control.rollout.driver import Driver
 from tests.fakeclock import FakeClock
@@ -51,20 +47,13 @@ class FakeRegistry:
 
 
 @pytest.fixture
-async def setup(tmp_path, redis):
-    db = Database(f"sqlite:///{tmp_path / 'control.db'}")
-    catalog = ModelCatalog(db)
-    await catalog.init_schema()
-    # From now: the stream's entry ids are Redis's clock, which the driver's reads by (a replica
-    # that becomes the leader reads from its window's start).
-    clock = FakeClock(time.time())
-    deployment = Deployment(db, catalog, check_source=lambda m: None, clock=clock)
-    await deployment.init_schema()
+async def setup(sql_deployment, redis):
+    # (The clock starts now: a replica that becomes the leader reads the stream from its window's start.)
+    deployment, clock = sql_deployment
     registry = FakeRegistry([Worker("1")])
     await deployment.apply(parse_text(text("1"), Path("/srv"), FILE), FILE, "test")
     await deployment.apply(parse_text(text("2"), Path("/srv"), FILE), FILE, "test")
     yield deployment, registry, clock
-    db.close()
 
 
 async def append(redis, clock: FakeClock, version: str, ttft_ms: float, n: int) -> None:

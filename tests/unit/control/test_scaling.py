@@ -7,7 +7,6 @@ starts from the count last saved. A pool declared with replicas is never touched
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,9 +14,7 @@ import pytest
 
 from gaas.contracts.autoscale import DEMAND_KEY
 from gaas.contracts.rollout import OUTCOMES_STREAM, Outcome
-from gaas.runtime.sql import Database
 from gaas.settings.deployspec import parse_text
-from services.control.catalog import ModelCatalog
 from services.control.deployment import Deployment
 from services.control.registry import SERVING
 from services.control.rollout.driver import Driver
@@ -63,13 +60,8 @@ class FakeRegistry:
 
 
 @pytest.fixture
-async def setup(tmp_path, redis):
-    db = Database(f"sqlite:///{tmp_path / 'control.db'}")
-    catalog = ModelCatalog(db)
-    await catalog.init_schema()
-    clock = FakeClock(time.time())
-    deployment = Deployment(db, catalog, check_source=lambda m: None, clock=clock)
-    await deployment.init_schema()
+async def setup(sql_deployment, redis):
+    deployment, clock = sql_deployment
     registry = FakeRegistry()
     await redis.delete("gaas:rollout:leader", DEMAND_KEY.format("tiny"), OUTCOMES_STREAM)
 
@@ -81,7 +73,6 @@ async def setup(tmp_path, redis):
                       autoscalers=Autoscalers(deployment, registry, redis))
 
     yield deployment, registry, clock, apply, driver
-    db.close()
 
 
 async def replicas(deployment: Deployment) -> dict[str, tuple[int, str]]:
