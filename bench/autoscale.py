@@ -30,7 +30,9 @@ POLICY = ("{min: 0, max: 2, target_requests: 2, up_after_seconds: 2, down_after_
           "zero_after_seconds: 20}")
 
 
-def deployment() -> str:
+def deployment(queue_timeout_s: float = 300) -> str:
+    """gaas-tiny autoscaled by POLICY; gold's queue timeout raised (a request for a pool at zero
+    waits for a worker to start: on a CPU, longer than the default 30 s)."""
     return f"""\
 models:
   - name: {MODEL}
@@ -41,7 +43,7 @@ models:
     default: true
     autoscale: {POLICY}
 qos:
-  gold: {{queue_timeout_s: 300}}
+  gold: {{queue_timeout_s: {queue_timeout_s:g}}}
 """
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.autoscale import deployment
 from gaas.sdk.admin import Admin
 from tests.conftest import on_direct_path
 from tests.e2e.test_metering import Load, client, instance
@@ -22,27 +23,13 @@ pytestmark = [pytest.mark.mesh]
 MODEL = "gaas-tiny"
 # A worker loads its engine in ~20-40 s on a CPU; more while others are busy.
 START_SECONDS = 240
-POLICY = ("{min: 0, max: 2, target_requests: 2, up_after_seconds: 2, down_after_seconds: 15, cooldown_seconds: 5, "
-          "zero_after_seconds: 20}")
 
 
 @pytest.fixture(scope="module")
 def amesh(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("autoscale-mesh")
     deploy = run_dir / "deploy.yaml"
-    deploy.write_text(f"""\
-models:
-  - name: {MODEL}
-    version: "1.0.0"
-    source: models/gaas-tiny
-    preset: tiny
-    max_model_len: 2048
-    default: true
-    autoscale: {POLICY}
-qos:
-  # A request for a pool at zero waits for a worker to start: on a CPU, longer than the default 30 s.
-  gold: {{queue_timeout_s: {START_SECONDS}}}
-""")
+    deploy.write_text(deployment(queue_timeout_s=START_SECONDS))
     with own_mesh(run_dir, port_start=25000, workers=1, ingress_path="direct", args=("--deploy", str(deploy))) as m:
         yield m
 
