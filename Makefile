@@ -54,6 +54,7 @@ bench: proto
 	$(BIN)/python -m bench.edge
 	$(BIN)/python -m bench.rollout
 	$(BIN)/python -m bench.autoscale
+	$(BIN)/python -m bench.lora
 
 gpu-check:
 	@bash scripts/gpu-check.sh

@@ -20,7 +20,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common.mesh import admin, bench_mesh, running, tenant_key
+from bench.common.mesh import admin, bench_mesh, running, tenant_key, tiny_deployment
 from bench.common.output import RESULTS, progress, write_json
 from bench.rollout import Load
 
@@ -33,18 +33,7 @@ POLICY = ("{min: 0, max: 2, target_requests: 2, up_after_seconds: 2, down_after_
 def deployment(queue_timeout_s: float = 300) -> str:
     """gaas-tiny autoscaled by POLICY; gold's queue timeout raised (a request for a pool at zero
     waits for a worker to start: on a CPU, longer than the default 30 s)."""
-    return f"""\
-models:
-  - name: {MODEL}
-    version: "1.0.0"
-    source: models/gaas-tiny
-    preset: tiny
-    max_model_len: 2048
-    default: true
-    autoscale: {POLICY}
-qos:
-  gold: {{queue_timeout_s: {queue_timeout_s:g}}}
-"""
+    return tiny_deployment(f"autoscale: {POLICY}", after=f"qos:\n  gold: {{queue_timeout_s: {queue_timeout_s:g}}}\n")
 
 
 def pool(a) -> dict:

@@ -103,3 +103,12 @@ def tenant_key(a, tenant: str, tier: str, *, rpm: int = 0, tpm: int = 0, concurr
     a.create_tenant(tenant, tier)
     a.update_tenant(tenant, limits={"rpm": rpm, "tpm": tpm, "concurrency": concurrency})
     return a.create_key(tenant)[1]
+
+
+def tiny_deployment(*lines: str, after: str = "") -> str:
+    """A deployment file serving gaas-tiny alone (the local model, built when missing), its entry
+    ending with lines (its workers: "replicas: auto", "autoscale: {...}", "engine: {...}"), and
+    after it the file's other sections (after)."""
+    entry = "".join(f"    {line}\n" for line in lines)
+    return ("models:\n  - name: gaas-tiny\n    version: \"1.0.0\"\n    source: models/gaas-tiny\n    preset: tiny\n"
+            f"    max_model_len: 2048\n    default: true\n{entry}{after}")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from gaas.cli.common import add_mesh_args, admin_call, fail, mesh_state, mesh_topology
+from gaas.contracts.usage import USAGE_GROUPS
 
 
 def _billing_address(args) -> str:
@@ -129,8 +130,8 @@ def register(sub) -> None:
     usage.add_argument("tenant")
     usage.add_argument("--since", default=None, help="from (inclusive); default: the beginning")
     usage.add_argument("--until", default=None, help="to (exclusive); default: now")
-    usage.add_argument("--by", choices=["model", "version", "day", "key"], default=None,
-                       help="also break the total down (version: by model and version, e.g. across a roll-out)")
+    usage.add_argument("--by", choices=list(USAGE_GROUPS), default=None,
+                       help="also break the total down (version: by model and version, e.g. across a roll-out; adapter: by LoRA adapter)")
     _billing_args(usage)
     usage.set_defaults(func=cmd_usage)
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from gaas.cli import (
-    billing, deploy, envoy, generate, kv, model, models, placement, restart, sessions, status, tenants, top, trace,
-    up,
+    billing, deploy, envoy, generate, kv, lora, model, models, placement, restart, sessions, status, tenants, top,
+    trace, up,
 )
 from gaas.cli.common import fail
 
@@ -29,6 +29,8 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
   gaas apply -f deploy/gaas.yaml   apply the deployment live (`gaas diff -f` first shows what changes);
                                a model's new version is rolled out: `gaas rollout status MODEL`
   gaas placement               where each pool's workers may run on this host, and why
+  gaas lora add bot gaas-tiny DIR --owner acme
+                               a LoRA adapter, loaded by the workers on its first request
   gaas kv stats                the KV-cache directory: blocks per worker and tenant, hit ratio
   gaas tenant create acme      tenants (tiers gold / silver / bronze) and their API keys:
   gaas key create acme           the key is printed once; `gaas key revoke KEY_ID` ends it
@@ -40,8 +42,8 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
 """
 
 # The command modules, in the order `gaas --help` lists their commands.
-COMMANDS = (up, trace, generate, sessions, status, top, restart, models, deploy, placement, tenants, billing, kv, model,
-            envoy)
+COMMANDS = (up, trace, generate, sessions, status, top, restart, models, deploy, placement, lora, tenants, billing, kv,
+            model, envoy)
 
 
 def build_parser() -> argparse.ArgumentParser:

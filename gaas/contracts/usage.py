@@ -20,8 +20,9 @@ GROUP = "billing"
 OUTCOMES = ("finished", "cancelled", "failed")
 
 # What a tenant's usage can be grouped by, besides the total: model, model and version ("gaas-tiny
-# 2.0.0": what each version of a roll-out served), UTC day, API key id.
-USAGE_GROUPS = ("model", "version", "day", "key")
+# 2.0.0": what each version of a roll-out served), UTC day, API key id, LoRA adapter ("gaas-tiny:bot";
+# the base model alone for requests without one).
+USAGE_GROUPS = ("model", "version", "day", "key", "adapter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class UsageEvent:
     client_request_id: str = ""
     # The session the request was a turn of ("": none).
     session_id: str = ""
+    # The LoRA adapter it was served with ("": the base model alone).
+    adapter: str = ""
 
     @property
     def cost_micros(self) -> int:

@@ -49,6 +49,7 @@ def metered(d: worker_pb2.DirectGenerate, arrived: float) -> Metered:
     out = Metered(d.request_id, principal, m.model, m.model_version, price, max(1, len(d.prompts)),
                   m.client_request_id, arrived, prompt_tokens=m.prompt_tokens, session_id=d.session.session_id)
     out.admitted = m.admitted
+    out.adapter = m.adapter
     return out
 
 

@@ -73,6 +73,8 @@ class Metered:
     abandoned: list = field(default_factory=list)
     # The cached tokens of each engine request, from its first chunk (its prompt as the engine took it).
     cached_prompts: int = 0
+    # The LoRA adapter it is served with ("": the base model alone).
+    adapter: str = ""
 
     def add(self, chunk: common_pb2.GenerateChunk) -> bool:
         """Count a chunk; True when it completes the request (every part has its usage)."""
@@ -102,7 +104,7 @@ class Metered:
             queue_ms=round(last.timings.queue_ms, 3) if last else 0.0,
             ttft_ms=round(last.timings.ttft_ms, 3) if last else 0.0,
             e2e_ms=round((time.perf_counter() - self.arrived) * 1000, 3),
-            client_request_id=self.client_request_id, session_id=self.session_id,
+            client_request_id=self.client_request_id, session_id=self.session_id, adapter=self.adapter,
         )
 
 

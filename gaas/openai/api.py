@@ -537,9 +537,12 @@ class AnswerLogprobs:
         return arrays[:-1] + b',"top_logprobs":[' + b",".join(self._top) + b"]}"
 
 
-def models_list(models: list[tuple[str, int, int, dict[str, str]]], created: int) -> dict:
+def models_list(models: list[tuple[str, int, int, dict[str, str]]], created: int,
+                adapters: list[tuple[str, str, int, int]] = ()) -> dict:
     """models: (name, ready workers, context length, version -> its role for the versions with
-    workers), shaped as vLLM's model cards (versions: GaaS's own field)."""
+    workers), shaped as vLLM's model cards (versions: GaaS's own field); adapters: (name, base
+    model, ready workers, context length) of the LoRA adapters the caller may use, as vLLM lists
+    its LoRA modules (parent: the base model)."""
     return {
         "object": "list",
         "data": [
@@ -549,5 +552,11 @@ def models_list(models: list[tuple[str, int, int, dict[str, str]]], created: int
                 "versions": [{"version": v, "role": role} for v, role in sorted(versions.items())],
             }
             for name, ready, ctx, versions in models
+        ] + [
+            {
+                "id": name, "object": "model", "created": created, "owned_by": "gaas", "root": name, "parent": base,
+                "max_model_len": ctx, "ready_workers": ready, "permission": [],
+            }
+            for name, base, ready, ctx in adapters
         ],
     }

@@ -46,6 +46,14 @@ def _key(k: pb.ApiKey) -> dict:
     }
 
 
+def _adapter(a: pb.Adapter) -> dict:
+    out = {"name": a.name, "base_model": a.base_model, "path": a.path, "rank": a.rank, "owner": a.owner,
+           "public": a.public, "adapter_id": a.adapter_id, "created_unix_ms": a.created_unix_ms}
+    if a.HasField("price_input"):
+        out["price"] = {"input": a.price_input, "cached_input": a.price_cached_input, "output": a.price_output}
+    return out
+
+
 def _prefix(p: pb.PublicPrefix) -> dict:
     return {"prefix_id": p.prefix_id, "model": p.model, "text": p.text, "created_unix_ms": p.created_unix_ms}
 
@@ -128,6 +136,20 @@ class Admin(_Service):
 
     def remove_public_prefix(self, prefix_id: str) -> None:
         self._call("RemovePublicPrefix", pb.RemovePublicPrefixRequest(prefix_id=prefix_id))
+
+    def add_adapter(self, name: str, base_model: str, path: str, owner: str = "",
+                    price: tuple[float, float, float] | None = None) -> dict:
+        """A LoRA adapter on base_model, a tenant's (owner) or public (owner empty)."""
+        a = pb.Adapter(name=name, base_model=base_model, path=path, owner=owner, public=not owner)
+        if price is not None:
+            a.price_input, a.price_cached_input, a.price_output = price
+        return _adapter(self._call("AddAdapter", pb.AddAdapterRequest(adapter=a)))
+
+    def list_adapters(self, base_model: str = "") -> list[dict]:
+        return [_adapter(a) for a in self._call("ListAdapters", pb.ListAdaptersRequest(base_model=base_model)).adapters]
+
+    def remove_adapter(self, name: str) -> None:
+        self._call("RemoveAdapter", pb.RemoveAdapterRequest(name=name))
 
     # ------------------------------------------------------------ the deployment
 

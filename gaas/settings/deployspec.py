@@ -266,9 +266,9 @@ class _Checker:
             replicas = self.integer(replicas, (*path, "replicas"), "replicas (a number or auto)", 0)
         engine = self.mapping(entry.get("engine"), (*path, "engine"), _engine_keys(), "engine")
         try:
-            from gaas.settings.worker import engine_options
+            from gaas.settings.worker import ENGINE_OPTIONS, engine_options
 
-            engine = engine_options(engine)
+            engine = engine_options(engine, ENGINE_OPTIONS)
         except ValueError as exc:
             key = str(exc).split(" ", 1)[0]
             self.fail((*path, "engine", key) if key in engine else (*path, "engine"), str(exc))
@@ -373,9 +373,9 @@ class _Checker:
 
 
 def _engine_keys() -> tuple[str, ...]:
-    from gaas.settings.worker import TOPOLOGY_OPTIONS
+    from gaas.settings.worker import ENGINE_OPTIONS
 
-    return TOPOLOGY_OPTIONS
+    return ENGINE_OPTIONS
 
 
 def _billing(doc: object) -> tuple[dict, dict]:

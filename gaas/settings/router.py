@@ -13,17 +13,19 @@ from gaas.settings.env import REQUIRED, ConfigError, Kind, Settings, setting, va
 
 # The scorers a profile weighs and GAAS_ROUTER_WEIGHTS may set, by name (each is a plugin of
 # services/router/scheduling/scorers, registered under that name).
-SCORER_NAMES = ("prefix", "queue", "kv_usage", "device_memory", "session")
+SCORER_NAMES = ("prefix", "queue", "kv_usage", "device_memory", "session", "adapter_affinity")
 
 # profile -> (scorer weights, picker). Every profile filters by model, failures, circuit breakers,
 # context and batching windows (services/router/scheduling/profiles.py builds them).
 PROFILES: dict[str, tuple[dict[str, float], str]] = {
     "round_robin": ({}, "round_robin"),
-    "least_load": ({"queue": 2.0, "kv_usage": 1.0}, "max_score"),
+    "least_load": ({"queue": 2.0, "kv_usage": 1.0, "adapter_affinity": 1.0}, "max_score"),
     # Where the prefix lives, unless load says otherwise: a full prefix outweighs a moderate queue
     # (the engine skips that prefill), a long one does not, and saturated workers are filtered out.
-    # A session's turn also leans to the worker of its last turn (what the directory may not know yet).
-    "kv_aware": ({"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5, "device_memory": 0.25, "session": 1.0}, "max_score"),
+    # A session's turn also leans to the worker of its last turn (what the directory may not know yet),
+    # and a request with a LoRA adapter to a worker that holds it (loading one costs a prefill or more).
+    "kv_aware": ({"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5, "device_memory": 0.25, "session": 1.0,
+                  "adapter_affinity": 1.5}, "max_score"),
 }
 
 # How often a router refreshes its view of the mesh from control, by default.

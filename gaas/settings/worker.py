@@ -15,6 +15,8 @@ from gaas.settings.env import BOOL, REQUIRED, Kind, Settings, setting, variables
 # Where a worker's model runs, vLLM's names: "uni", in the engine core's own process; "mp", a
 # process of its own (gaas.host.placement.engine_executor says what each means on each device).
 EXECUTORS = ("uni", "mp")
+# The adapter ranks vLLM 0.32 accepts as max_lora_rank.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # What the launcher found the host computes on (gaas.host.devices); "" when not launched by gaas up.
 DEVICES = ("", "cpu", "cuda")
 
@@ -83,6 +85,16 @@ class WorkerSettings(Settings):
                             check=lambda e: None if e in EXECUTORS else f"must be one of {', '.join(EXECUTORS)}, got {e!r}")
     kv_cache_blocks: int = setting("GAAS_KV_CACHE_BLOCKS", 0, "KV-cache size in blocks (vLLM's "
                                    "num_gpu_blocks_override; 0: sized by memory)")
+    max_loras: int = setting("GAAS_MAX_LORAS", 0, "LoRA adapters one engine step may serve at once (vLLM's "
+                             "max_loras); 0: the engine serves no adapters (`gaas lora add` refuses its model's)",
+                             check=lambda n: None if n >= 0 else f"must be 0 or more, got {n}")
+    max_lora_rank: int = setting("GAAS_MAX_LORA_RANK", 16, "the highest adapter rank served (vLLM's max_lora_rank: "
+                                 "8, 16, 32, 64, 128 or 256)",
+                                 check=lambda n: None if n in LORA_RANKS else f"must be one of "
+                                 f"{', '.join(map(str, LORA_RANKS))}, got {n}")
+    max_cpu_loras: int = setting("GAAS_MAX_CPU_LORAS", 0, "adapters kept loaded (vLLM's max_cpu_loras; the least "
+                                 "recently used goes when another loads); 0: max_loras",
+                                 check=lambda n: None if n >= 0 else f"must be 0 or more, got {n}")
     kv_events: bool = setting("GAAS_KV_EVENTS", True, "publish the engine's KV events to the KV directories")
     warmup_requests: int = setting("GAAS_WARMUP_REQUESTS", 2, "requests a worker runs through its engine once "
                                    "loaded, before it registers and takes traffic (0: none)",
@@ -99,6 +111,9 @@ class WorkerSettings(Settings):
 # and a deployment pool for its own (a model's engine: in deploy/gaas.yaml), by the same names.
 TOPOLOGY_OPTIONS = ("kv_cache_gib", "kv_cache_blocks", "block_size", "enforce_eager", "max_num_seqs",
                     "max_num_batched_tokens", "max_waiting", "stream_interval", "executor")
+# The settings only a pool sets (the control plane checks adapters against its model's): LoRA.
+POOL_OPTIONS = ("max_loras", "max_lora_rank", "max_cpu_loras")
+ENGINE_OPTIONS = TOPOLOGY_OPTIONS + POOL_OPTIONS
 
 
 def topology_defaults() -> dict[str, Any]:
@@ -110,16 +125,23 @@ def topology_defaults() -> dict[str, Any]:
     return {f: defaults[f] for f in TOPOLOGY_OPTIONS}
 
 
-def engine_options(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Engine settings as a file writes them (the topology's services.worker, a deployment pool's
-    engine:) checked as the worker would check them; ValueError naming the one that is wrong.
-    enforce_eager keeps "auto"."""
-    by_field = {v.field: v for v in variables(WorkerSettings) if v.field in TOPOLOGY_OPTIONS}
+def lora_limits(engine: Mapping[str, Any]) -> tuple[int, int]:
+    """(max_loras, max_lora_rank) of a pool's engine settings (max_loras 0: no adapters)."""
+    defaults = {v.field: v.default for v in variables(WorkerSettings) if v.field in POOL_OPTIONS}
+    return int(engine.get("max_loras", defaults["max_loras"])), int(engine.get("max_lora_rank", defaults["max_lora_rank"]))
+
+
+def engine_options(values: Mapping[str, Any], known: tuple[str, ...] = TOPOLOGY_OPTIONS) -> dict[str, Any]:
+    """Engine settings as a file writes them (the topology's services.worker: known, a deployment
+    pool's engine: ENGINE_OPTIONS) checked as the worker would check them; ValueError naming the
+    one that is wrong. enforce_eager keeps "auto"."""
+    by_field = {v.field: v for v in variables(WorkerSettings) if v.field in known}
     out: dict[str, Any] = {}
     for key, value in values.items():
         v = by_field.get(key)
         if v is None:
-            raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(TOPOLOGY_OPTIONS)}")
+            extra = " (LoRA is set per model, in deploy/gaas.yaml's engine:)" if key in POOL_OPTIONS else ""
+            raise ValueError(f"unknown engine setting {key!r}{extra}; known: {', '.join(known)}")
         if key == "enforce_eager" and value == "auto":
             out[key] = value
             continue
@@ -139,8 +161,10 @@ def engine_options(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def from_topology(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A worker instance's engine options (gaas.ops.topology.Instance.options) as WorkerSettings fields."""
+    """A worker instance's engine options (gaas.ops.topology.Instance.options: the topology's, and
+    its pool's over them) as WorkerSettings fields."""
     values = {f: options[f] for f in TOPOLOGY_OPTIONS}
+    values.update({f: options[f] for f in POOL_OPTIONS if f in options})
     if values["enforce_eager"] == "auto":
         values["enforce_eager"] = None
     return values

@@ -82,16 +82,22 @@ MIGRATIONS: list[list[str]] = [
     [
         "ALTER TABLE usage_ledger ADD COLUMN session_id TEXT NOT NULL DEFAULT ''",
     ],
+    # 5: the LoRA adapter a request was served with.
+    [
+        "ALTER TABLE usage_ledger ADD COLUMN adapter TEXT NOT NULL DEFAULT ''",
+    ],
 ]
 
 COLUMNS = (
     "request_id", "tenant", "key_id", "tier", "model", "model_version", "prompt_tokens", "cached_tokens",
     "completion_tokens", "cost_input_micros", "cost_cached_micros", "cost_output_micros", "outcome", "worker",
     "finished_ms", "queue_ms", "ttft_ms", "e2e_ms", "client_request_id", "recorded_ms", "session_id",
+    "adapter",
 )
 # The SQL of each of gaas.contracts.usage.USAGE_GROUPS ("": the total).
 GROUPS = {"": "''", "model": "model", "version": "model || ' ' || model_version", "key": "key_id",
-          "day": "finished_ms / 86400000"}
+          "day": "finished_ms / 86400000",
+          "adapter": "CASE WHEN adapter = '' THEN model ELSE model || ':' || adapter END"}
 assert set(GROUPS) == {"", *metering.USAGE_GROUPS}
 
 
@@ -124,7 +130,8 @@ class Ledger:
         rows = [
             (e.request_id, e.tenant, e.key_id, e.tier, e.model, e.model_version, e.prompt_tokens, e.cached_tokens,
              e.completion_tokens, e.cost_input_micros, e.cost_cached_micros, e.cost_output_micros, e.outcome,
-             e.worker, e.finished_ms, e.queue_ms, e.ttft_ms, e.e2e_ms, e.client_request_id, now, e.session_id)
+             e.worker, e.finished_ms, e.queue_ms, e.ttft_ms, e.e2e_ms, e.client_request_id, now, e.session_id,
+             e.adapter)
             for e in unique.values()
         ]
         return await self.db.insert_new("usage_ledger", COLUMNS, rows, "request_id")
@@ -156,12 +163,14 @@ class Ledger:
         return rows[0] if rows else UsageRow("", 0, 0, 0, 0, 0)
 
     async def invoice_lines(self, tenant: str, start_ms: int, end_ms: int) -> list[tuple[str, int, int, int, int, int, int, int]]:
-        """Per model: (model, requests, uncached prompt tokens, cached tokens, output tokens, and their costs)."""
+        """Per model (and LoRA adapter: "model:adapter", priced apart): (model, requests, uncached prompt
+        tokens, cached tokens, output tokens, and their costs)."""
+        by = GROUPS["adapter"]
         rows = await self.db.execute(
-            "SELECT model, COUNT(*), COALESCE(SUM(prompt_tokens - cached_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
+            f"SELECT {by}, COUNT(*), COALESCE(SUM(prompt_tokens - cached_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
             " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost_input_micros), 0),"
             " COALESCE(SUM(cost_cached_micros), 0), COALESCE(SUM(cost_output_micros), 0)"
-            " FROM usage_ledger WHERE tenant = ? AND finished_ms >= ? AND finished_ms < ? GROUP BY model ORDER BY model",
+            f" FROM usage_ledger WHERE tenant = ? AND finished_ms >= ? AND finished_ms < ? GROUP BY {by} ORDER BY {by}",
             (tenant, start_ms, end_ms),
         )
         return [tuple(int(v) if i else v for i, v in enumerate(r)) for r in rows]

@@ -9,6 +9,7 @@ import logging
 import time
 
 from gaas.contracts import errors
+from gaas.contracts.adapters import Adapter
 from gaas.contracts.tenancy import TIER_TO_PB
 from gaas.runtime.context import current_caller
 from gaas.settings.deployspec import SpecError
@@ -36,6 +37,14 @@ def pool_to_pb(p: Pool) -> pb.Pool:
                   device_needs_json=json.dumps(s.get("device_needs") or {}, sort_keys=True))
     if (a := p.autoscale) is not None:
         out.autoscaled, out.min_replicas, out.max_replicas, out.scale_reason = True, a.min, a.max, p.reason
+    return out
+
+
+def adapter_to_pb(a: Adapter) -> pb.Adapter:
+    out = pb.Adapter(name=a.name, base_model=a.base_model, path=a.path, rank=a.rank, owner=a.owner, public=a.public,
+                     adapter_id=a.adapter_id, created_unix_ms=a.created_ms)
+    if a.price is not None:
+        out.price_input, out.price_cached_input, out.price_output = a.price.input, a.price.cached_input, a.price.output
     return out
 
 
@@ -72,6 +81,10 @@ class DeploymentRpcs:
         models = {m.name: m for m in await self._catalog.list()}
         prices = await self._catalog.prices()
         served = {s.model.name: s for s in await self._deployment.served()}
+        adapters: dict[str, list] = {}
+        if getattr(self, "_adapters", None) is not None:
+            for a in await self._adapters.list():
+                adapters.setdefault(a.base_model, []).append(adapter_to_pb(a))
         out = []
         for name, m in models.items():
             entry = pb.RegisteredModel(
@@ -79,6 +92,7 @@ class DeploymentRpcs:
                 is_default=m.is_default, replicas=str(m.replicas),
                 prices=[pb.TierPrice(tier=TIER_TO_PB[t], input=p.input, cached_input=p.cached_input, output=p.output)
                         for t, p in prices.get(m.name, {}).items()],
+                adapters=adapters.get(m.name, ()),
             )
             s = served.get(name)
             if s is not None:

@@ -27,6 +27,7 @@ from services.control.rollout.driver import Driver
 from services.control.scaling import Autoscalers
 from services.control.membership import Membership
 from services.control.prefixes import PrefixStore
+from services.control.adapters import AdapterStore
 from services.control.registry import WorkerRegistry
 from services.control.servicer import ControlServicer
 from services.control.tenants import TenantStore
@@ -59,6 +60,8 @@ async def serve(cfg: ControlSettings) -> None:
     await tenants.init_schema()
     prefixes = PrefixStore(db)
     await prefixes.init_schema()
+    adapters = AdapterStore(db)
+    await adapters.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
     heartbeat = asyncio.create_task(_heartbeat(registry), name="registry-heartbeat")
     # The workers' endpoints every Envoy of the mesh takes from here (xDS), following the registry.
@@ -81,7 +84,7 @@ async def serve(cfg: ControlSettings) -> None:
                                                  ("model", "state")))
     driving = asyncio.create_task(driver.run(), name="rollouts")
     servicer = ControlServicer(registry, catalog, tenants, prefixes, policies, membership_changed=membership.refresh,
-                               deployment=deployment, driver=driver)
+                               deployment=deployment, driver=driver, adapters=adapters)
     rt.add_service(control_pb2_grpc.add_ControlServicer_to_server, servicer, "gaas.v1.Control")
     discovery = AggregatedDiscovery(membership)
     rt.add_service(xds_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server, discovery,

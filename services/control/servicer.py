@@ -18,9 +18,12 @@ from gaas.v1 import control_pb2_grpc
 from gaas.contracts.ids import WorkerId
 from services.control.catalog import ModelCatalog
 from services.control.deployment import Deployment
-from services.control.deployrpc import DeploymentRpcs
+from services.control.deployrpc import DeploymentRpcs, adapter_to_pb
 from services.control.rollout.driver import Driver
 from services.control.prefixes import PrefixStore, PublicPrefix
+from services.control.adapters import AdapterStore
+from gaas.contracts.adapters import Adapter
+from gaas.contracts.pricing import Price
 from services.control.registry import DRAINING, SERVING, WorkerRecord, WorkerRegistry
 from services.control.tenants import LIMIT_NAMES, ApiKey, Tenant, TenantStore
 
@@ -99,8 +102,9 @@ class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
         self, registry: WorkerRegistry, catalog: ModelCatalog, tenants: TenantStore, prefixes: PrefixStore | None = None,
         policies: Mapping[str, qos.TierPolicy] = qos.DEFAULT_POLICIES,
         membership_changed: Callable[[], Awaitable[object]] | None = None,
-        deployment: Deployment | None = None, driver: Driver | None = None,
+        deployment: Deployment | None = None, driver: Driver | None = None, adapters: AdapterStore | None = None,
     ) -> None:
+        self._adapters = adapters
         self._deployment = deployment
         self._driver = driver
         if deployment is not None:
@@ -144,7 +148,7 @@ class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
         )
         log.info("registered %s (%s at %s, %s)", record.worker_id, record.model, record.address, record.device)
         await self._changed()
-        return _lease(record, self._registry.ttl_seconds)
+        return await self._lease_of(record)
 
     async def RenewLease(self, request: pb.RenewLeaseRequest, context) -> pb.Lease:
         if not request.worker_id:
@@ -155,7 +159,23 @@ class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
             _STATE_FROM_PB.get(request.state),
             _load_dict(request.load) if request.HasField("load") else None,
         )
-        return _lease(record, self._registry.ttl_seconds)
+        return await self._lease_of(record)
+
+    async def _lease_of(self, record: WorkerRecord) -> pb.Lease:
+        """The worker's lease, with the ids of the adapters catalogued for its model."""
+        lease = _lease(record, self._registry.ttl_seconds)
+        if self._adapters is not None:
+            lease.adapter_ids.extend((await self._adapter_ids()).get(record.model, ()))
+        return lease
+
+    async def _adapter_ids(self) -> dict[str, list[int]]:
+        async def read() -> dict[str, list[int]]:
+            ids: dict[str, list[int]] = {}
+            for a in await self._adapter_store().list():
+                ids.setdefault(a.base_model, []).append(a.adapter_id)
+            return ids
+
+        return await self._cached("adapter_ids", read)
 
     async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest, context) -> pb.DeregisterWorkerResponse:
         _only_the_worker_itself(request.worker_id)
@@ -225,6 +245,44 @@ class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
             raise errors.Unauthenticated("unknown or revoked API key")
         tenant, key = found
         return pb.AuthenticateResponse(tenant=self._tenant_pb(tenant), key_id=key.key_id, cache_salt=tenant.cache_salt)
+
+    def _adapter_store(self) -> AdapterStore:
+        if self._adapters is None:
+            raise errors.Unimplemented("this control plane keeps no LoRA adapters")
+        return self._adapters
+
+    async def AddAdapter(self, request: pb.AddAdapterRequest, context) -> pb.Adapter:
+        a = request.adapter
+        if a.public == bool(a.owner):
+            raise errors.InvalidArgument("an adapter is either a tenant's (owner) or public, one of the two",
+                                         param="owner")
+        prices = (a.HasField("price_input"), a.HasField("price_cached_input"), a.HasField("price_output"))
+        if any(prices) and not all(prices):
+            raise errors.InvalidArgument("give an adapter's three prices (input, cached input, output) or none "
+                                         "(the base model's)", param="price")
+        price = Price(a.price_input, a.price_cached_input, a.price_output) if all(prices) else None
+        models = {}
+        served = {s.model.name: s for s in await self._deployment.served()} if self._deployment is not None else {}
+        for m in await self._catalog.list():
+            s = served.get(m.name)
+            models[m.name] = (m.source, list(s.versions.values()) if s is not None else [])
+        tenants = {t.name for t in await self._tenants.list_tenants()}
+        added = await self._adapter_store().add(
+            Adapter(a.name, a.base_model, a.path, 0, a.owner, price=price), models=models, tenants=tenants)
+        self._views = {}
+        log.info("adapter %s on %s (rank %d, %s) added from %s", added.name, added.base_model, added.rank,
+                 f"tenant {added.owner}'s" if added.owner else "public", added.path)
+        return adapter_to_pb(added)
+
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse(adapters=[adapter_to_pb(a) for a in
+                                                 await self._adapter_store().list(request.base_model)])
+
+    async def RemoveAdapter(self, request: pb.RemoveAdapterRequest, context) -> pb.RemoveAdapterResponse:
+        removed = await self._adapter_store().remove(request.name)
+        self._views = {}
+        log.info("adapter %s on %s removed: workers unload it", removed.name, removed.base_model)
+        return pb.RemoveAdapterResponse()
 
     def _prefix_store(self) -> PrefixStore:
         if self._prefixes is None:

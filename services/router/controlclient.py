@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from gaas.contracts.adapters import Adapter
 from gaas.contracts.pricing import Price
 from gaas.contracts.qos import Limits
 
@@ -48,7 +49,7 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
                 m.name, m.version, m.max_model_len, m.is_default, m.source, tuple(public.get(m.name, ())),
                 {TIER_FROM_PB.get(p.tier, DEFAULT_TIER): Price(p.input, p.cached_input, p.output) for p in m.prices},
                 versions={v.version: VersionEntry(v.source, v.max_model_len, v.role) for v in m.versions},
-                split=_split(m), autoscaled=m.autoscaled,
+                split=_split(m), autoscaled=m.autoscaled, adapters={a.name: _adapter(a) for a in m.adapters},
             )
             for m in models_resp.models
         ]
@@ -85,7 +86,14 @@ def _load(load) -> Load:
         running=load.running_requests, waiting=load.waiting_requests, kv_usage=load.kv_cache_usage,
         kv_blocks=load.kv_cache_blocks, memory_used=load.device_memory_used, memory_total=load.device_memory_total,
         utilization=load.device_utilization, reported_ms=load.reported_unix_ms,
+        adapters=frozenset(load.adapters), adapter_slots=load.adapter_slots,
     )
+
+
+def _adapter(a: control_pb2.Adapter) -> Adapter:
+    price = Price(a.price_input, a.price_cached_input, a.price_output) if a.HasField("price_input") else None
+    return Adapter(a.name, a.base_model, a.path, a.rank, "" if a.public else a.owner, a.adapter_id, price,
+                   a.created_unix_ms)
 
 
 def key_lookup(stub: control_pb2_grpc.ControlStub):

@@ -10,7 +10,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gaas.contracts import errors
+from gaas.contracts import adapters as adapter_names, errors
+from gaas.contracts.adapters import Adapter
 from gaas.contracts.pricing import Price
 from gaas.contracts.rollout import Split
 from services.router.scheduling.types import Candidate
@@ -54,6 +55,19 @@ class ModelEntry:
     split: Split | None = None
     # Its pools scale on load: a request while no worker serves it waits for one to start.
     autoscaled: bool = False
+    # Its LoRA adapters by name, and the one a request was resolved to (None: the base model).
+    adapters: Mapping[str, Adapter] = field(default_factory=dict)
+    adapter: Adapter | None = None
+
+    @property
+    def served_name(self) -> str:
+        """What answers name as their model: the adapter's name, else the model's."""
+        return self.adapter.name if self.adapter is not None else self.name
+
+    def with_adapter(self, adapter: Adapter) -> ModelEntry:
+        """The model serving a request with adapter (at the adapter's prices where it has its own)."""
+        prices = {tier: adapter.price for tier in self.prices} if adapter.price is not None else self.prices
+        return replace(self, adapter=adapter, prices=prices)
 
     def at(self, version: str) -> ModelEntry:
         """The model as served by version (its weights, tokenizer and window)."""
@@ -156,25 +170,37 @@ class MeshDirectory:
                     raise
         return None
 
-    async def resolve_model(self, name: str) -> ModelEntry:
+    async def resolve_model(self, name: str, tenant: str | None = None) -> ModelEntry:
         """The named model; when name is empty, the deployment's default if a worker serves it, else
-        the first model one serves (a mesh started with another model answers with that one)."""
+        the first model one serves (a mesh started with another model answers with that one).
+        tenant: whose request it is, which may name one of the LoRA adapters it may use
+        (gaas.contracts.adapters): "base:adapter" or the adapter's own name (None: no adapters)."""
         snap = await self.snapshot()
         models = snap.models
-        if name and all(m.name != name for m in models) and (fresh := await self._fresh_if(True)) is not None:
+        if name and self._find(models, name, tenant) is None and (fresh := await self._fresh_if(True)) is not None:
             snap, models = fresh, fresh.models
         if not models:
             raise errors.NotFound("no models are deployed; apply a deployment file to the control plane", param="model")
         if not name:
             served = {w.model for w in snap.workers}
             return min(models, key=lambda m: (m.name not in served, not m.is_default))
+        found = self._find(models, name, tenant)
+        if found is None:
+            raise adapter_names.not_found(name, [m.name for m in models])
+        return found
+
+    @staticmethod
+    def _find(models: list[ModelEntry], name: str, tenant: str | None) -> ModelEntry | None:
+        base, adapter = adapter_names.split_name(name)
         for m in models:
-            if m.name == name:
+            if m.name == base and not adapter:
                 return m
-        raise errors.NotFound(
-            f"model {errors.quote(name)} does not exist; available: {', '.join(m.name for m in models)}",
-            param="model", reason="model_not_found",
-        )
+            if tenant is None:
+                continue
+            a = m.adapters.get(adapter or name)
+            if a is not None and (not adapter or m.name == base) and a.may_use(tenant):
+                return m.with_adapter(a)
+        return None
 
     async def workers(self, model: str, version: str = "") -> list[Candidate]:
         """The serving workers of model (of that version, when given); errors.Unavailable when

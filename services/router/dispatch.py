@@ -37,6 +37,7 @@ from services.router.prepare import Prepared, Preparer
 from services.router.relay import Relay
 from services.router.scheduling.hooks import Hooks
 from services.router.shadow import Shadow
+from services.router.scheduling.hooks.adapters_sent import AdaptersSent
 from services.router.scheduling.hooks.flow_accounting import FlowAccounting
 from services.router.scheduling.hooks.inflight import InflightSince
 from services.router.scheduling.hooks.prediction import PredictionCheck
@@ -73,9 +74,10 @@ class Dispatcher:
         self._workers = worker_stub
         self.outcomes = Outcomes(metrics, reporter)
         self._inflight = Inflight()
+        adapters_sent = AdaptersSent()
         self.hooks = Hooks(
-            pre=[PrefixLookup(), InflightSince(self._inflight.since)],
-            post=[*([Provision(kv)] if kv is not None else []),
+            pre=[PrefixLookup(), InflightSince(self._inflight.since), adapters_sent],
+            post=[adapters_sent, *([Provision(kv)] if kv is not None else []),
                   *([Routed(metrics.routed, scheduler.name)] if metrics.routed is not None else [])],
             response=[FlowAccounting(self._flow), PredictionCheck(self.outcomes.check_prediction)],
         )
@@ -114,8 +116,8 @@ class Dispatcher:
 
     # ------------------------------------------------------------ stage 2: prepare.py
 
-    async def resolve_model(self, name: str) -> ModelEntry:
-        return await self.preparer.resolve_model(name)
+    async def resolve_model(self, name: str, tenant: str | None = None) -> ModelEntry:
+        return await self.preparer.resolve_model(name, tenant)
 
     async def tokenizer(self, model: ModelEntry) -> Tokenizer:
         return await self.preparer.tokenizer(model)

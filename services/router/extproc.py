@@ -419,6 +419,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         m = direct.metering
         m.tenant, m.tier, m.key_id = principal.tenant, principal.tier, principal.key_id
         m.model, m.model_version = model.name, model.version
+        m.adapter = model.adapter.name if model.adapter is not None else ""
         if metered is not None:
             m.price_input, m.price_cached_input, m.price_output = (
                 metered.price.input, metered.price.cached_input, metered.price.output)

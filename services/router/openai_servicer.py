@@ -29,10 +29,12 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     # ------------------------------------------------------------ models
 
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
-        await self._pipeline.caller()
-        listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version})
-                  for m, n, by_version in await self._dispatcher.models() if n > 0]
-        return openai_stream.json_body(openai_api.models_list(listed, int(time.time())))
+        principal = await self._pipeline.caller()
+        served = [(m, n, by_version) for m, n, by_version in await self._dispatcher.models() if n > 0]
+        listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}) for m, n, by_version in served]
+        adapters = [(a.name, m.name, n, m.max_model_len) for m, n, _ in served for a in m.adapters.values()
+                    if a.may_use(principal.tenant)]
+        return openai_stream.json_body(openai_api.models_list(listed, int(time.time()), adapters))
 
     # ------------------------------------------------------------ generation
 
@@ -52,7 +54,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         note_client_id(parsed.client_request_id)
         session_id_of(parsed, metadata)  # (on the engine requests: the pipeline reads it there)
         g = await self._pipeline.start(principal, engine_requests(parsed), timing, check=answer_check(parsed))
-        fmt = openai_api.Formatter(parsed, g.request_id, g.prepared[0].model.name)
+        fmt = openai_api.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
         usage = openai_stream.Usage(prompt=sum(p.prompt_tokens for p in g.prepared),
                                     explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
         chunks = self._pipeline.stream(g, context.time_remaining(), metadata)
@@ -67,7 +69,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         timing = Timing()
         principal = await self._pipeline.authenticate(timing)
         t = openai_api.parse_tokenize(jsonbody.parse(request.data, self._max_body))
-        model = await self._dispatcher.resolve_model(t.model)
+        model = await self._dispatcher.resolve_model(t.model, principal.tenant)
         tok = await self._dispatcher.tokenizer(model)
         text = inference_pb2.GenerateRequest(add_special_tokens=t.add_special_tokens)
         if t.prompt is not None:
@@ -89,9 +91,9 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         return openai_stream.json_body({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs})
 
     async def Detokenize(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
-        await self._pipeline.caller()
+        principal = await self._pipeline.caller()
         name, tokens = openai_api.parse_detokenize(jsonbody.parse(request.data, self._max_body))
-        model = await self._dispatcher.resolve_model(name)
+        model = await self._dispatcher.resolve_model(name, principal.tenant)
         tok = await self._dispatcher.tokenizer(model)
         for i, t in enumerate(tokens):
             if t >= tok.vocab_size:

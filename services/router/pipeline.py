@@ -164,6 +164,7 @@ class Pipeline:
             g.timing.arrived, sequences=sum(p.request.n or 1 for p in g.prepared), direct=direct,
         )
         m.session_id = g.session_id
+        m.adapter = model.adapter.name if model.adapter is not None else ""
         return m
 
     # ------------------------------------------------------------ 5-6. stream and meter

@@ -132,6 +132,7 @@ class Placer:
             session_worker=WorkerId(prepared.session_worker), block_hashes=prepared.block_hashes,
             prefix_lookup=prepared.prefix_lookup,
             cache_owner=principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER,
+            adapter=prepared.model.adapter.name if prepared.model.adapter is not None else "",
         )
         await self._hooks.before(ctx, workers)
         return ctx
@@ -166,6 +167,9 @@ class Placer:
         )
         if prepared.cached_cap is not None:
             worker_request.cached_tokens_cap = prepared.cached_cap
+        if (a := prepared.model.adapter) is not None:
+            worker_request.adapter.name, worker_request.adapter.adapter_id, worker_request.adapter.path = (
+                a.name, a.adapter_id, a.path)
         # Fuller messages as this router's streams grow (the first token still goes alone).
         interval = self._coalescing.interval(self._inflight.total)
         if interval > 1:

@@ -112,8 +112,9 @@ class Preparer:
         self._kv = kv
         self._lookup_seconds = lookup_seconds
 
-    async def resolve_model(self, name: str) -> ModelEntry:
-        return await self._directory.resolve_model(name)
+    async def resolve_model(self, name: str, tenant: str | None = None) -> ModelEntry:
+        """The named model (tenant: whose request it is; it may name an adapter of its own or a public one)."""
+        return await self._directory.resolve_model(name, tenant)
 
     async def tokenizer(self, model: ModelEntry) -> Tokenizer:
         # Loaded once per model source, in a thread (it reads files); then taken from here
@@ -144,7 +145,7 @@ class Preparer:
         (and updated); session_version: the version a session's first turn took."""
         if len(request.model) > genrequest.MAX_MODEL_NAME:
             raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
-        model = self.version(await self.resolve_model(request.model), principal, session_version)
+        model = self.version(await self.resolve_model(request.model, principal.tenant), principal, session_version)
         return await self.prepare_at(request, principal, model, prefix)
 
     async def prepare_at(self, request: inference_pb2.GenerateRequest, principal: Principal, model: ModelEntry,
@@ -217,7 +218,9 @@ class Preparer:
         block_size = workers[0].block_size if workers else 0
         if self._kv is None or not self._scheduler.needs_prefix or not block_size or len(workers) < 2:
             return
-        prepared.block_hashes = kvhash.prefix_hashes(prepared.request.prompt_token_ids, block_size, prepared.cache_salt)
+        adapter = prepared.model.adapter.name if prepared.model.adapter is not None else ""
+        prepared.block_hashes = kvhash.prefix_hashes(prepared.request.prompt_token_ids, block_size, prepared.cache_salt,
+                                                     adapter)
         if prepared.block_hashes:
             task = asyncio.create_task(self._lookup(prepared.block_hashes))
             # A request refused at admission never reads it.

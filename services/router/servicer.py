@@ -26,7 +26,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             yield chunk
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context) -> inference_pb2.ListModelsResponse:
-        await self._pipeline.caller()
+        principal = await self._pipeline.caller()
         models = await self._dispatcher.models()
         return inference_pb2.ListModelsResponse(
             models=[
@@ -35,6 +35,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                                                                  ready_workers=k)
                                                   for v, k in sorted(versions.items())])
                 for m, n, versions in models
+            ] + [
+                inference_pb2.ModelInfo(name=a.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len,
+                                        parent=m.name)
+                for m, n, _ in models for a in m.adapters.values() if a.may_use(principal.tenant)
             ]
         )
 

@@ -385,14 +385,14 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
     prompt = request.prompt if not request.messages else None
     if held.context is not None:
         context = held.context
-        model = await dispatcher.resolve_model(request.model or context.model)
+        model = await dispatcher.resolve_model(request.model or context.model, principal.tenant)
         if model.name != context.model:
             raise errors.InvalidArgument(
                 f"session {held.session_id!r} is a conversation with {context.model}; continue it with that "
                 "model (or leave model out), or start another session", param="model")
         new = context.new_part(messages, prompt)
     else:
-        model = await dispatcher.resolve_model(request.model)
+        model = await dispatcher.resolve_model(request.model, principal.tenant)
         context, new = Context.new(model.name, "chat" if messages is not None else "text", messages or [("prompt", prompt)])
         if not new:
             raise errors.InvalidArgument("a session's first turn needs a message besides the system prompt",

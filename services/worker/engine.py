@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 from gaas.contracts import errors, finish, genrequest
@@ -43,6 +43,10 @@ class EngineBusy(errors.ResourceExhausted):
     """The engine's queue is full; another worker (or a later retry) may take the request."""
 
     untaken = True
+
+
+class AdapterUnavailable(errors.FailedPrecondition):
+    """The request's LoRA adapter cannot be served here (not loadable, or no adapters on this engine)."""
 
 
 class EngineFailed(errors.Internal):
@@ -79,10 +83,21 @@ class GenerationRequest:
     continue_final_message: bool = False
     # Tokens per streamed delta (0 or 1: each token; never below the engine's own setting).
     stream_interval: int = 0
+    # The LoRA adapter to serve it with (None: the base model): loaded on its first request.
+    adapter: "AdapterRef | None" = None
     # Told, with a future of the first delta (None if none came), when the caller leaves before
     # it: the engine may be computing the prompt, so the request runs on to that delta (and is
     # billed for it by whoever meters it), bounded by ABANDONED_FIRST_OUTPUT_S.
     on_abandoned: Callable[["asyncio.Future[Delta | None]"], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """A LoRA adapter as the engine loads it (gaas.contracts.adapters.Adapter's engine part)."""
+
+    name: str
+    adapter_id: int
+    path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +151,9 @@ class EngineInfo:
     # ipc:// endpoints of the engine's KV events and their replay; "" when it publishes none.
     kv_events_endpoint: str = ""
     kv_replay_endpoint: str = ""
+    # LoRA adapters it keeps loaded at most (0: it serves none), and the highest rank it serves.
+    adapter_slots: int = 0
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +162,8 @@ class EngineLoad:
     waiting: int
     # Fraction of KV blocks in use.
     kv_cache_usage: float
+    # The names of the LoRA adapters it holds loaded.
+    adapters: tuple[str, ...] = ()
 
 
 class Engine(ABC):
@@ -164,6 +184,9 @@ class Engine(ABC):
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False when the engine cannot now."""
         return False
+
+    async def retain_adapters(self, adapter_ids: Collection[int]) -> None:
+        """Unload the adapters it holds that are not among adapter_ids (removed from the catalogue)."""
 
     @abstractmethod
     async def shutdown(self) -> None: ...
@@ -217,6 +240,10 @@ class VllmEngine(Engine):
         self._closed = False
         # Requests whose callers left before their first output, running on to it.
         self._abandoned: set[asyncio.Future] = set()
+        # LoRA: the adapters asked for (engine id -> name), and those the engine holds (as it last
+        # said: refreshed after a new one's first request, and when asked to retain some).
+        self._adapter_names: dict[int, str] = {}
+        self._resident: frozenset[int] = frozenset()
 
     @classmethod
     async def start(cls, s: WorkerSettings, kv_events_dir: str | None = None) -> "VllmEngine":
@@ -262,6 +289,11 @@ class VllmEngine(Engine):
             extra["kv_cache_memory_bytes"] = s.kv_cache_gib * 2**30
         if s.max_num_batched_tokens:
             extra["max_num_batched_tokens"] = s.max_num_batched_tokens
+        if s.max_loras:
+            # Adapters load on their first request (GenerationRequest.adapter), the least recently
+            # used going when more than max_cpu_loras would be held.
+            extra.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
+                         max_cpu_loras=max(s.max_cpu_loras, s.max_loras))
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         backend, engine_env = placement.engine_executor(s.executor, on_gpu, bind)
         if backend:
@@ -310,6 +342,8 @@ class VllmEngine(Engine):
             kv_cache_blocks=int(cache.num_gpu_blocks or 0),
             kv_events_endpoint=events,
             kv_replay_endpoint=replay,
+            adapter_slots=max(s.max_cpu_loras, s.max_loras) if s.max_loras else 0,
+            max_lora_rank=s.max_lora_rank if s.max_loras else 0,
         )
         log.info(
             "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens, model %s",
@@ -356,6 +390,7 @@ class VllmEngine(Engine):
             if max_tokens < 1:
                 raise genrequest.no_room_error(self.info.max_model_len, len(token_ids), "messages")
         params = self._sampling(r, max_tokens)
+        lora = await self._load_adapter(r.adapter) if r.adapter is not None else None
         prompt: dict = {"prompt_token_ids": token_ids}
         if r.cache_salt:
             prompt["cache_salt"] = r.cache_salt
@@ -363,7 +398,7 @@ class VllmEngine(Engine):
 
         VLLMClientError, GracefulHTTPError, VLLMServerError = _vllm_errors()
         counted = [0]  # completion tokens so far, all choices together
-        outputs = self._llm.generate(prompt, params, r.request_id, priority=r.priority)
+        outputs = self._llm.generate(prompt, params, r.request_id, priority=r.priority, lora_request=lora)
         handed_off = False
         try:
             # Until its first output the engine may be computing the prompt (its blocks then stay in
@@ -451,6 +486,48 @@ class VllmEngine(Engine):
         """Drop every cached block (the engine refuses while requests hold blocks: False)."""
         return bool(await self._llm.reset_prefix_cache())
 
+    async def _load_adapter(self, a: AdapterRef):
+        """The engine's LoRARequest for adapter a, loaded first when the engine does not hold it:
+        through add_lora, whose failure the engine survives (an adapter that fails to load inside
+        a generation kills the engine: vLLM 0.32, tried on the CPU)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.info.adapter_slots:
+            raise AdapterUnavailable(f"this worker's engine serves no LoRA adapters (asked for {a.name!r}): set "
+                                     "engine: {max_loras: N} in its model's pool")
+        if a.adapter_id <= 0 or not a.path:
+            raise InvalidRequest(f"adapter {a.name!r} has no engine id or path")
+        request = LoRARequest(a.name, a.adapter_id, a.path)
+        if a.adapter_id in self._resident:
+            return request
+        started = time.perf_counter()
+        try:
+            await self._llm.add_lora(request)
+        except Exception as exc:  # noqa: BLE001 - vLLM raises a bare Exception naming the worker's error
+            log.error("adapter %s (engine id %d) at %s cannot load: %s", a.name, a.adapter_id, a.path, exc)
+            raise AdapterUnavailable(f"adapter {a.name!r} cannot be loaded on this worker; its operator can see why in "
+                                     "the worker's log (`gaas lora list` shows its path)") from None
+        self._adapter_names[a.adapter_id] = a.name
+        self._resident = frozenset(await self._llm.list_loras())
+        log.info("adapter %s (engine id %d) loaded in %.1f ms; the engine holds %d", a.name, a.adapter_id,
+                 (time.perf_counter() - started) * 1000, len(self._resident))
+        return request
+
+    async def retain_adapters(self, adapter_ids: Collection[int]) -> None:
+        if not self.info.adapter_slots:
+            return
+        keep = set(adapter_ids)
+        for adapter_id in set(await self._llm.list_loras()) - keep:
+            removed = await self._llm.remove_lora(adapter_id)
+            log.info("adapter %s (engine id %d) unloaded: it was removed from the catalogue (%s)",
+                     self._adapter_names.get(adapter_id, "?"), adapter_id, "done" if removed else "not held")
+            self._adapter_names.pop(adapter_id, None)
+        self._resident = frozenset(await self._llm.list_loras())
+
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the adapters the engine holds, as it last said."""
+        return tuple(sorted(self._adapter_names.get(i, str(i)) for i in self._resident))
+
     def load(self) -> EngineLoad:
         # The frontend's count of unfinished requests is exact (an abort shows at once); the split
         # between running and waiting comes from the scheduler's last report.
@@ -463,6 +540,7 @@ class VllmEngine(Engine):
             running=unfinished - waiting,
             waiting=waiting,
             kv_cache_usage=self._load.kv_cache_usage,
+            adapters=self.adapters(),
         )
 
     async def shutdown(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -31,12 +31,17 @@ class LeaseKeeper:
         info: pb.WorkerInfo,
         renew_seconds: float,
         load: Callable[[], common_pb2.WorkerLoad] | None = None,
+        adapters: Callable[[frozenset[int]], Awaitable[None]] | None = None,
     ) -> None:
+        """adapters: told the engine ids of the adapters catalogued for the worker's model when
+        they change (the engine unloads those it holds that are not among them)."""
         self._stub = stub
         self._info = info
         # Renewals (with a load report) this often; the lease's TTL bounds it from above.
         self._renew_seconds = renew_seconds
         self._load = load
+        self._adapters = adapters
+        self._catalogued: frozenset[int] | None = None
         self._state = pb.WORKER_STATE_SERVING
         self._task: asyncio.Task | None = None
         self._load_failed = False
@@ -52,11 +57,22 @@ class LeaseKeeper:
         if (load := await self._load_report()) is not None:
             info.load.CopyFrom(load)
         lease = await self._stub.RegisterWorker(pb.RegisterWorkerRequest(worker=info), timeout=RPC_TIMEOUT)
+        await self._adapters_are(lease)
         if not self.registered.is_set():
             log.info("registered with control as %s at %s (lease %d s)", info.worker_id, info.address, lease.ttl_seconds)
         self.registered.set()
         # Renew three times per lease, never less often than configured.
         self._interval = min(self._renew_seconds, max(0.5, lease.ttl_seconds / 3))
+
+    async def _adapters_are(self, lease: pb.Lease) -> None:
+        ids = frozenset(lease.adapter_ids)
+        if self._adapters is None or ids == self._catalogued:
+            return
+        try:
+            await self._adapters(ids)
+            self._catalogued = ids
+        except Exception as exc:  # noqa: BLE001 - tried again at the next renewal
+            log.warning("cannot unload the adapters removed from the catalogue: %s: %s", type(exc).__name__, exc)
 
     async def _load_report(self) -> common_pb2.WorkerLoad | None:
         """The load to send, or None when there is none or it cannot be read: a broken load report
@@ -84,7 +100,7 @@ class LeaseKeeper:
                     renew = pb.RenewLeaseRequest(worker_id=self._info.worker_id, state=self._state)
                     if (load := await self._load_report()) is not None:
                         renew.load.CopyFrom(load)
-                    await self._stub.RenewLease(renew, timeout=RPC_TIMEOUT)
+                    await self._adapters_are(await self._stub.RenewLease(renew, timeout=RPC_TIMEOUT))
                 backoff = 0.5
                 await asyncio.sleep(self._interval)
             except grpc.aio.AioRpcError as exc:

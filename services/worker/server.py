@@ -186,6 +186,7 @@ async def serve(cfg: WorkerSettings) -> None:
             ),
             cfg.lease_renew_seconds,
             load=servicer.load_report,
+            adapters=engine.retain_adapters if info.adapter_slots else None,
         )
         rt.on_stop(keeper.stop)  # runs first: routers stop picking this worker
     if cfg.handover_seconds >= 0:

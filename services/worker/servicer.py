@@ -10,7 +10,7 @@ from gaas.contracts import errors, finish, genrequest
 from gaas.runtime.context import current_tenant
 from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.engine import Delta, Engine, EngineBusy, EngineUnavailable, GenerationRequest
+from services.worker.engine import AdapterRef, Delta, Engine, EngineBusy, EngineUnavailable, GenerationRequest
 from services.worker.kvevents import KVEventRelay
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             add_generation_prompt=r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
             continue_final_message=r.continue_final_message,
             stream_interval=min(request.stream_interval, MAX_STREAM_INTERVAL),
+            adapter=(AdapterRef(request.adapter.name, request.adapter.adapter_id, request.adapter.path)
+                     if request.HasField("adapter") else None),
             on_abandoned=None if on_abandoned is None else lambda delta: on_abandoned(self._chunk_later(
                 request.request_id, delta, cap)),
         )
@@ -165,6 +167,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_cache_usage=load.kv_cache_usage,
             kv_cache_blocks=engine.info.kv_cache_blocks,
             reported_unix_ms=int(time.time() * 1000),
+            adapters=load.adapters,
+            adapter_slots=engine.info.adapter_slots,
         )
         sample = self.device_sample
         if self.monitor is not None and sample is not None:

@@ -30,6 +30,9 @@ class Load:
     utilization: float = 0.0
     # When the worker measured it, Unix ms (0: never reported).
     reported_ms: int = 0
+    # LoRA: the adapters its engine holds, and how many it may hold (0: it serves none).
+    adapters: frozenset[str] = frozenset()
+    adapter_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,10 @@ class RequestContext:
     inflight: Mapping[WorkerId, int] = field(default_factory=dict)
     # A session's turn: the worker that served its last turn (its prefix is likely there).
     session_worker: WorkerId = WorkerId("")
+    # The LoRA adapter it is served with ("": the base model alone), and the adapters this router
+    # sent each worker lately (which its load report may not list yet).
+    adapter: str = ""
+    adapters_sent: Mapping[WorkerId, frozenset[str]] = field(default_factory=dict)
     # The KV directory's answer for block_hashes, asked for before the cycle (None: not asked), and
     # the leading blocks it confirmed each worker holds; whom the blocks are cached for (the
     # tenant, or a public prefix's owner), which the directory files provisioned blocks under.

@@ -378,10 +378,10 @@ async def test_load_reports_read_the_device_sample_without_touching_the_device()
             return devices.DeviceSample(3 * GiB, 141 * GiB, 0.5)
 
     class Engine:
-        info = types.SimpleNamespace(kv_cache_blocks=10)
+        info = types.SimpleNamespace(kv_cache_blocks=10, adapter_slots=0)
 
         def load(self):
-            return types.SimpleNamespace(running=1, waiting=0, kv_cache_usage=0.1)
+            return types.SimpleNamespace(running=1, waiting=0, kv_cache_usage=0.1, adapters=())
 
     s = WorkerServicer("worker-0", engine=Engine(), monitor=Monitor())
     assert s.load_report().device_memory_used == 0  # no sample yet: nothing read on the loop

@@ -150,3 +150,48 @@ async def test_no_model_named_means_the_default_if_served_else_the_model_the_wor
     d = MeshDirectory(fetch, refresh_seconds=0.01, max_stale_seconds=10.0)
     assert (await d.resolve_model("")).name == "small"
     assert (await d.resolve_model("tiny")).name == "tiny", "a named model is still that model"
+
+
+# ------------------------------------------------------------ LoRA adapters
+
+from gaas.contracts.adapters import Adapter  # noqa: E402
+from gaas.contracts.pricing import Price  # noqa: E402
+
+ADAPTERS = {"bot": Adapter("bot", "tiny", "/a/bot", 8, owner="acme", adapter_id=7, price=Price(1, 0.1, 4)),
+            "pub": Adapter("pub", "tiny", "/a/pub", 8, adapter_id=9)}
+
+
+@pytest.fixture
+def with_adapters():
+    models = [ModelEntry("tiny", "1", 2048, True, prices={"gold": Price(0.6, 0.06, 2.4)}, adapters=ADAPTERS),
+              ModelEntry("small", "1", 4096, False)]
+
+    async def fetch():
+        return models, WORKERS
+
+    return MeshDirectory(fetch, refresh_seconds=1, clock=FakeClock())
+
+
+@pytest.mark.parametrize("name", ["bot", "tiny:bot"])
+async def test_a_tenant_names_its_adapter_by_its_name_or_with_its_base(with_adapters, name):
+    m = await with_adapters.resolve_model(name, "acme")
+    assert (m.name, m.adapter.name, m.served_name) == ("tiny", "bot", "bot")
+    assert m.prices == {"gold": Price(1, 0.1, 4)}, "the adapter's own prices replace the base model's"
+
+
+async def test_a_public_adapter_is_every_tenants_at_the_base_models_prices(with_adapters):
+    m = await with_adapters.resolve_model("tiny:pub", "other")
+    assert (m.adapter.name, m.prices) == ("pub", {"gold": Price(0.6, 0.06, 2.4)})
+
+
+@pytest.mark.parametrize("name, tenant", [("bot", "other"), ("tiny:bot", "other"), ("small:bot", "acme"),
+                                          ("tiny:nothing", "acme"), ("bot", None)])
+async def test_an_adapter_not_the_tenants_is_as_unknown_as_no_model(with_adapters, name, tenant):
+    with pytest.raises(errors.NotFound, match="does not exist; available: tiny, small") as e:
+        await with_adapters.resolve_model(name, tenant)
+    assert e.value.reason == "model_not_found" and "acme" not in str(e.value)
+
+
+async def test_the_base_model_alone_has_no_adapter(with_adapters):
+    m = await with_adapters.resolve_model("tiny", "acme")
+    assert m.adapter is None and m.served_name == "tiny"

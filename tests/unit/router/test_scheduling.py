@@ -131,8 +131,8 @@ def test_every_plugin_reports_its_time():
     seen = []
     s = make_scheduler("kv_aware", observe=lambda plugin, seconds: seen.append(plugin))
     s.schedule(ctx(block_hashes=[1]), [cand()])
-    assert set(seen) == {"model", "not_tried", "breaker", "context_fit", "window", "saturation", "prefix", "queue", "kv_usage",
-                         "device_memory", "session", "max_score"}
+    assert set(seen) == {"model", "not_tried", "breaker", "context_fit", "adapter", "window", "saturation", "prefix",
+                         "queue", "kv_usage", "device_memory", "session", "adapter_affinity", "max_score"}
 
 
 def test_no_room_in_any_window_is_a_wait_not_a_refusal():
@@ -147,3 +147,42 @@ def test_no_room_in_any_window_is_a_wait_not_a_refusal():
     with pytest.raises(errors.Unavailable) as info:
         s.schedule(RequestContext(model="other", room={"w0": 1}), [cand("w0")])
     assert not isinstance(info.value, NoCapacity)
+
+
+# ------------------------------------------------------------ LoRA adapters
+
+def test_a_request_with_an_adapter_goes_where_it_is_loaded_else_where_a_slot_is_free():
+    from services.router.scheduling.filters.adapter import AdapterFilter
+    from services.router.scheduling.scorers.adapter_affinity import AdapterAffinityScorer
+
+    holds = cand("w-holds", adapters=frozenset({"bot"}), adapter_slots=2)
+    free = cand("w-free", adapters=frozenset({"x"}), adapter_slots=2)
+    full = cand("w-full", adapters=frozenset({"x", "y"}), adapter_slots=2)
+    none = cand("w-none")
+    score, keep = AdapterAffinityScorer().score, AdapterFilter().keep
+    c = ctx(adapter="bot")
+    assert [score(c, w) for w in (holds, free, full)] == [1.0, 0.5, 0.0]
+    assert [keep(c, w) for w in (holds, full, none)] == [True, True, False], "no adapters on w-none's engine"
+    assert score(ctx(), full) == 1.0 and keep(ctx(), none), "a request without an adapter: all alike"
+    picked = make_scheduler("kv_aware").schedule(c, [full, free, holds]).worker
+    assert picked.worker_id == "w-holds"
+
+
+async def test_an_adapter_just_sent_to_a_worker_counts_as_held_there_until_its_reports_say():
+    from services.router.scheduling.hooks.adapters_sent import SENT_SECONDS, AdaptersSent
+    from services.router.scheduling.scorers.adapter_affinity import AdapterAffinityScorer
+    from tests.fakeclock import FakeClock
+
+    clock = FakeClock()
+    hook, score = AdaptersSent(clock), AdapterAffinityScorer().score
+    a, b = cand("a", adapter_slots=2), cand("b", adapter_slots=2)
+    first = ctx(adapter="bot")
+    await hook.before(first, [a, b])
+    hook.picked(first, b, [a, b])
+    nxt = ctx(adapter="bot")
+    await hook.before(nxt, [a, b])
+    assert (score(nxt, a), score(nxt, b)) == (0.5, 1.0), "b is loading it: the next request goes there too"
+    clock.now += SENT_SECONDS + 1
+    later = ctx(adapter="bot")
+    await hook.before(later, [a, b])
+    assert score(later, b) == 0.5, "past SENT_SECONDS the worker's own reports say what it holds"

@@ -41,6 +41,7 @@ DEFAULTS = {
                "GAAS_GPU_MEMORY_UTILIZATION": "0.85", "GAAS_ENFORCE_EAGER": "auto", "GAAS_DEVICE": "",
                "GAAS_MAX_NUM_SEQS": "64", "GAAS_MAX_NUM_BATCHED_TOKENS": "0", "GAAS_MAX_WAITING": "128", "GAAS_HANDOVER_SECONDS": "2.0", "GAAS_RETIRE_GRACE_SECONDS": "600.0",
                "GAAS_STREAM_INTERVAL": "1", "GAAS_EXECUTOR": "uni", "GAAS_KV_CACHE_BLOCKS": "0",
+               "GAAS_MAX_LORAS": "0", "GAAS_MAX_LORA_RANK": "16", "GAAS_MAX_CPU_LORAS": "0",
                "GAAS_KV_EVENTS": "true", "GAAS_WARMUP_REQUESTS": "2", "GAAS_LEASE_RENEW_SECONDS": "0.5", "GAAS_REDIS_URL": "",
                "GAAS_SPOOL_DIR": ".gaas/spool"},
     "router": {**BASE, "GAAS_INSTANCE": "router-0", "GAAS_PORT": "50071", "GAAS_OUTBOUND": "unix:/o",
@@ -90,7 +91,7 @@ def test_unset_or_empty_takes_the_default_and_required_ones_are_named():
     ("router", "GAAS_ROUTER_POLICY", "fastest",
      "GAAS_ROUTER_POLICY must be one of round_robin, least_load, kv_aware, got 'fastest'"),
     ("router", "GAAS_ROUTER_WEIGHTS", "speed=1", "GAAS_ROUTER_WEIGHTS: unknown scorer 'speed' in the weights; "
-     "scorers: prefix, queue, kv_usage, device_memory, session"),
+     "scorers: prefix, queue, kv_usage, device_memory, session, adapter_affinity"),
     ("router", "GAAS_ROUTER_WEIGHTS", "queue=lots", "GAAS_ROUTER_WEIGHTS: the weight of queue must be a number, got 'lots'"),
     ("router", "GAAS_QOS", "maybe", "GAAS_QOS must be on or off, got 'maybe'"),
     ("worker", "GAAS_KV_EVENTS", "maybe", "GAAS_KV_EVENTS must be true or false, got 'maybe'"),

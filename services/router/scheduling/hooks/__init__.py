@@ -2,9 +2,9 @@
 runs its PreRequest and PostResponse plugins around its scheduler):
 
   pre-cycle      prefix_lookup (the KV directory's answer), inflight (requests sent since each
-                 worker's last load report)
-  post-cycle     provision (the prompt's blocks filed where they will be), routed (the count by policy
-                 and worker)
+                 worker's last load report), adapters_sent (LoRA adapters sent each worker lately)
+  post-cycle     adapters_sent (the send noted), provision (the prompt's blocks filed where they will
+                 be), routed (the count by policy and worker)
   post-response  flow_accounting (batching windows and circuit breakers), prediction (the KV
                  directory's predictions the engines did not bear out)
 
