@@ -16,7 +16,7 @@ def cmd_status(args) -> int:
     state = mesh_state(Path(args.run_dir))
     topo = mesh_topology(args, state)
     health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout)
-    rollouts, scaled = _rollouts(topo), _autoscaled(topo)
+    rollouts, scaled = _rollouts(topo), autoscaled_pools(topo)
     if args.json:
         print(json.dumps({**health.to_dict(), "ingress_path": topo.ingress_path, "billing": _billing_status(topo),
                           "flow": [_router_flow(r.inbound) for r in topo.of("router")], "rollouts": rollouts,
@@ -42,6 +42,9 @@ def cmd_status(args) -> int:
             print(f"  {'':<10} {load['running']} running, {load['waiting']} waiting, KV cache "
                   f"{load['kv_cache_usage']:.0%} of {load['kv_cache_blocks']} blocks used, {w['cached_blocks']} "
                   f"blocks indexed{mem}, device {load['device_utilization']:.0%} busy")
+            if load["adapter_slots"]:
+                print(f"  {'':<10} LoRA: {len(load['adapters'])} of {load['adapter_slots']} adapters loaded"
+                      + (f" ({', '.join(load['adapters'])})" if load["adapters"] else ""))
     for r in rollouts:
         share = (f"{r['weight']}%" if r["state"] != "shadowing" else f"{r['shadow']}% copied (shadow)")
         print(f"\nroll-out: {r['model']} {r['strategy']} of {r['version']} over {r['stable']}: {r['state']}, {share} "
@@ -106,7 +109,7 @@ def _rollouts(topo) -> list[dict]:
         return []
 
 
-def _autoscaled(topo) -> list[dict]:
+def autoscaled_pools(topo) -> list[dict]:
     """The autoscaled pools: their workers now, bounds and the last decision's reason."""
     from gaas.contracts.errors import GaasError
     from gaas.sdk.admin import Admin

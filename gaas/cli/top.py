@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gaas.cli.common import add_mesh_args, fail, mesh_state, mesh_topology
-from gaas.cli.status import router_flows
+from gaas.cli.status import autoscaled_pools, router_flows
 
 CLEAR = "\033[H\033[2J"
 
@@ -22,7 +22,8 @@ def _bar(share: float, width: int = 10) -> str:
 
 
 def frame(health: dict, flows: Sequence[dict], *, now: float | None = None, tenants_shown: int = 10) -> str:
-    """One screen: health is probe.MeshHealth.to_dict(), flows admin.router_flow() of each router."""
+    """One screen: health is probe.MeshHealth.to_dict() (with "autoscaled": the autoscaled pools, as
+    gaas status reads them), flows admin.router_flow() of each router."""
     when = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     instances = health.get("instances", [])
     serving = sum(1 for i in instances if i["health"] == "SERVING" and i["sidecar_ready"])
@@ -52,8 +53,15 @@ def frame(health: dict, flows: Sequence[dict], *, now: float | None = None, tena
             f"{_bar(load['kv_cache_usage'])} {load['kv_cache_usage']:>4.0%} {in_flight:>4}/{window:<4g}  "
             f"{breaker:<10}{mem:>14}  {load.get('device_utilization', 0):.0%}"
             + ("" if w["state"] == "SERVING" else f"  {w['state']}"))
+        if load.get("adapter_slots"):
+            lines.append(f"{'':<11}LoRA {len(load.get('adapters', []))}/{load['adapter_slots']} loaded"
+                         + (f": {', '.join(load['adapters'])}" if load.get("adapters") else ""))
     if not health.get("workers"):
         lines.append("(no worker registered)")
+    for p in health.get("autoscaled", []):
+        a = p["autoscale"]
+        lines.append(f"autoscaled {p['model']} {p['version']}: {p['replicas']} of {a['min']}-{a['max']} workers"
+                     + (f"; last: {a['reason']}" if a.get("reason") else ""))
 
     lines += ["", f"{'QUEUE':<8}{'WAITING':>8}{'ADMITTED':>10}{'SHED':>7}{'TIMED OUT':>11}{'WAIT P95':>11}"]
     bands: dict[str, dict] = {}
@@ -113,6 +121,7 @@ def cmd_top(args) -> int:
 
     def read() -> tuple[dict, list[dict]]:
         health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout).to_dict()
+        health["autoscaled"] = autoscaled_pools(topo)
         return health, router_flows(topo)
 
     try:

@@ -139,6 +139,8 @@ def list_workers(control_address: str, timeout: float = 1.0, run_dir: Path | Non
                 "device_memory_total": w.load.device_memory_total,
                 "device_utilization": round(w.load.device_utilization, 3),
                 "reported_unix_ms": w.load.reported_unix_ms,
+                "adapters": list(w.load.adapters),
+                "adapter_slots": w.load.adapter_slots,
             },
         }
         for w in resp.workers

@@ -136,6 +136,8 @@ def test_requests_stay_where_their_adapter_is_loaded_and_a_removed_one_is_unload
     for _ in range(8):
         complete(c, "sticky", n=4)
     assert holders(m, "sticky") == held, "the affinity scorer kept its requests on the worker holding it"
+    status = gaas(m, "status")
+    assert any("adapters loaded" in line and "sticky" in line for line in status.stdout.splitlines()), status.stdout
     r = gaas(m, "lora", "remove", "sticky")
     assert r.returncode == 0, r.stderr
     until("its requests refused", lambda: _served(c, "sticky") is None)

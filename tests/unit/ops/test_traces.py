@@ -218,7 +218,9 @@ def test_a_top_frame_shows_each_worker_queue_band_and_the_busiest_tenants():
                       {"name": "router-0", "health": "NOT_SERVING", "sidecar_ready": True}],
         "workers": [{"worker_id": "worker-0", "device": "cuda:0 NVIDIA H200", "state": "SERVING", "load": {
             "running": 3, "waiting": 1, "kv_cache_usage": 0.5, "device_memory_used": 2 * 2**30,
-            "device_memory_total": 140 * 2**30, "device_utilization": 0.7}}],
+            "device_memory_total": 140 * 2**30, "device_utilization": 0.7, "adapters": ["bot"], "adapter_slots": 4}}],
+        "autoscaled": [{"model": "tiny", "version": "1", "replicas": 2,
+                        "autoscale": {"min": 0, "max": 4, "reason": "up: 9 requests per worker over 2 s"}}],
     }
     flows = [{"workers": [{"worker_id": "worker-0", "window": 8, "in_flight": 4, "breaker": "half_open"}],
               "bands": [{"band": "gold", "waiting": 2, "admitted": 5, "shed": 0, "timed_out": 1, "wait_p95_ms": 40.0}],
@@ -232,6 +234,8 @@ def test_a_top_frame_shows_each_worker_queue_band_and_the_busiest_tenants():
     tenants = [line.split()[0] for line in text.splitlines() if line.startswith("t") and "gold" in line]
     assert tenants == [f"t{i}" for i in range(11, 1, -1)]  # the ten busiest, busiest first
     assert "... and 2 more" in text
+    assert "LoRA 1/4 loaded: bot" in text
+    assert "autoscaled tiny 1: 2 of 0-4 workers; last: up: 9 requests per worker over 2 s" in text
     empty = top.frame({"instances": [], "workers": []}, [], now=0)
     assert "(no worker registered)" in empty and "(no router answered)" in empty
 
