@@ -24,6 +24,12 @@ def _h(data: bytes) -> BlockHash:
     return BlockHash(int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST).digest(), "little"))
 
 
+def public_salt(prefix_id: str) -> str:
+    """The cache salt of prompts that begin with a public prefix (every tenant's alike): the router
+    salts them so, and a new worker primes the prefix's blocks under it."""
+    return f"public:{prefix_id}"
+
+
 def root(cache_salt: str, lora: str = "") -> BlockHash:
     """The chain's root: what the first block's hash builds on."""
     return _h(b"gaas-kv-root\0" + cache_salt.encode("utf-8", "surrogatepass") + b"\0" + lora.encode("utf-8", "surrogatepass"))

@@ -22,7 +22,8 @@ ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
         "ListModels": ("router", "operator"),
         # The operator's too: `gaas up` checks the demo key it saved at an earlier start.
         "Authenticate": ("router", "operator"),
-        "ListPublicPrefixes": ("router", "operator"),
+        # A new worker's too: it primes them before it takes traffic (services/worker/warmup.py).
+        "ListPublicPrefixes": ("router", "operator", "worker"),
         "ListTenants": ("billing", "operator"),
         # A worker whose engine cannot start says why (its version's roll-out halts); so does the
         # operator's launcher for a pool it cannot place.

@@ -66,7 +66,7 @@ def public_prefix(model: ModelEntry, request: inference_pb2.GenerateRequest) -> 
 def cache_salt(shared: tuple[str, str] | None, tenant_salt: str) -> str:
     """The salt a request's blocks are cached under: the public prefix's it begins with (shared,
     from public_prefix), else the tenant's own."""
-    return f"public:{shared[0]}" if shared else tenant_salt
+    return kvhash.public_salt(shared[0]) if shared else tenant_salt
 
 
 def shared_tokens(tok: Tokenizer, request: inference_pb2.GenerateRequest, text: str, ids: list[int]) -> int:

@@ -30,7 +30,7 @@ from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to
 from services.worker.engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
-from services.worker.warmup import warm_up
+from services.worker.warmup import prime, warm_up
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger("gaas.worker")
@@ -143,20 +143,8 @@ async def serve(cfg: WorkerSettings) -> None:
             await report_start_failure(control_pb2_grpc.ControlStub(channel), cfg, exc)
         await rt.shutdown()
         raise SystemExit(1) from None
-    # A few requests through the engine before any router can send it one (it registers after).
-    try:
-        await warm_up(engine, cfg.warmup_requests)
-    except Exception as exc:  # noqa: BLE001 - its own requests will say what is wrong, if anything is
-        log.warning("the warm-up failed (%s: %s); serving all the same", type(exc).__name__, exc)
-    servicer.engine = engine
-    # The engine stops after the server has (streams in flight finish first), its sockets after it.
-    if events_dir:
-        rt.after_stop(lambda: asyncio.to_thread(shutil.rmtree, events_dir, True))
-    rt.after_stop(engine.shutdown)
-    watch = asyncio.create_task(watch_engine(engine, rt), name="engine-watch")
-    servicer.monitor = await asyncio.to_thread(device_monitor, engine)
-    sampler = asyncio.create_task(sample_device(servicer), name="device-sampler")
-    rt.on_stop(lambda: _cancel(sampler))
+    # The engine's KV events followed from its first (the warm-up's, the primed public prefixes'), so
+    # the snapshot a KV directory takes when it watches this worker holds every block it caches.
     relay_task = None
     if engine.info.kv_events_endpoint:
         source = ZmqEventSource(engine.info.kv_events_endpoint, engine.info.kv_replay_endpoint, KV_TOPIC)
@@ -169,6 +157,22 @@ async def serve(cfg: WorkerSettings) -> None:
             source.close()
 
         rt.on_stop(stop_relay)
+    # A few requests through the engine before any router can send it one (it registers after).
+    try:
+        await warm_up(engine, cfg.warmup_requests)
+        if channel is not None and cfg.warmup_requests:
+            await prime(engine, await public_prefixes(control_pb2_grpc.ControlStub(channel), cfg.model))
+    except Exception as exc:  # noqa: BLE001 - its own requests will say what is wrong, if anything is
+        log.warning("the warm-up failed (%s: %s); serving all the same", type(exc).__name__, exc)
+    servicer.engine = engine
+    # The engine stops after the server has (streams in flight finish first), its sockets after it.
+    if events_dir:
+        rt.after_stop(lambda: asyncio.to_thread(shutil.rmtree, events_dir, True))
+    rt.after_stop(engine.shutdown)
+    watch = asyncio.create_task(watch_engine(engine, rt), name="engine-watch")
+    servicer.monitor = await asyncio.to_thread(device_monitor, engine)
+    sampler = asyncio.create_task(sample_device(servicer), name="device-sampler")
+    rt.on_stop(lambda: _cancel(sampler))
     if channel is not None:
         info = engine.info
         keeper = LeaseKeeper(
@@ -229,6 +233,17 @@ async def report_start_failure(control: control_pb2_grpc.ControlStub, cfg: Worke
             reason="the engine failed to start: " + "; caused by ".join(reasons)), timeout=timeout)
     except Exception as report_exc:  # control away: the roll-out's start timeout halts it instead
         log.warning("could not tell control why the engine failed: %s", report_exc)
+
+
+async def public_prefixes(control: control_pb2_grpc.ControlStub, model: str,
+                          timeout: float = 3.0) -> list[tuple[str, str]]:
+    """(id, text) of the model's public prefixes, to prime (none when control does not answer)."""
+    try:
+        resp = await control.ListPublicPrefixes(control_pb2.ListPublicPrefixesRequest(model=model), timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - priming is an optimisation
+        log.warning("cannot read the public prefixes to prime (%s); their first requests compute them", exc)
+        return []
+    return [(p.prefix_id, p.text) for p in resp.prefixes]
 
 
 async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: float = 0.5) -> None:

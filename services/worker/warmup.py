@@ -1,7 +1,11 @@
 """A worker's warm-up: once its engine is loaded and before it registers (so before any router
 sends it a request), a few short requests run through the engine, so that the first tenant's
 request does not pay for the engine's first steps (allocations, the first batch's shapes). Their
-blocks are cached under a salt no tenant has, and the prefix cache is emptied after them."""
+blocks are cached under a salt no tenant has, and the prefix cache is emptied after them. Then the
+model's public prefixes (`gaas kv public add`) are primed: each is computed once, as a chat's system
+prompt and as a completion prompt's beginning, under the public salt every tenant's request that
+begins with it is cached under, so the first such request hits (the KV directories learn the blocks
+from the snapshot they take when they watch the worker)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import asyncio
 import logging
 import time
 
+from collections.abc import Sequence
+
+from gaas.contracts.kvhash import public_salt
 from services.worker.engine import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -36,3 +43,26 @@ async def warm_up(engine, requests: int, max_tokens: int = 8) -> float:
     took = time.perf_counter() - start
     log.info("warmed up: %d requests in %.0f ms", requests, took * 1000)
     return took
+
+
+async def prime(engine, prefixes: Sequence[tuple[str, str]]) -> int:
+    """Compute each public prefix (id, text) once, in its chat and its text form, under its public
+    salt; returns how many were primed (one that fails is logged and skipped)."""
+    start, primed = time.perf_counter(), 0
+    for prefix_id, text in prefixes:
+        salt = public_salt(prefix_id)
+        forms = (GenerationRequest(request_id=f"prime-{prefix_id}-chat-{time.monotonic_ns()}", prompt="",
+                                   prompt_token_ids=[], max_tokens=1, messages=[("system", text)],
+                                   add_special_tokens=False, add_generation_prompt=False, cache_salt=salt),
+                 GenerationRequest(request_id=f"prime-{prefix_id}-text-{time.monotonic_ns()}", prompt=text,
+                                   prompt_token_ids=[], max_tokens=1, cache_salt=salt))
+        try:
+            for r in forms:
+                async for _ in engine.generate(r):
+                    pass
+            primed += 1
+        except Exception as exc:  # noqa: BLE001 - its first request computes it instead
+            log.warning("cannot prime public prefix %s: %s: %s", prefix_id, type(exc).__name__, exc)
+    if prefixes:
+        log.info("primed %d public prefix(es) in %.0f ms", primed, (time.perf_counter() - start) * 1000)
+    return primed

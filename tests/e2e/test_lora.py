@@ -142,3 +142,26 @@ def test_requests_stay_where_their_adapter_is_loaded_and_a_removed_one_is_unload
     assert r.returncode == 0, r.stderr
     until("its requests refused", lambda: _served(c, "sticky") is None)
     until("the worker unloaded it", lambda: not holders(m, "sticky"))
+
+
+def test_a_restarted_worker_primes_the_public_prefixes_before_it_takes_traffic(lmesh):
+    """(A warm-up's part, tested on this module's mesh of two workers.) A worker that starts while
+    a public prefix exists computes it before it registers: the first request of a new tenant that
+    begins with it finds it cached."""
+    m = lmesh
+    system = " ".join(f"Rule {i}: answer in plain words and cite the source of each fact." for i in range(12))
+    r = gaas(m, "kv", "public", "add", MODEL, "--text", system)
+    assert r.returncode == 0, r.stderr
+    r = gaas(m, "restart", "worker-1", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def primed_blocks() -> int:
+        stats = json.loads(gaas(m, "kv", "stats", "--json").stdout or "{}")
+        return sum(int(w["blocks"]) for w in stats.get("per_worker", []) if w["worker_id"] == "worker-1")
+
+    assert until("the KV directory has worker-1's primed blocks (from its snapshot)", primed_blocks) >= 8
+    _, key = new_tenant(m, "primed")
+    first = client(m, key).chat.completions.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "system", "content": system},
+                                             {"role": "user", "content": "What is a river?"}])
+    assert first.usage.prompt_tokens_details.cached_tokens >= 64, first.usage
