@@ -144,6 +144,29 @@ def test_requests_stay_where_their_adapter_is_loaded_and_a_removed_one_is_unload
     until("the worker unloaded it", lambda: not holders(m, "sticky"))
 
 
+def test_more_adapters_than_an_engine_keeps_are_served_in_turn_evicting_the_least_recently_used(lmesh, adapters,
+                                                                                                  tmp_path):
+    """Engines here keep two adapters loaded (max_cpu_loras) and step with one (max_loras): five
+    adapters taking turns are all served, their answers their own, no engine ever holding more
+    than two."""
+    m = lmesh
+    _, key = new_tenant(m, "turns")
+    c = client(m, key)
+    names = [f"turn-{i}" for i in range(5)]
+    for i, name in enumerate(names):
+        assert add(m, name, build(BASE, tmp_path / name, seed=50 + i), "--public").returncode == 0
+    answers = {name: until(f"{name} served", lambda n=name: _served(c, n)).choices[0].text for name in names}
+    assert len(set(answers.values())) > 1, "the adapters' answers are their own"
+    for _ in range(2):
+        for name in names:
+            assert complete(c, name).choices[0].text == answers[name], f"{name} after evictions: the same answer"
+    with pki.operator_channel(instance(m, "control-0"), m.run_dir) as ch:
+        workers = control_pb2_grpc.ControlStub(ch).ListWorkers(control_pb2.ListWorkersRequest(), timeout=2).workers
+    assert all(len(w.load.adapters) <= 2 for w in workers), [list(w.load.adapters) for w in workers]
+    for name in names:
+        gaas(m, "lora", "remove", name)
+
+
 def test_a_restarted_worker_primes_the_public_prefixes_before_it_takes_traffic(lmesh):
     """(A warm-up's part, tested on this module's mesh of two workers.) A worker that starts while
     a public prefix exists computes it before it registers: the first request of a new tenant that
