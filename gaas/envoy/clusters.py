@@ -110,6 +110,11 @@ XDS_CLUSTER = "xds"
 XDS_FIRST_ANSWER = "5s"
 
 
+# Streams to the workers at once, at most, as an Envoy's circuit breaker counts them (the routers'
+# admission is the real bound).
+WORKER_STREAMS = 1 << 20
+
+
 def workers_cluster(creds: pki.Credentials) -> dict:
     """Every worker's sidecar (mutual TLS as creds, checking the peer is a worker), their endpoints
     taken from control (xDS: services/control/xds.py) as workers register and leave, so no Envoy
@@ -126,6 +131,16 @@ def workers_cluster(creds: pki.Credentials) -> dict:
             "ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": XDS_FIRST_ANSWER}},
         "typed_extension_protocol_options": HTTP2,
         "transport_socket": client_tls(creds, "worker"),
+        # Every stream of the mesh may pass here (the ingress on the direct path): no cap of
+        # Envoy's own below the routers' admission (its defaults: 1,024 requests at once), and a
+        # retry for every request at once, should a worker refuse all it holds untaken (its engine
+        # died before their first token: each goes to its second choice; Envoy's default of 3
+        # retries in flight per cluster answered the 4th 503 UO, seen with 8 streams).
+        "circuit_breakers": {"thresholds": [{
+            "priority": "DEFAULT", "max_connections": WORKER_STREAMS, "max_pending_requests": WORKER_STREAMS,
+            "max_requests": WORKER_STREAMS,
+            "retry_budget": {"budget_percent": {"value": 100.0}, "min_retry_concurrency": 64},
+        }]},
         "load_balancing_policy": {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",
             "typed_config": {

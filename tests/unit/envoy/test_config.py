@@ -451,3 +451,15 @@ def test_the_access_table_names_only_methods_its_services_have():
             continue
         service = descriptor_pool.Default().FindServiceByName(GRPC_SERVICE[kind])
         assert set(methods) <= {m.name for m in service.methods}, kind
+
+
+def test_every_stream_a_dying_worker_refuses_untaken_may_be_retried_at_its_second_choice_at_once(rendered_direct):
+    """A worker whose engine dies refuses every stream it holds that had no token yet (untaken): each
+    goes to its second choice at once. Envoy's default circuit breaker (3 retries in flight per
+    cluster, 1,024 requests) answered the 4th 503 UO; the workers' cluster has a retry budget of
+    every request and no cap below the routers' admission."""
+    _, configs, _ = rendered_direct
+    [workers] = [c for c in configs["ingress-0"]["static_resources"]["clusters"] if c["name"] == "workers"]
+    [t] = workers["circuit_breakers"]["thresholds"]
+    assert t["retry_budget"]["budget_percent"]["value"] == 100.0 and t["retry_budget"]["min_retry_concurrency"] >= 64
+    assert min(t["max_requests"], t["max_pending_requests"], t["max_connections"]) >= 1 << 16
