@@ -26,3 +26,8 @@ AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 # Envoy's aggregated discovery service, which control serves: every Envoy that reaches workers takes
 # their endpoints from it (services/control/xds.py).
 XDS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+
+# The Redis channel control publishes on when a worker registers, leaves or changes state (its
+# registry: services/control/registry.py), which routers follow to read the registry again at once
+# (services/router/registry_changes.py).
+REGISTRY_CHANGED_CHANNEL = "gaas:workers:changed"

@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 from gaas.contracts import errors
 from gaas.contracts.ids import WorkerId
 
+from gaas.contracts.services import REGISTRY_CHANGED_CHANNEL
+
 log = logging.getLogger(__name__)
 
 SERVING = "serving"
@@ -28,6 +30,10 @@ STATES = (SERVING, DRAINING)
 _KEY = "gaas:worker:{}"  # one JSON record per worker, kept RETAIN_SECONDS past its lease
 _INDEX = "gaas:workers"  # sorted set: worker id -> lease expiry (ms): the lease's truth
 _ALIVE = "gaas:control:alive"  # Unix ms of the latest call any control replica handled
+# Published when a worker registers, leaves or changes state: routers read the registry again at
+# once instead of at their next refresh, so none routes to a worker the Envoys' membership (xDS,
+# pushed at once too) no longer has.
+CHANGED_CHANNEL = REGISTRY_CHANGED_CHANNEL
 
 # A record outlives its lease this long, so a lease that lapsed in a gap of control can be extended.
 RETAIN_SECONDS = 300
@@ -120,7 +126,14 @@ class WorkerRegistry:
             registered_ms=prev.registered_ms if prev and prev.address == record.address else now,
         )
         await self._put(record)
+        await self._announce()
         return record
+
+    async def _announce(self) -> None:
+        try:
+            await self._redis.publish(CHANGED_CHANNEL, "1")
+        except Exception as exc:  # noqa: BLE001 - the routers' own refresh catches up
+            log.debug("cannot announce a registry change: %s", exc)
 
     async def renew(self, worker_id: WorkerId, state: str | None = None, load: dict | None = None) -> WorkerRecord:
         await self.heartbeat()
@@ -130,6 +143,7 @@ class WorkerRegistry:
             raise LeaseExpired(f"worker {worker_id!r} has no live lease; register again")
         if state is not None and state not in STATES:
             raise ValueError(f"unknown worker state {state!r}")
+        changed = state is not None and state != record.state
         record = replace(
             record,
             state=state or record.state,
@@ -137,6 +151,8 @@ class WorkerRegistry:
             load=record.load if load is None else load,
         )
         await self._put(record)
+        if changed:
+            await self._announce()
         return record
 
     async def deregister(self, worker_id: WorkerId) -> bool:
@@ -144,6 +160,8 @@ class WorkerRegistry:
             pipe.delete(_KEY.format(worker_id))
             pipe.zrem(_INDEX, worker_id)
             deleted, _ = await pipe.execute()
+        if deleted:
+            await self._announce()
         return bool(deleted)
 
     async def list(self, model: str = "") -> list[WorkerRecord]:

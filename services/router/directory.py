@@ -131,6 +131,10 @@ class MeshDirectory:
                 self._on_refresh(self._snapshot)
             return self._snapshot
 
+    async def refresh(self) -> None:
+        """Read the view again now (the registry changed)."""
+        await self._refresh_now()
+
     async def run(self) -> None:
         """Refresh the view until cancelled (failures keep the last view and are logged once)."""
         failing = False

@@ -31,6 +31,7 @@ from services.router.auth import Authenticator
 from services.router.billingclient import usage_reader
 from services.router.coalescing import Coalescing
 from services.router.controlclient import control_fetcher, key_lookup
+from services.router import registry_changes
 from services.router.directory import DirectoryCollector, MeshDirectory
 from services.router.dispatch import Dispatcher, RouterMetrics
 from services.router.edgeauth import EdgeAuthorizer
@@ -176,11 +177,13 @@ async def serve(cfg: RouterSettings) -> None:
     reports = asyncio.create_task(extproc.run_reports(cfg.redis_url), name="direct-reports")
     sweep = asyncio.create_task(extproc.sweep(redis), name="direct-sweep")
     reporting = asyncio.create_task(reporter.run(), name="rollout-outcomes")
+    changes = asyncio.create_task(registry_changes.follow(cfg.redis_url, directory.refresh), name="registry-changes")
 
     async def stop_refreshing() -> None:
-        for task in (refresher, spool, reports, sweep, reporting):
+        tasks = (refresher, spool, reports, sweep, reporting, changes)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(refresher, spool, reports, sweep, reporting, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await reporter.flush()
         await kv.close()
         await sessions.close()

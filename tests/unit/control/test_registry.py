@@ -98,3 +98,32 @@ async def test_without_a_gap_a_lapsed_lease_is_not_extended(redis):
     assert await reg.list() == []
     with pytest.raises(LeaseExpired):
         await reg.renew(WorkerId("worker-0"))
+
+
+async def test_registrations_departures_and_state_changes_are_announced_to_the_routers(redis, redis_url):
+    """What services/router/registry_changes.py follows: one announcement per registration,
+    departure and change of state, none for a renewal that changes nothing."""
+    import asyncio
+
+    from services.router import registry_changes
+
+    heard = []
+
+    async def changed():
+        heard.append(1)
+
+    follower = asyncio.create_task(registry_changes.follow(redis_url, changed))
+    await asyncio.sleep(0.2)  # subscribed
+    reg = WorkerRegistry(redis, ttl_seconds=10)
+    await reg.register(record())
+    await reg.renew(WorkerId("worker-0"))
+    await reg.renew(WorkerId("worker-0"), state=DRAINING)
+    await reg.deregister(WorkerId("worker-0"))
+    for _ in range(40):
+        if len(heard) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
+    follower.cancel()
+    await asyncio.gather(follower, return_exceptions=True)
+    assert len(heard) == 3

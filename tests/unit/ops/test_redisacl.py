@@ -32,12 +32,13 @@ def _made_by() -> dict[str, list[str]]:
     return {
         "router": [*admission.admit_keys(TENANT, "202612", "r1"), *record_keys, *claim_keys,
                    *admission.release_keys(TENANT), sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT),
-                   "&" + direct.report_channel("router-0"), rollout.OUTCOMES_STREAM, DEMAND_KEY.format("gaas-tiny")],
+                   "&" + direct.report_channel("router-0"), rollout.OUTCOMES_STREAM, DEMAND_KEY.format("gaas-tiny"),
+                   "&" + registry.CHANGED_CHANNEL],
         "worker": [*admission.record_args(event, "own")[0], admission.progress_key(TENANT, "r1"),
                    sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT), "&" + direct.report_channel("router-0")],
         "billing": [metering.STREAM, admission.spend_key(TENANT, "202612"), admission.budget_key(TENANT)],
         "control": [registry._KEY.format("worker-0"), registry._INDEX, registry._ALIVE, rollout.OUTCOMES_STREAM,
-                    rollout.LEADER_KEY, DEMAND_KEY.format("gaas-tiny")],
+                    rollout.LEADER_KEY, DEMAND_KEY.format("gaas-tiny"), "&" + registry.CHANGED_CHANNEL],
     }
 
 
@@ -94,6 +95,10 @@ def test_each_user_does_its_job_and_nothing_beside_it(acl):
     worker.hset(sessions.session_key(TENANT, "s"), "v", 1)
     worker.eval(admission.PROGRESS, 1, admission.progress_key(TENANT, "r1"), "3 0")
     worker.publish(direct.report_channel("router-0"), "x")
+    # Control announces the registry's changes to the routers; a worker cannot.
+    control.publish(registry.CHANGED_CHANNEL, "1")
+    with pytest.raises(redis_sync.exceptions.NoPermissionError):
+        worker.publish(registry.CHANGED_CHANNEL, "1")
     # No admin command for anyone.
     for client in c.values():
         for command in (("FLUSHALL",), ("CONFIG", "GET", "maxmemory"), ("KEYS", "*"), ("SHUTDOWN",), ("ACL", "LIST")):
