@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from gaas.contracts import adapters as adapter_names, errors
 from gaas.contracts.adapters import Adapter
+from gaas.contracts.tenancy import TIERS
 from gaas.contracts.pricing import Price
 from gaas.contracts.rollout import Split
 from services.router.scheduling.types import Candidate
@@ -65,8 +66,9 @@ class ModelEntry:
         return self.adapter.name if self.adapter is not None else self.name
 
     def with_adapter(self, adapter: Adapter) -> ModelEntry:
-        """The model serving a request with adapter (at the adapter's prices where it has its own)."""
-        prices = {tier: adapter.price for tier in self.prices} if adapter.price is not None else self.prices
+        """The model serving a request with adapter (at the adapter's prices, every tier's, where it
+        has its own)."""
+        prices = {tier: adapter.price for tier in TIERS} if adapter.price is not None else self.prices
         return replace(self, adapter=adapter, prices=prices)
 
     def at(self, version: str) -> ModelEntry:

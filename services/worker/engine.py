@@ -151,9 +151,8 @@ class EngineInfo:
     # ipc:// endpoints of the engine's KV events and their replay; "" when it publishes none.
     kv_events_endpoint: str = ""
     kv_replay_endpoint: str = ""
-    # LoRA adapters it keeps loaded at most (0: it serves none), and the highest rank it serves.
+    # LoRA adapters it keeps loaded at most (0: it serves none).
     adapter_slots: int = 0
-    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +239,8 @@ class VllmEngine(Engine):
         self._closed = False
         # Requests whose callers left before their first output, running on to it.
         self._abandoned: set[asyncio.Future] = set()
-        # LoRA: the adapters asked for (engine id -> name), and those the engine holds (as it last
-        # said: refreshed after a new one's first request, and when asked to retain some).
+        # LoRA: the adapters loaded here (engine id -> name), and those the engine holds (as it
+        # last said: after each load, whose least recently used may have gone, and each unload).
         self._adapter_names: dict[int, str] = {}
         self._resident: frozenset[int] = frozenset()
 
@@ -343,7 +342,6 @@ class VllmEngine(Engine):
             kv_events_endpoint=events,
             kv_replay_endpoint=replay,
             adapter_slots=max(s.max_cpu_loras, s.max_loras) if s.max_loras else 0,
-            max_lora_rank=s.max_lora_rank if s.max_loras else 0,
         )
         log.info(
             "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens, model %s",

@@ -176,7 +176,8 @@ def with_adapters():
 async def test_a_tenant_names_its_adapter_by_its_name_or_with_its_base(with_adapters, name):
     m = await with_adapters.resolve_model(name, "acme")
     assert (m.name, m.adapter.name, m.served_name) == ("tiny", "bot", "bot")
-    assert m.prices == {"gold": Price(1, 0.1, 4)}, "the adapter's own prices replace the base model's"
+    assert m.prices == {t: Price(1, 0.1, 4) for t in ("gold", "silver", "bronze")}, \
+        "the adapter's own prices replace the base model's, in every tier"
 
 
 async def test_a_public_adapter_is_every_tenants_at_the_base_models_prices(with_adapters):
