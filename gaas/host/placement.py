@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gaas.settings.env import default_of
@@ -32,15 +33,27 @@ class GpuSlot:
     memory_fraction: float
 
 
-def worker_gpus(gpus, workers: int, *, budget: float = GPU_MEMORY_BUDGET, kv_cache_bytes: int = 0) -> list[GpuSlot]:
-    """One slot per worker: worker i on GPU i mod len(gpus) (one worker per GPU when the counts
-    match). Workers that share a GPU split its memory budget, so that none asks vLLM for memory
-    another holds; PlacementError when a share cannot hold the KV cache a worker is given."""
+def worker_gpus(gpus, workers: int, *, budget: float = GPU_MEMORY_BUDGET, kv_cache_bytes: int = 0,
+                fits: Sequence[Collection[str] | None] = ()) -> list[GpuSlot]:
+    """One slot per worker, in worker order: each on the GPU with the fewest workers so far among
+    those its pool fits (fits[i]: the UUIDs worker i's pool may run on; None or missing: any), the
+    first such on a tie, so workers whose pools fit every GPU go round them in turn (worker i on
+    GPU i mod len(gpus)). Workers that share a GPU split its memory budget, so that none asks vLLM
+    for memory another holds; PlacementError when a share cannot hold the KV cache a worker is
+    given, or a pool fits none of these GPUs."""
     if not gpus:
         raise PlacementError("no GPU to place workers on")
     if not 0 < budget <= 1:
         raise PlacementError(f"the GPU memory budget must be in (0, 1], got {budget}")
-    on = [gpus[i % len(gpus)] for i in range(workers)]
+    on, count = [], {g.uuid: 0 for g in gpus}
+    for i in range(workers):
+        allowed = fits[i] if i < len(fits) else None
+        candidates = [g for g in gpus if allowed is None or g.uuid in allowed]
+        if not candidates:
+            raise PlacementError(f"worker {i}'s pool fits none of this host's GPUs ({', '.join(count)})")
+        gpu = min(candidates, key=lambda g: count[g.uuid])  # (min keeps the first of equals)
+        count[gpu.uuid] += 1
+        on.append(gpu)
     slots = []
     for gpu in on:
         shared_by = sum(1 for g in on if g.uuid == gpu.uuid)

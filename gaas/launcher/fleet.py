@@ -55,7 +55,7 @@ class PoolSpec:
         """A worker instance's pool options (gaas.ops.topology.Topology.worker's pool)."""
         return {"model": self.model, "version": self.version, "source": self.source, "preset": self.preset,
                 "seed": self.seed, "max_model_len": self.max_model_len, "device": self.device,
-                "engine": dict(self.engine)}
+                "device_needs": dict(self.device_needs), "engine": dict(self.engine)}
 
     @classmethod
     def from_model(cls, m) -> PoolSpec:

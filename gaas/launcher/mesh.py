@@ -331,18 +331,37 @@ class Mesh:
 
     def _gpu_slot(self, inst: Instance) -> placement.GpuSlot:
         """The GPU a worker computes on, and its share of the GPU's memory: the workers share the
-        GPUs in turn (worker N on GPU N mod their number), those on one GPU splitting its memory
-        budget as the workers there now are counted (a worker started later on a GPU other
-        workers hold takes a smaller share; give the GPU room, or fewer workers, for a roll-out)."""
+        GPUs their pools fit in turn (gaas.host.placement.worker_gpus: each on the fitting GPU
+        with the fewest workers), those on one GPU splitting its memory budget as the workers
+        there now are counted (a worker started later on a GPU other workers hold takes a smaller
+        share; give the GPU room, or fewer workers, for a roll-out)."""
         workers = self.topo.of("worker")
         budget = value_from_env(worker_settings.WorkerSettings, "gpu_memory_utilization")
         kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
         count = max(len(workers), inst.index + 1)
+        by_index = {w.index: w for w in workers}
+        fits = [self._fitting_gpus(by_index[i]) if i in by_index else None for i in range(count)]
         try:
-            slots = placement.worker_gpus(self.gpus, count, budget=budget, kv_cache_bytes=kv_bytes)
+            slots = placement.worker_gpus(self.gpus, count, budget=budget, kv_cache_bytes=kv_bytes, fits=fits)
         except placement.PlacementError as exc:
             raise MeshError(str(exc)) from None
         return slots[inst.index]
+
+    def _fitting_gpus(self, inst: Instance) -> set[str] | None:
+        """The UUIDs of the GPUs a worker's pool fits (its device requirement; None: any GPU)."""
+        from gaas.contracts.device import DeviceRequirement, choose
+        from gaas.host.profiles import host_profiles
+
+        o = inst.options
+        try:
+            need = DeviceRequirement.parse(dict(o.get("device_needs") or {}) or o.get("device", "any"))
+        except ValueError:
+            return None  # (a pool's requirement was checked when applied)
+        if need.simple:
+            return None
+        if self._profiles is None:
+            self._profiles = host_profiles(self.gpus)
+        return {d.uuid for d in choose(need, self._profiles).fits if d.uuid}
 
     def _spawn_service(self, inst: Instance) -> None:
         cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]

@@ -239,6 +239,20 @@ def test_workers_that_cannot_fit_are_refused_with_what_to_change():
         placement.worker_gpus(small, 3, kv_cache_bytes=8 * GiB)
 
 
+def test_a_pool_that_fits_only_some_gpus_gets_only_those_and_the_others_share_the_rest():
+    """Four GPUs, a pool needing the first two (its device requirement) with three workers, and
+    another pool fitting any GPU with two: the first pool's workers take GPUs 0 and 1 in turn, the
+    other's the GPUs with the fewest workers."""
+    gpus = GPUS[:4]
+    first_two = {gpus[0].uuid, gpus[1].uuid}
+    slots = placement.worker_gpus(gpus, 5, fits=[first_two, first_two, first_two, None, None])
+    assert [s.uuid for s in slots[:3]] == [gpus[0].uuid, gpus[1].uuid, gpus[0].uuid]
+    assert [s.uuid for s in slots[3:]] == [gpus[2].uuid, gpus[3].uuid]
+    assert slots[0].shared_by == 2 and slots[3].shared_by == 1
+    with pytest.raises(placement.PlacementError, match="fits none"):
+        placement.worker_gpus(gpus, 1, fits=[{"GPU-nothing"}])
+
+
 @given(st.integers(1, 8), st.integers(1, 24), st.floats(0.05, 1.0))
 def test_placement_balances_and_never_overcommits(n_gpus, workers, budget):
     gpus = [GpuInfo(i, f"GPU-{i}", "g", 80 * GiB) for i in range(n_gpus)]
@@ -289,6 +303,23 @@ def test_gpu_workers_get_their_gpu_by_uuid_and_settings_for_it(tmp_path, monkeyp
         assert e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and e["GAAS_DEVICE"] == "cuda"
         assert e["GAAS_GPU_MEMORY_UTILIZATION"] == str(placement.GPU_MEMORY_BUDGET)
         assert e["GAAS_ENFORCE_EAGER"] == "auto" and "VLLM_CPU_OMP_THREADS_BIND" not in e
+
+
+def test_workers_of_a_pool_that_needs_some_gpus_go_only_to_those(tmp_path, monkeypatch):
+    """A host of two H200s and two L4s; the pool needs an H200 (device: {kind: gpu, gpu_models:
+    [H200]}): its three workers share the two H200s, none on an L4."""
+    from dataclasses import replace
+
+    from gaas.launcher.fleet import PoolSpec
+
+    monkeypatch.delenv("GAAS_GPU_MEMORY_UTILIZATION", raising=False)
+    gpus = GPUS[:2] + [GpuInfo(2 + i, f"GPU-L4-{i}", "NVIDIA L4", 24 * GiB) for i in range(2)]
+    m = _mesh(tmp_path, monkeypatch, gpus, 3)
+    pool = replace(PoolSpec.from_model(m.spec.default_model), device="gpu",
+                   device_needs={"kind": "gpu", "gpu_models": ["H200"]})
+    m.topo = topology.with_workers(m.topo, [m.topo.worker(i, pool.options()) for i in range(3)])
+    on = [m.service_env(w)["CUDA_VISIBLE_DEVICES"] for w in m.topo.of("worker")]
+    assert on == [GPUS[0].uuid, GPUS[1].uuid, GPUS[0].uuid]
 
 
 def test_more_workers_than_gpus_share_with_split_memory_or_are_refused(tmp_path, monkeypatch):
