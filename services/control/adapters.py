@@ -20,6 +20,7 @@ from gaas.contracts.pricing import Price
 from gaas.model import lora
 from gaas.runtime.migrations import migrate
 from gaas.runtime.sql import Database
+from gaas.settings.deployspec import SpecError
 from gaas.settings.worker import lora_limits
 
 MIGRATIONS: list[list[str]] = [
@@ -47,6 +48,39 @@ def _adapter(row) -> Adapter:
     name, base, path, rank, owner, aid, pi, pc, po, created = row
     price = None if pi is None else Price(float(pi), float(pc), float(po))
     return Adapter(name, base, path, int(rank), owner, int(aid), price, int(created))
+
+
+def still_served(adapters: Iterable[Adapter]):
+    """check(spec) for a deployment file about to be applied (gaas.settings.deployspec.parse_text):
+    SpecError, placed in the file, when it would leave a catalogued adapter unservable (its model
+    removed, its pool's max_loras 0 or its max_lora_rank below the adapter's rank); nothing changes."""
+    by_model: dict[str, list[Adapter]] = {}
+    for a in adapters:
+        by_model.setdefault(a.base_model, []).append(a)
+
+    def check(spec) -> None:
+        names = {m.name for m in spec.models}
+        for i, m in enumerate(spec.models):
+            mine = by_model.get(m.name)
+            if not mine:
+                continue
+            slots, rank = lora_limits(m.engine)
+            listed = ", ".join(a.name for a in mine)
+            if not slots:
+                raise SpecError(f"{m.name} serves LoRA adapters ({listed}): keep its engine's max_loras above 0, or "
+                                "`gaas lora remove` them first", ("models", i, "engine"))
+            over = [a for a in mine if a.rank > rank]
+            if over:
+                raise SpecError(f"{m.name}'s max_lora_rank {rank} is below the rank of its adapter(s) "
+                                f"{', '.join(f'{a.name} ({a.rank})' for a in over)}: keep it at "
+                                f"{max(a.rank for a in over)} or more, or `gaas lora remove` them first",
+                                ("models", i, "engine", "max_lora_rank"))
+        gone = sorted(set(by_model) - names)
+        if gone:
+            raise SpecError(f"{', '.join(gone)} serve(s) LoRA adapters ({', '.join(a.name for g in gone for a in by_model[g])}): "
+                            "keep the model, or `gaas lora remove` them first", ("models",))
+
+    return check
 
 
 def serving_limits(pools: Iterable[Mapping]) -> tuple[int, int]:

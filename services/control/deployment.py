@@ -306,10 +306,12 @@ class Deployment:
 
     # ------------------------------------------------------------------ applying
 
-    async def apply_file(self, text: str, file: str, origin: str, dry_run: bool = False) -> tuple[int, list[Change]]:
+    async def apply_file(self, text: str, file: str, origin: str, dry_run: bool = False,
+                         check=None) -> tuple[int, list[Change]]:
         """Apply a deployment file's text: (the revision made, or 0, and what changed). SpecError for
-        a malformed file, errors.* for a change that cannot be made; nothing changes then."""
-        spec = parse_text(text, _root(file), file)
+        a malformed file (or one check(spec) refuses), errors.* for a change that cannot be made;
+        nothing changes then."""
+        spec = parse_text(text, _root(file), file, check)
         return await self.apply(spec, file, origin, dry_run)
 
     async def apply(self, spec: DeploySpec, file: str, origin: str, dry_run: bool = False) -> tuple[int, list[Change]]:

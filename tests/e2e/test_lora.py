@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.common.mesh import tiny_deployment
 from bench.lora import build, deployment
 from gaas.ops import pki
 from gaas.sdk.admin import BillingAdmin
@@ -123,6 +124,19 @@ def test_an_adapter_that_does_not_fit_is_refused_before_anything_changes(lmesh, 
     assert r.returncode != 0 and says in r.stderr, r.stderr
     listed = gaas(lmesh, "lora", "list", "--json")
     assert f"bad-{adapter}" not in {a["name"] for a in json.loads(listed.stdout)}
+
+
+def test_a_deployment_that_would_strand_the_adapters_is_refused_before_anything_changes(lmesh, adapters, tmp_path):
+    m = lmesh
+    assert add(m, "kept-bot", adapters["a"], "--public").returncode == 0
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(tiny_deployment("replicas: auto"))  # the same pool, without LoRA
+    r = gaas(m, "apply", "-f", str(plain), "--run-dir", str(m.run_dir))
+    assert r.returncode != 0 and "keep its engine's max_loras above 0" in r.stderr and "kept-bot" in r.stderr, \
+        r.stdout + r.stderr
+    _, key = new_tenant(m, "kept")
+    assert until("still served", lambda: _served(client(m, key), "kept-bot")), "nothing changed"
+    gaas(m, "lora", "remove", "kept-bot")
 
 
 def test_requests_stay_where_their_adapter_is_loaded_and_a_removed_one_is_unloaded(lmesh, adapters):

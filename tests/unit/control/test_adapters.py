@@ -2,6 +2,7 @@
 changes, with what to change; a removed and re-added adapter gets a new engine id."""
 
 import json
+import re
 
 import pytest
 
@@ -107,3 +108,21 @@ def test_the_rank_limit_is_the_lowest_of_the_pools_that_serve_adapters():
              {"engine": {}}]
     assert serving_limits(pools) == (2, 8)
     assert serving_limits([{"engine": {}}]) == (0, 0)
+
+
+@pytest.mark.parametrize("engine, says", [
+    ("{}", "keep its engine's max_loras above 0"),
+    ("{max_loras: 2, max_lora_rank: 8}", "max_lora_rank 8 is below the rank of its adapter(s) bot (16): keep it at 16"),
+])
+def test_a_file_that_would_leave_an_adapter_unservable_is_refused_where_it_says_so(tmp_path, engine, says):
+    from gaas.settings.deployspec import SpecError, parse_text
+    from services.control.adapters import still_served
+
+    text = f"models:\n  - name: tiny\n    version: '1'\n    source: models/t\n    engine: {engine}\n"
+    check = still_served([Adapter("bot", "tiny", "/a", 16)])
+    with pytest.raises(SpecError, match=re.escape(says)) as e:
+        parse_text(text, tmp_path, "gaas.yaml", check)
+    assert "gaas.yaml:" in str(e.value), "placed in the file"
+    parse_text(text.replace(engine, "{max_loras: 1, max_lora_rank: 16}"), tmp_path, "gaas.yaml", check)
+    with pytest.raises(SpecError, match="tiny serve.*bot.*gaas lora remove"):
+        parse_text(text.replace("name: tiny", "name: other"), tmp_path, "gaas.yaml", check)
