@@ -502,6 +502,8 @@ class VllmEngine(Engine):
         try:
             await self._llm.add_lora(request)
         except Exception as exc:  # noqa: BLE001 - vLLM raises a bare Exception naming the worker's error
+            if self._llm.errored:
+                raise EngineUnavailable("this worker's engine stopped; another worker may take the request") from None
             log.error("adapter %s (engine id %d) at %s cannot load: %s", a.name, a.adapter_id, a.path, exc)
             raise AdapterUnavailable(f"adapter {a.name!r} cannot be loaded on this worker; its operator can see why in "
                                      "the worker's log (`gaas lora list` shows its path)") from None
