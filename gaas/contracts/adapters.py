@@ -11,15 +11,15 @@ a tenant what another has).
 
 from __future__ import annotations
 
-import re
 import zlib
 from dataclasses import dataclass
 
 from gaas.contracts import errors
+from gaas.contracts.ids import MODEL_NAME_RE
 from gaas.contracts.pricing import Price
 
-# As model names (gaas.settings.deployspec), so "base:adapter" splits at its one colon.
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+# Model names' rule (they share one namespace), so "base:adapter" splits at its one colon.
+NAME_RE = MODEL_NAME_RE
 SEPARATOR = ":"
 
 
@@ -49,7 +49,7 @@ class Adapter:
 def check_name(name: str) -> str:
     if not NAME_RE.fullmatch(name):
         raise errors.InvalidArgument(
-            f"adapter name {errors.quote(name)} must be 1 to 64 lower-case letters, digits, '.', '_' or '-', "
+            f"adapter name {errors.quote(name)} must be 1 to 63 lower-case letters, digits, '.', '_' or '-', "
             "beginning with a letter or digit", param="name")
     return name
 
