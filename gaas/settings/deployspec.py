@@ -22,14 +22,14 @@ from gaas.contracts.ids import MODEL_NAME_RE
 from gaas.contracts.autoscale import AutoscalePolicy
 from gaas.contracts.device import DeviceError, DeviceRequirement
 from gaas.contracts.rollout import GuardPolicy, RolloutPolicy, Strategy
-from gaas.contracts.tenancy import TIERS
+from gaas.contracts.tenancy import TENANT_NAME_RE, TIERS
 from gaas.settings import located
 from gaas.settings.located import Located
 
 NAME_RE = MODEL_NAME_RE
 # A version: what usage records, chunks and `gaas models` show.
 VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,62}")
-TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+TENANT_RE = TENANT_NAME_RE
 
 # replicas: auto, as `gaas up` resolves it: one worker per GPU on a GPU host, one on a CPU host
 # (`gaas up --workers N`: N).
