@@ -14,7 +14,7 @@ from gaas.contracts.tenancy import TIER_TO_PB
 from gaas.runtime.context import current_caller
 from gaas.settings.deployspec import SpecError
 from gaas.v1 import control_pb2 as pb
-from services.control.adapters import still_served
+from services.control.adapters import AdapterStore, still_served
 from services.control.catalog import ModelCatalog
 from services.control.deployment import Deployment, Pool
 from services.control.rollout.driver import Driver
@@ -55,6 +55,15 @@ class DeploymentRpcs:
     _deployment: Deployment
     _catalog: ModelCatalog
     _driver: Driver | None
+    _adapters: AdapterStore | None
+
+    async def _adapter_list(self) -> list[Adapter]:
+        """The catalogued LoRA adapters (read at most every VIEW_SECONDS: ListModels and each
+        worker's lease renewal carry them)."""
+        async def read() -> list[Adapter]:
+            return await self._adapters.list() if self._adapters is not None else []
+
+        return await self._cached("adapters", read)
 
     def _deployment_changed(self) -> None:
         self._views = {}
@@ -83,9 +92,8 @@ class DeploymentRpcs:
         prices = await self._catalog.prices()
         served = {s.model.name: s for s in await self._deployment.served()}
         adapters: dict[str, list] = {}
-        if getattr(self, "_adapters", None) is not None:
-            for a in await self._adapters.list():
-                adapters.setdefault(a.base_model, []).append(adapter_to_pb(a))
+        for a in await self._adapter_list():
+            adapters.setdefault(a.base_model, []).append(adapter_to_pb(a))
         out = []
         for name, m in models.items():
             entry = pb.RegisteredModel(
@@ -128,7 +136,7 @@ class DeploymentRpcs:
         origin = request.origin[:200] or "ApplyDeployment"
         try:
             # (a file that would leave a catalogued LoRA adapter unservable is refused)
-            adapters = await self._adapters.list() if getattr(self, "_adapters", None) is not None else []
+            adapters = await self._adapters.list() if self._adapters is not None else []
             number, changes = await self._deployment.apply_file(request.text, request.file, origin, request.dry_run,
                                                                 check=still_served(adapters))
         except SpecError as exc:

@@ -18,10 +18,10 @@ from gaas.v1 import control_pb2_grpc
 from gaas.contracts.ids import WorkerId
 from services.control.catalog import ModelCatalog
 from services.control.deployment import Deployment
+from services.control.adapters import AdapterStore
 from services.control.deployrpc import DeploymentRpcs, adapter_to_pb
 from services.control.rollout.driver import Driver
 from services.control.prefixes import PrefixStore, PublicPrefix
-from services.control.adapters import AdapterStore
 from gaas.contracts.adapters import Adapter
 from gaas.contracts.pricing import Price
 from services.control.registry import DRAINING, SERVING, WorkerRecord, WorkerRegistry
@@ -164,18 +164,8 @@ class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
     async def _lease_of(self, record: WorkerRecord) -> pb.Lease:
         """The worker's lease, with the ids of the adapters catalogued for its model."""
         lease = _lease(record, self._registry.ttl_seconds)
-        if self._adapters is not None:
-            lease.adapter_ids.extend((await self._adapter_ids()).get(record.model, ()))
+        lease.adapter_ids.extend(a.adapter_id for a in await self._adapter_list() if a.base_model == record.model)
         return lease
-
-    async def _adapter_ids(self) -> dict[str, list[int]]:
-        async def read() -> dict[str, list[int]]:
-            ids: dict[str, list[int]] = {}
-            for a in await self._adapter_store().list():
-                ids.setdefault(a.base_model, []).append(a.adapter_id)
-            return ids
-
-        return await self._cached("adapter_ids", read)
 
     async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest, context) -> pb.DeregisterWorkerResponse:
         _only_the_worker_itself(request.worker_id)
