@@ -514,9 +514,10 @@ class VllmEngine(Engine):
         return request
 
     async def retain_adapters(self, adapter_ids: Collection[int]) -> None:
-        if not self.info.adapter_slots:
-            return
+        """(Asked at every lease renewal: nothing to ask the engine while it holds only kept ones.)"""
         keep = set(adapter_ids)
+        if not self.info.adapter_slots or self._resident <= keep:
+            return
         for adapter_id in set(await self._llm.list_loras()) - keep:
             removed = await self._llm.remove_lora(adapter_id)
             log.info("adapter %s (engine id %d) unloaded: it was removed from the catalogue (%s)",

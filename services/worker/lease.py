@@ -33,15 +33,15 @@ class LeaseKeeper:
         load: Callable[[], common_pb2.WorkerLoad] | None = None,
         adapters: Callable[[frozenset[int]], Awaitable[None]] | None = None,
     ) -> None:
-        """adapters: told the engine ids of the adapters catalogued for the worker's model when
-        they change (the engine unloads those it holds that are not among them)."""
+        """adapters: told, at each renewal, the engine ids of the adapters catalogued for the
+        worker's model (the engine unloads those it holds that are not among them)."""
         self._stub = stub
         self._info = info
         # Renewals (with a load report) this often; the lease's TTL bounds it from above.
         self._renew_seconds = renew_seconds
         self._load = load
         self._adapters = adapters
-        self._catalogued: frozenset[int] | None = None
+        self._adapters_failed = False
         self._state = pb.WORKER_STATE_SERVING
         self._task: asyncio.Task | None = None
         self._load_failed = False
@@ -65,14 +65,17 @@ class LeaseKeeper:
         self._interval = min(self._renew_seconds, max(0.5, lease.ttl_seconds / 3))
 
     async def _adapters_are(self, lease: pb.Lease) -> None:
-        ids = frozenset(lease.adapter_ids)
-        if self._adapters is None or ids == self._catalogued:
+        """Told at every renewal, not only when the catalogue changes: a router whose view lagged
+        may have had an adapter loaded here just after its removal (seen in CI)."""
+        if self._adapters is None:
             return
         try:
-            await self._adapters(ids)
-            self._catalogued = ids
+            await self._adapters(frozenset(lease.adapter_ids))
+            self._adapters_failed = False
         except Exception as exc:  # noqa: BLE001 - tried again at the next renewal
-            log.warning("cannot unload the adapters removed from the catalogue: %s: %s", type(exc).__name__, exc)
+            if not self._adapters_failed:
+                log.warning("cannot unload the adapters removed from the catalogue: %s: %s", type(exc).__name__, exc)
+            self._adapters_failed = True
 
     async def _load_report(self) -> common_pb2.WorkerLoad | None:
         """The load to send, or None when there is none or it cannot be read: a broken load report

@@ -61,3 +61,26 @@ async def test_an_unexpected_error_is_logged_and_retried_not_fatal(caplog):
     keeper._task.cancel()
     assert control.registrations[0].worker.load.running_requests == 1
     assert any("registration or renewal failed (RuntimeError" in r.message for r in caplog.records)
+
+
+async def test_every_renewal_tells_the_engine_which_adapters_the_catalogue_holds():
+    """Not only when the catalogue changes: an adapter a lagging router had loaded here just after
+    its removal must go at the next renewal too."""
+    control = Control()
+    control.RenewLease = lambda request, timeout=None: _lease_with(control, request, [7, 9])
+    told: list[frozenset[int]] = []
+
+    async def adapters(ids):
+        told.append(ids)
+
+    keeper = LeaseKeeper(control, pb.WorkerInfo(worker_id="worker-0", address="127.0.0.1:1"), 0.05,
+                         adapters=adapters)
+    keeper.start()
+    await _until(lambda: len(told) >= 3)
+    keeper._task.cancel()
+    assert told[1:3] == [frozenset({7, 9})] * 2, "the same catalogue, told again at each renewal"
+
+
+async def _lease_with(control, request, ids):
+    control.renewals.append(request)
+    return pb.Lease(ttl_seconds=3, adapter_ids=ids)
