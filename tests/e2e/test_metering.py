@@ -138,11 +138,14 @@ def test_the_ledger_equals_what_the_clients_received(mesh):
 
 def test_a_client_that_hangs_up_mid_stream_is_billed_for_what_it_was_sent(mesh):
     tenant, key = new_tenant(mesh)
+    # Tokens counted by their logprobs entries, not chunks: a chunk is not always one token (CI saw
+    # five chunks carry four tokens once, with random byte-level tokens).
     stream = client(mesh, key).completions.create(model=MODEL, prompt="Tell a long story", max_tokens=400,
-                                                  stream=True, temperature=1.0)
-    got = 0
+                                                  stream=True, temperature=1.0, logprobs=1)
+    got = received = 0
     for chunk in stream:
         got += 1
+        received += len(chunk.choices[0].logprobs.tokens or []) if chunk.choices and chunk.choices[0].logprobs else 0
         if got == 5:
             break
     stream.close()
@@ -153,7 +156,8 @@ def test_a_client_that_hangs_up_mid_stream_is_billed_for_what_it_was_sent(mesh):
             break
         time.sleep(0.25)
     assert requests == 1 and prompt > 0
-    assert 5 <= completion < 400, "billed for the tokens produced before the client left, not the whole budget"
+    assert 1 <= received <= completion < 400, \
+        "billed for the tokens produced before the client left, not the whole budget"
 
 
 def test_no_prefill_without_a_bill(mesh):
