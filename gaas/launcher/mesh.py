@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from gaas.envoy import config as envoyconf
+from gaas.envoy.binary import ENVOY_ARGS
 from gaas.launcher import fleet
 from gaas.launcher.children import (
     RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_setup, signal_group, start_ticks, stop_leftovers,
@@ -32,6 +33,7 @@ from gaas.launcher.secrets import (
     with_password, without_secrets,
 )
 from gaas.ops import pki, probe, promconf, protogen, redisacl
+from gaas.ops.serviceenv import Placement, placed_values
 from gaas.settings import deployspec
 from gaas.settings import worker as worker_settings
 from gaas.settings.env import env_of, value_from_env, variables
@@ -285,20 +287,12 @@ class Mesh:
         settings = SERVICE_SETTINGS[inst.service]
         has = {v.field: v.name for v in variables(settings)}
         sockets = LocalSockets.of(self.sockets, inst.name)
-        # Where it is in the mesh; each service gets those of these it has.
-        placed = {
-            "instance": inst.name,
-            "host": inst.host,
-            "port": inst.port,
-            "metrics_port": inst.metrics_port,
-            "advertise": inst.inbound,
-            # Service and sidecar meet on Unix sockets only the mesh's owner can reach.
-            "listen": f"unix:{sockets.service}",
-            "outbound": f"unix:{sockets.outbound}",
-            "spool_dir": str(self.run_dir / "spool"),
-            "deploy_file": str(self.deploy_file),
-        }
-        values = {k: v for k, v in placed.items() if k in has}
+        # Where it is in the mesh (gaas.ops.serviceenv, as the Kubernetes manifests place it too):
+        # service and sidecar meet on Unix sockets only the mesh's owner can reach.
+        values = placed_values(inst, Placement(
+            instance=inst.name, host=inst.host, advertise=inst.inbound, listen=f"unix:{sockets.service}",
+            outbound=f"unix:{sockets.outbound}", spool_dir=str(self.run_dir / "spool"),
+            deploy_file=str(self.deploy_file)))
         if inst.service in REDIS_CLIENTS:
             user = self.redis_users.get(inst.service)
             values["redis_url"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
@@ -312,9 +306,6 @@ class Mesh:
             # Follow the caller's decision; never start a trace of their own (background calls).
             env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
         if inst.service == "worker":
-            o = inst.options
-            values.update(model=str(o["model"]), model_path=str(o["source"]), model_version=str(o["version"]),
-                          max_model_len=int(o["max_model_len"]), **worker_settings.from_topology(o))
             if self.gpus:
                 slot = self._gpu_slot(inst)
                 values.update(device="cuda", gpu_memory_utilization=slot.memory_fraction)
@@ -372,8 +363,7 @@ class Mesh:
         cmd = [
             envoyconf.envoy_binary(),
             "-c", str(config),
-            "--concurrency", "1",
-            "--disable-hot-restart",
+            *ENVOY_ARGS,
             "--log-level", os.environ.get("GAAS_ENVOY_LOG_LEVEL", "warn"),
             "--service-node", name,
         ]
