@@ -15,6 +15,9 @@ CLIENT_REQUEST_ID_HEADER = "x-request-id"
 # Who called, as the inbound sidecar verified the caller's certificate (Envoy sets it, replacing
 # anything the caller sent); gaas.contracts.identity.caller_from_xfcc reads it.
 CALLER_HEADER = "x-forwarded-client-cert"
+# The address the caller's connection came from, as the inbound sidecar saw it (set by it, replacing
+# anything the caller sent).
+PEER_ADDRESS_HEADER = "x-gaas-peer-address"
 # Marks an answer that says nothing of the request was done (a sidecar's own reply for a service it
 # could not reach, or a service refusing a request it did not start: a worker busy or without its
 # engine), so the hop before it may send it to another replica.

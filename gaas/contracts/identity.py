@@ -33,6 +33,25 @@ class Caller:
 
     identity: str
     sidecar: str = ""
+    # The address its connection came from (what the receiving sidecar saw; "" unknown).
+    peer: str = ""
+
+    def at(self, peer: str) -> "Caller":
+        return Caller(self.identity, self.sidecar, peer)
+
+    def may_register(self, worker_id: str, address: str | None = None) -> bool:
+        """Whether this caller may register (at address, when given), renew or deregister worker
+        worker_id. A worker's own certificate (`gaas up` issues one per worker) names its id and
+        its sidecar's address; a pool's (Kubernetes: one per worker Deployment, whose pods are
+        named after it) names the Deployment, and its workers register at the address their
+        connection comes from."""
+        if self.kind != "worker":
+            return False
+        if self.sidecar:
+            return self.name == worker_id and (address is None or address == self.sidecar)
+        if not (self.name and worker_id.startswith(self.name + "-")):
+            return False
+        return address is None or (bool(self.peer) and address.rpartition(":")[0].strip("[]") == self.peer)
 
     @property
     def kind(self) -> str:

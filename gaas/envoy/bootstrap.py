@@ -11,14 +11,27 @@ from gaas.contracts import edge
 from gaas.envoy.clusters import ads, static_cluster
 from gaas.envoy.listeners import listener, router_filter
 from gaas.envoy.tracing import OTLP_CLUSTER
+from gaas.ops.topology import READY_PATH
 from gaas.ops.traces import TraceTarget
 
 STATS_PATH = "/stats/prometheus"
 
 
-def stats_listener(host: str, port: int, admin: dict) -> tuple[dict, dict]:
+def ready_filter(cluster: str) -> dict:
+    """Answers READY_PATH itself: 200 while every host of cluster (a sidecar's own service) passes
+    its health check, 503 otherwise."""
+    return {"name": "envoy.filters.http.health_check", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck",
+        "pass_through_mode": False,
+        "headers": [{"name": ":path", "string_match": {"exact": READY_PATH}}],
+        "cluster_min_healthy_percentages": {cluster: {"value": 100.0}},
+    }}
+
+
+def stats_listener(host: str, port: int, admin: dict, ready: str | None = None) -> tuple[dict, dict]:
     """A listener for Prometheus in front of this Envoy's admin (given as its address): GET
-    /stats/prometheus (or /metrics) is passed on; nothing else of the admin is reachable."""
+    /stats/prometheus (or /metrics) is passed on; nothing else of the admin is reachable. ready:
+    the cluster whose health READY_PATH answers (ready_filter)."""
     routes = [
         {"match": {"path": STATS_PATH}, "route": {"cluster": "envoy_admin"}},
         {"match": {"path": "/metrics"}, "route": {"cluster": "envoy_admin", "prefix_rewrite": STATS_PATH}},
@@ -31,7 +44,7 @@ def stats_listener(host: str, port: int, admin: dict) -> tuple[dict, dict]:
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": "envoy_stats",
             "codec_type": "AUTO",
-            "http_filters": [router_filter()],
+            "http_filters": [*([ready_filter(ready)] if ready else []), router_filter()],
             "route_config": {"name": "envoy_stats", "virtual_hosts": [
                 {"name": "envoy_stats", "domains": ["*"], "routes": routes}]},
         },
@@ -73,7 +86,7 @@ def edge_overload() -> dict:
 
 def bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict], *,
               stats: tuple[str, int] | None = None, trace: TraceTarget | None = None, edge_proxy: bool = False,
-              xds: dict | None = None) -> dict:
+              xds: dict | None = None, ready: str | None = None) -> dict:
     """An Envoy's whole config. edge_proxy: the ingress, whose connections and memory the overload
     manager bounds (edge_overload); a sidecar bounds its connections by runtime. xds: the cluster of
     control's replicas, when this Envoy takes the workers' endpoints from them (clusters.ads)."""
@@ -81,7 +94,7 @@ def bootstrap(name: str, admin: dict, listeners: list[dict], clusters: list[dict
     if xds is not None:
         clusters.append(xds)
     if stats is not None:
-        scrape, admin_cluster = stats_listener(*stats, admin)
+        scrape, admin_cluster = stats_listener(*stats, admin, ready)
         listeners.append(scrape)
         clusters.append(admin_cluster)
     if trace is not None:

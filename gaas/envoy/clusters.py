@@ -68,7 +68,9 @@ def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check:
         # Passive checks too (behind the routers' own circuit breakers): a replica answering 5xx
         # (gRPC UNAVAILABLE / INTERNAL map there) or unreachable several times in a row is ejected
         # for a while, at most half of a cluster at once.
-        answers = eject_on_answers and len(endpoints) > 1
+        # (A DNS name stands for every replica behind it: a Kubernetes Service's pods.)
+        several = len(endpoints) > 1 or not is_ip
+        answers = eject_on_answers and several
         cluster["outlier_detection"] = {
             "consecutive_5xx": 5,
             "enforcing_consecutive_5xx": 100 if answers else 0,
@@ -78,7 +80,7 @@ def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check:
             "base_ejection_time": "10s",
             "max_ejection_percent": 50,
         }
-        if len(endpoints) > 1:
+        if several:
             # A replica that cannot be reached at all (connect failure, reset) is ejected at its
             # first such failure, without waiting for the health checks' interval (with one
             # replica there is nowhere else to go: it stays, and its health checks decide).
@@ -90,8 +92,12 @@ def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check:
     return cluster
 
 
-def pipe_cluster(name: str, path: Path) -> dict:
-    """A cluster of one gRPC server on a Unix socket."""
+def pipe_cluster(name: str, path: Path, health_check: bool = False) -> dict:
+    """A cluster of one gRPC server on a Unix socket; health_check: asked its gRPC health every
+    few seconds (a sidecar in a pod, whose readiness is its service's: bootstrap's ready)."""
+    checks = {"health_checks": [{"timeout": "1s", "interval": "2s", "no_traffic_interval": "2s",
+                                 "unhealthy_threshold": 1, "healthy_threshold": 1, "grpc_health_check": {}}],
+              "common_lb_config": {"healthy_panic_threshold": {"value": 0}}} if health_check else {}
     return {
         "name": name,
         "type": "STATIC",
@@ -99,6 +105,7 @@ def pipe_cluster(name: str, path: Path) -> dict:
         "typed_extension_protocol_options": HTTP2,
         "load_assignment": {"cluster_name": name, "endpoints": [
             {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": str(path)}}}}]}]},
+        **checks,
     }
 
 

@@ -182,7 +182,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         **tracing(trace, "ingress-0", edge=True),
     )
     edge_tls = downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
-    edge_listener = listener("ingress", topo.host, topo.ingress_port, manager, edge_tls)
+    edge_listener = listener("ingress", topo.bind(), topo.ingress_port, manager, edge_tls)
     edge_listener["per_connection_buffer_limit_bytes"] = edge.CONNECTION_BUFFER_BYTES
     ingress_creds = authority.credentials(*pki.INGRESS)
     routers = [(r.host, r.inbound_port) for r in topo.of("router")]
@@ -196,5 +196,5 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         clusters.append(workers_cluster(ingress_creds))
     admin = (pipe_address(LocalSockets.of(sockets, "ingress-0").admin) if sockets
              else socket_address(topo.host, topo.ingress_admin_port))
-    return bootstrap("ingress-0", admin, [edge_listener], clusters, stats=(topo.host, topo.ingress_stats_port),
+    return bootstrap("ingress-0", admin, [edge_listener], clusters, stats=(topo.bind(), topo.ingress_stats_port),
                      trace=trace, edge_proxy=True, xds=xds_cluster(topo, ingress_creds) if direct else None)

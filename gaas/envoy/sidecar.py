@@ -23,7 +23,7 @@ from gaas.ops import pki
 from gaas.contracts.services import GRPC_SERVICE
 from gaas.ops.topology import TALKS_TO, Instance, LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
-from gaas.runtime.context import WORKER_HEADER
+from gaas.runtime.context import PEER_ADDRESS_HEADER, WORKER_HEADER
 
 
 def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarget | None = None,
@@ -41,6 +41,11 @@ def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarge
         forward_client_cert_details="SANITIZE_SET",
         set_current_client_cert_details={"uri": True},
         local_reply_config=unreached_replies(),
+        # And from which address it called (a worker whose certificate is its pool's registers
+        # only its own address: services/control/servicer.py).
+        vhost={"request_headers_to_add": [{
+            "header": {"key": PEER_ADDRESS_HEADER, "value": "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]},
         **tracing(trace, envoy),
     )
 
@@ -55,8 +60,8 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
     envoy = f"sidecar-{inst.name}"
     inbound = inbound_hcm(f"{inst.name}_inbound", inst.service, log_dir / f"envoy-{inst.name}-access.log",
                           trace, envoy, inst.name, direct=topo.ingress_path == "direct")
-    listeners = [listener("inbound", inst.host, inst.inbound_port, inbound, server_tls(creds))]
-    clusters = [pipe_cluster("local_service", local.service) if local
+    listeners = [listener("inbound", topo.bind(inst), inst.inbound_port, inbound, server_tls(creds))]
+    clusters = [pipe_cluster("local_service", local.service, health_check=topo.pod) if local
                 else static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
 
     peers = TALKS_TO[inst.service]
@@ -87,5 +92,6 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
                                   pipe=local.outbound if local else None))
     admin = pipe_address(local.admin) if local else socket_address(inst.host, inst.admin_port)
     reaches_workers = "worker" in peers
-    return bootstrap(envoy, admin, listeners, clusters, stats=(inst.host, inst.envoy_stats_port), trace=trace,
+    return bootstrap(envoy, admin, listeners, clusters, stats=(topo.bind(inst), inst.envoy_stats_port), trace=trace,
+                     ready="local_service" if topo.pod else None,
                      xds=xds_cluster(topo, creds) if reaches_workers else None)

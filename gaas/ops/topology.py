@@ -43,6 +43,9 @@ PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
 # An Envoy's statistics for Prometheus (its admin's /stats/prometheus, nothing else of the admin).
 ENVOY_STATS_OFFSET = 5
+# On a sidecar's statistics port in a pod: 200 while its service's gRPC health is SERVING, 503
+# otherwise (the kubelet's readiness probe; Topology.pod).
+READY_PATH = "/ready"
 # In the ingress's block: where `gaas up --trace` receives spans over OTLP/gRPC (gaas.ops.tracesink).
 TRACE_OFFSET = 6
 
@@ -153,6 +156,17 @@ class Topology:
     # How generations reach their worker (INGRESS_PATHS): from the ingress straight to the worker
     # the router picked at the ingress, or through the router.
     ingress_path: str = "direct"
+    # Instances in Kubernetes pods (gaas/k8s): each instance's host is its Service's name, which
+    # peers dial, while its listeners on the pod network take every address of the pod; and each
+    # sidecar health-checks its service and answers the kubelet's readiness probe (READY_PATH on
+    # its statistics port) with what the service's gRPC health says.
+    pod: bool = False
+
+    def bind(self, inst: "Instance | None" = None) -> str:
+        """Where a listener on the network (an inbound or statistics listener, the ingress) binds."""
+        if self.pod:
+            return "0.0.0.0"
+        return inst.host if inst is not None else self.host
 
     @property
     def ingress_admin_port(self) -> int:

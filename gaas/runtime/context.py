@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 
 from gaas.contracts.headers import (  # noqa: F401 - the keys, read here; importable from here too
-    AUTHORIZATION_HEADER, CALLER_HEADER, CLIENT_REQUEST_ID_HEADER, INGRESS_START_HEADER, REQUEST_ID_HEADER,
-    TENANT_HEADER, WORKER_HEADER,
+    AUTHORIZATION_HEADER, CALLER_HEADER, CLIENT_REQUEST_ID_HEADER, INGRESS_START_HEADER, PEER_ADDRESS_HEADER,
+    REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER,
 )
 from gaas.contracts.identity import Caller, caller_from_xfcc
 from gaas.contracts.ids import TenantId
@@ -31,6 +31,8 @@ authorization_var: ContextVar[str] = ContextVar("gaas_authorization", default=""
 client_request_id_var: ContextVar[str] = ContextVar("gaas_client_request_id", default="")
 # The raw x-forwarded-client-cert of the current call ("" when it did not come through a sidecar).
 caller_var: ContextVar[str] = ContextVar("gaas_caller", default="")
+# The address its connection came from, as the sidecar saw it ("" likewise).
+peer_var: ContextVar[str] = ContextVar("gaas_peer", default="")
 # The status code a servicer answered with inside its stream, the call itself ending OK
 # (gaas.runtime.status.answer_in_stream); "" when none. The interceptor counts the call under it.
 answered_var: ContextVar[str] = ContextVar("gaas_answered", default="")
@@ -82,4 +84,5 @@ def current_authorization() -> str:
 
 def current_caller() -> Caller | None:
     """The verified caller of the RPC being served (None when it did not come through a sidecar)."""
-    return caller_from_xfcc(caller_var.get())
+    caller = caller_from_xfcc(caller_var.get())
+    return caller if caller is None else caller.at(peer_var.get())

@@ -30,12 +30,14 @@ from gaas.contracts import errors
 from gaas.runtime import status
 from gaas.runtime.context import (
     CALLER_HEADER,
+    PEER_ADDRESS_HEADER,
     REQUEST_ID_HEADER,
     TENANT_HEADER,
     WORKER_HEADER,
     answered_var,
     begin_request,
     caller_var,
+    peer_var,
     request_id_var,
     tenant_var,
 )
@@ -145,6 +147,7 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
         md = _headers(context.invocation_metadata())
         begin_request(md, edge=self._edge)
         caller_var.set(md.get(CALLER_HEADER, ""))
+        peer_var.set(md.get(PEER_ADDRESS_HEADER, ""))
         answered_var.set("")
         if self._named_as and (named := md.get(WORKER_HEADER)) and self._named_as not in named.split(","):
             raise NotNamed(f"this worker ({self._named_as}) is not the one the request was sent to ({named}); "

@@ -53,13 +53,14 @@ def worker_to_pb(r: WorkerRecord) -> pb.WorkerInfo:
 
 def _only_the_worker_itself(worker_id: str, address: str | None = None) -> None:
     """A worker's registration is its own: the caller's certificate (verified by control's sidecar)
-    must name that worker id and, when registering, that address as its sidecar's."""
+    must name that worker (or its pool) and, when registering, that address as its sidecar's
+    (gaas.contracts.identity.Caller.may_register)."""
     caller = current_caller()
-    if caller is None or caller.kind != "worker" or caller.name != worker_id:
+    if caller is None or not caller.may_register(worker_id):
         raise errors.PermissionDenied(
             f"only worker {errors.quote(worker_id)} itself, through its sidecar, may register, renew or deregister it"
         )
-    if address is not None and caller.sidecar != address:
+    if address is not None and not caller.may_register(worker_id, address):
         raise errors.PermissionDenied(
             f"worker {errors.quote(worker_id)} registers at its own sidecar, not at {errors.quote(address)}"
         )
