@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: help install proto model run test test-unit test-router bench gpu-check envoy-config clean
+.PHONY: help install proto model run test test-unit test-router bench gpu-check envoy-config k8s clean
 
 help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
@@ -17,6 +17,7 @@ help:
 	@echo "             through it, compare with vLLM's own server on the same GPU (bench/results/gpu-check.json)"
 	@echo "make model   build the tiny local model into models/gaas-tiny"
 	@echo "make envoy-config   render the Envoy configs of deploy/topology.yaml into envoy/generated/"
+	@echo "make k8s     render the Kubernetes manifests (Kustomize) into deploy/k8s/ with their secrets, and validate them"
 
 install:
 	@bash scripts/install.sh
@@ -61,6 +62,10 @@ gpu-check:
 
 envoy-config: proto
 	@$(BIN)/gaas envoy render
+
+k8s: proto
+	$(BIN)/gaas k8s render
+	$(BIN)/gaas k8s validate
 
 clean:
 	rm -rf build gaas/v1 envoy/generated .gaas .pytest_cache
