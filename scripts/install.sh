@@ -27,7 +27,13 @@ STAMP="$VENV/.gaas-installed"
 
 say() { printf 'install: %s\n' "$*" >&2; }
 
-if [ "$("$PYTHON" gaas/host/devices.py kind 2>/dev/null)" = cuda ]; then
+# GAAS_INSTALL_DEVICE=gpu|cpu decides instead of this host's GPUs (a container image built on a
+# machine without one: deploy/containers/Containerfile.worker).
+if [ -n "${GAAS_INSTALL_DEVICE:-}" ] && [ "$GAAS_INSTALL_DEVICE" != gpu ] && [ "$GAAS_INSTALL_DEVICE" != cpu ]; then
+  say "error: GAAS_INSTALL_DEVICE must be gpu or cpu, not '$GAAS_INSTALL_DEVICE'"
+  exit 1
+fi
+if [ "${GAAS_INSTALL_DEVICE:-}" = gpu ] || { [ -z "${GAAS_INSTALL_DEVICE:-}" ] && [ "$("$PYTHON" gaas/host/devices.py kind 2>/dev/null)" = cuda ]; }; then
   DEVICE=gpu
   driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
   if [ -n "$driver" ] && [ "${driver%%.*}" -lt "$MIN_DRIVER" ] 2>/dev/null; then
@@ -89,7 +95,10 @@ from vllm.platforms import current_platform
 device = sys.argv[1]
 cuda = bool(torch.version.cuda)
 platform = current_platform.device_type
-if device == "gpu" and not (cuda and platform == "cuda" and torch.cuda.is_available()):
+import os
+if device == "gpu" and os.environ.get("GAAS_INSTALL_DEVICE") == "gpu" and cuda:
+    pass  # (an image built where no GPU is: its CUDA build is all that can be checked here)
+elif device == "gpu" and not (cuda and platform == "cuda" and torch.cuda.is_available()):
     sys.exit(f"install: this is a GPU host, but torch {torch.__version__} (CUDA {torch.version.cuda}) and vLLM's "
              f"platform {platform!r} do not compute on it (torch.cuda.is_available() is {torch.cuda.is_available()})")
 if device == "cpu" and (cuda or platform != "cpu"):
@@ -104,7 +113,8 @@ PY
   say "done"
 fi
 
-if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
+# (An image build, GAAS_INSTALL_DEVICE set, needs neither server: the cluster runs its own.)
+if [ -z "${GAAS_INSTALL_DEVICE:-}" ] && ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     say "installing redis-server (Debian package)"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null \
@@ -114,7 +124,7 @@ if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; 
   fi
 fi
 
-if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+if [ -z "${GAAS_INSTALL_DEVICE:-}" ] && ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     say "installing postgresql (Debian package; the tests start their own server with it)"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null \
