@@ -26,6 +26,8 @@ from gaas.contracts.device import DeviceRequirement
 from gaas.envoy import config as envoyconf
 from gaas.envoy.binary import ENVOY_ARGS
 from gaas.k8s import pods
+# (The module each service's container runs, and the ingress's drain, are what `gaas up` uses.)
+from gaas.launcher.mesh import INGRESS_DRAIN_SECONDS, SERVICE_MODULES
 from gaas.launcher.secrets import REDIS_CLIENTS, SECRETS
 from gaas.ops import protogen
 from gaas.ops.serviceenv import service_env
@@ -185,10 +187,6 @@ def service_container(inst: Instance, startup_seconds: int, resources: tuple[dic
     if reads_deploy_file(inst.service):
         c["volumeMounts"].append(mount("deploy", pods.DEPLOY_DIR, True))
     return c
-
-
-# The module each service's container runs (what `gaas up` runs).
-from gaas.launcher.mesh import SERVICE_MODULES  # noqa: E402
 
 
 def pod_volumes(name: str, *, deploy: bool) -> list[dict]:
@@ -386,14 +384,12 @@ def _label(inst: Instance) -> str:
 
 def ingress_objects(topo: Topology, descriptor: str) -> list[dict]:
     name = pods.INGRESS
-    local = pods.sockets("ingress-0")
     config = envoyconf.ingress_config(topo, Path(descriptor), Path(pods.LOG_DIR), pods.authority(), None,
                                       Path(pods.SOCKETS_DIR))
-    del local
     envoy = envoy_container("ingress-0", RESOURCES["ingress"], sidecar=False)
     envoy["ports"].insert(0, {"name": "http", "containerPort": pods.INGRESS_PORT})
     envoy["readinessProbe"] = http_probe(pods.ENVOY_STATS_PORT, "/metrics", period=2, failures=2)
-    dep = deployment(name, "ingress", [envoy], [], replicas=2, grace=int(_ingress_drain()) + 5,
+    dep = deployment(name, "ingress", [envoy], [], replicas=2, grace=int(INGRESS_DRAIN_SECONDS) + 5,
                      volumes=[v for v in pod_volumes(name, deploy=False)
                               if v["name"] in ("envoy", "pki", "sockets", "logs")])
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": meta(name, "ingress"),
@@ -403,12 +399,6 @@ def ingress_objects(topo: Topology, descriptor: str) -> list[dict]:
     stats["spec"]["selector"] = selector(name)
     return [service_account(name, "ingress"), envoy_configmap(name, "ingress", config), dep, svc, stats,
             pdb(name, "ingress", {"minAvailable": 1}), hpa(name, "ingress", 2, 8)]
-
-
-def _ingress_drain() -> float:
-    from gaas.launcher.mesh import INGRESS_DRAIN_SECONDS
-
-    return INGRESS_DRAIN_SECONDS
 
 
 def redis_objects() -> list[dict]:

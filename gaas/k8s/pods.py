@@ -16,7 +16,7 @@ from gaas.launcher.fleet import PoolSpec
 from gaas.ops import pki
 from gaas.ops.serviceenv import Placement
 from gaas.ops.topology import (
-    ADMIN_OFFSET, ENVOY_STATS_OFFSET, INBOUND_OFFSET, METRICS_OFFSET, SERVICES, Instance, LocalSockets, Topology,
+    ENVOY_STATS_OFFSET, INBOUND_OFFSET, METRICS_OFFSET, POD_BIND, SERVICES, Instance, LocalSockets, Topology,
 )
 from gaas.settings import deployspec
 
@@ -44,7 +44,6 @@ PORT_BASE = 9000
 INBOUND_PORT = PORT_BASE + INBOUND_OFFSET
 METRICS_PORT = PORT_BASE + METRICS_OFFSET
 ENVOY_STATS_PORT = PORT_BASE + ENVOY_STATS_OFFSET
-ADMIN_PORT = PORT_BASE + ADMIN_OFFSET
 INGRESS_PORT = 8080
 # (The ingress's statistics are on its own pod's PORT_BASE + 5, like every sidecar's.)
 REDIS_PORT = 6379
@@ -121,7 +120,7 @@ def placement(inst: Instance) -> Placement:
     """Where a service container is (gaas.ops.serviceenv): its pod's name and address come from the
     downward API ($(POD_NAME), $(POD_IP): Kubernetes expands them in env values)."""
     local = sockets(inst.name)
-    return Placement(instance="$(POD_NAME)", host="0.0.0.0", advertise=f"$(POD_IP):{INBOUND_PORT}",
+    return Placement(instance="$(POD_NAME)", host=POD_BIND, advertise=f"$(POD_IP):{INBOUND_PORT}",
                      listen=f"unix:{local.service}", outbound=f"unix:{local.outbound}",
                      spool_dir=str(SPOOL_DIR), deploy_file=str(DEPLOY_FILE))
 

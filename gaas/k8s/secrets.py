@@ -17,12 +17,13 @@ from pathlib import Path
 import yaml
 
 from gaas.k8s import manifests, pods
-from gaas.launcher.secrets import REDIS_CLIENTS
+from gaas.launcher.secrets import REDIS_CLIENTS, SECRETS
 from gaas.ops import pki, redisacl
 from gaas.ops.topology import Topology
 
 SECRETS_DIR = "secrets"
-DATABASES = {"control": "GAAS_DATABASE_URL", "billing": "GAAS_BILLING_DATABASE_URL"}
+# Service kind -> the variable of its database's URL (the secrets it is given: gaas.launcher.secrets).
+DATABASES = {kind: var for var, kinds in SECRETS.items() if var.endswith("DATABASE_URL") for kind in kinds}
 
 
 def _write(path: Path, text: str) -> None:

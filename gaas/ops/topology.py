@@ -43,6 +43,8 @@ PORTS_PER_INSTANCE = 10
 SERVICE_OFFSET, INBOUND_OFFSET, OUTBOUND_OFFSET, ADMIN_OFFSET, METRICS_OFFSET = 0, 1, 2, 3, 4
 # An Envoy's statistics for Prometheus (its admin's /stats/prometheus, nothing else of the admin).
 ENVOY_STATS_OFFSET = 5
+# Where a pod's listeners on the network bind: every address of the pod.
+POD_BIND = "0.0.0.0"
 # On a sidecar's statistics port in a pod: 200 while its service's gRPC health is SERVING, 503
 # otherwise (the kubelet's readiness probe; Topology.pod).
 READY_PATH = "/ready"
@@ -165,7 +167,7 @@ class Topology:
     def bind(self, inst: "Instance | None" = None) -> str:
         """Where a listener on the network (an inbound or statistics listener, the ingress) binds."""
         if self.pod:
-            return "0.0.0.0"
+            return POD_BIND
         return inst.host if inst is not None else self.host
 
     @property
