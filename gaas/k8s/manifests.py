@@ -401,38 +401,44 @@ def ingress_objects(topo: Topology, descriptor: str) -> list[dict]:
             pdb(name, "ingress", {"minAvailable": 1}), hpa(name, "ingress", 2, 8)]
 
 
+def stateful_set(name: str, container: dict, volumes: list[dict], storage: str) -> dict:
+    """One replica of a third party's server (its image's user, 999) with a volume of its own
+    (data), for a trial: Redis, PostgreSQL."""
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(name, container["name"]),
+        "spec": {
+            "serviceName": name, "replicas": 1, "selector": {"matchLabels": selector(name)},
+            "template": {"metadata": {"labels": labels(name, container["name"])}, "spec": {
+                "automountServiceAccountToken": False,
+                "enableServiceLinks": False,
+                "securityContext": {"fsGroup": 999, "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [container],
+                "volumes": volumes,
+            }},
+            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
+                "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage}}}}],
+        },
+    }
+
+
 def redis_objects() -> list[dict]:
     """Redis for the mesh (a trial's; point GAAS_REDIS_URL in the services' Secrets at a managed
     one instead): its config, with a password and a user per service, in a Secret."""
     name = pods.REDIS
     requests, limits = RESOURCES["redis"]
-    sts = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(name, "redis"),
-        "spec": {
-            "serviceName": name, "replicas": 1, "selector": {"matchLabels": selector(name)},
-            "template": {"metadata": {"labels": labels(name, "redis")}, "spec": {
-                "automountServiceAccountToken": False,
-                "enableServiceLinks": False,
-                "securityContext": {"fsGroup": 999, "seccompProfile": {"type": "RuntimeDefault"}},
-                "containers": [{
-                    "name": "redis", "image": REDIS_IMAGE,
-                    "command": ["redis-server", "/run/gaas/redis/redis.conf"],
-                    "ports": [{"name": "redis", "containerPort": pods.REDIS_PORT}],
-                    "readinessProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 2},
-                    "livenessProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 10},
-                    "startupProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 1, "failureThreshold": 30},
-                    "resources": {"requests": requests, "limits": limits},
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
-                                        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                        "capabilities": {"drop": ["ALL"]}},
-                    "volumeMounts": [mount("config", "/run/gaas/redis", True), mount("data", "/data")],
-                }],
-                "volumes": [{"name": "config", "secret": {"secretName": f"{name}-config", "defaultMode": 0o440}}],
-            }},
-            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
-                "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "2Gi"}}}}],
-        },
-    }
+    sts = stateful_set(name, {
+        "name": "redis", "image": REDIS_IMAGE,
+        "command": ["redis-server", "/run/gaas/redis/redis.conf"],
+        "ports": [{"name": "redis", "containerPort": pods.REDIS_PORT}],
+        "readinessProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 2},
+        "livenessProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 10},
+        "startupProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 1, "failureThreshold": 30},
+        "resources": {"requests": requests, "limits": limits},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [mount("config", "/run/gaas/redis", True), mount("data", "/data")],
+    }, [{"name": "config", "secret": {"secretName": f"{name}-config", "defaultMode": 0o440}}], "2Gi")
     return [sts, headless_service(name, "redis", [("redis", pods.REDIS_PORT)])]
 
 
@@ -441,35 +447,20 @@ def postgres_objects() -> list[dict]:
     each service's database and user, from a Secret)."""
     name = pods.POSTGRES
     requests, limits = RESOURCES["postgres"]
-    sts = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(name, "postgres"),
-        "spec": {
-            "serviceName": name, "replicas": 1, "selector": {"matchLabels": selector(name)},
-            "template": {"metadata": {"labels": labels(name, "postgres")}, "spec": {
-                "automountServiceAccountToken": False,
-                "enableServiceLinks": False,
-                "securityContext": {"fsGroup": 999, "seccompProfile": {"type": "RuntimeDefault"}},
-                "containers": [{
-                    "name": "postgres", "image": POSTGRES_IMAGE,
-                    "envFrom": [{"secretRef": {"name": f"{name}-env"}}],
-                    "env": [{"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"}],
-                    "ports": [{"name": "postgres", "containerPort": pods.POSTGRES_PORT}],
-                    "readinessProbe": {"exec": {"command": ["pg_isready", "-U", "postgres"]}, "periodSeconds": 5},
-                    "livenessProbe": {"tcpSocket": {"port": pods.POSTGRES_PORT}, "periodSeconds": 10},
-                    "startupProbe": {"tcpSocket": {"port": pods.POSTGRES_PORT}, "periodSeconds": 2,
-                                     "failureThreshold": 60},
-                    "resources": {"requests": requests, "limits": limits},
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
-                                        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                    "volumeMounts": [mount("data", "/var/lib/postgresql/data"),
-                                     mount("init", "/docker-entrypoint-initdb.d", True)],
-                }],
-                "volumes": [{"name": "init", "secret": {"secretName": f"{name}-init", "defaultMode": 0o444}}],
-            }},
-            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
-                "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}}],
-        },
-    }
+    sts = stateful_set(name, {
+        "name": "postgres", "image": POSTGRES_IMAGE,
+        "envFrom": [{"secretRef": {"name": f"{name}-env"}}],
+        "env": [{"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"}],
+        "ports": [{"name": "postgres", "containerPort": pods.POSTGRES_PORT}],
+        "readinessProbe": {"exec": {"command": ["pg_isready", "-U", "postgres"]}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": pods.POSTGRES_PORT}, "periodSeconds": 10},
+        "startupProbe": {"tcpSocket": {"port": pods.POSTGRES_PORT}, "periodSeconds": 2, "failureThreshold": 60},
+        "resources": {"requests": requests, "limits": limits},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
+                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [mount("data", "/var/lib/postgresql/data"),
+                         mount("init", "/docker-entrypoint-initdb.d", True)],
+    }, [{"name": "init", "secret": {"secretName": f"{name}-init", "defaultMode": 0o444}}], "10Gi")
     return [sts, headless_service(name, "postgres", [("postgres", pods.POSTGRES_PORT)])]
 
 

@@ -111,15 +111,10 @@ def pod_topology(topo: Topology, spec: deployspec.DeploySpec) -> Topology:
                    pod=True)
 
 
-def sockets(inst_name: str) -> LocalSockets:
-    """The Unix sockets of an instance (or of the ingress: its admin) in its pod's sockets volume."""
-    return LocalSockets.of(Path(SOCKETS_DIR), inst_name)
-
-
 def placement(inst: Instance) -> Placement:
     """Where a service container is (gaas.ops.serviceenv): its pod's name and address come from the
     downward API ($(POD_NAME), $(POD_IP): Kubernetes expands them in env values)."""
-    local = sockets(inst.name)
+    local = LocalSockets.of(Path(SOCKETS_DIR), inst.name)
     return Placement(instance="$(POD_NAME)", host=POD_BIND, advertise=f"$(POD_IP):{INBOUND_PORT}",
                      listen=f"unix:{local.service}", outbound=f"unix:{local.outbound}",
                      spool_dir=str(SPOOL_DIR), deploy_file=str(DEPLOY_FILE))

@@ -108,15 +108,18 @@ def overlay_files(topo: Topology) -> dict[str, str]:
 def files(topo: Topology, deploy_file: Path, opts: manifests.Options) -> dict[str, str]:
     """Every file of the rendered layout but the secrets: relative path -> text. topo: the
     topology file's (pods.pod_topology makes it Deployments)."""
-    spec = deployspec.load(deploy_file)
-    pod_topo = pods.pod_topology(topo, spec)
+    return _files(pods.pod_topology(topo, deployspec.load(deploy_file)), deploy_file, opts)
+
+
+def _files(pod_topo: Topology, deploy_file: Path, opts: manifests.Options) -> dict[str, str]:
     return {**base_files(pod_topo, opts, deploy_file.read_text()), **overlay_files(pod_topo)}
 
 
 def write(out: Path, topo: Topology, deploy_file: Path, opts: manifests.Options,
           with_secrets: bool = True, postgres_url: str = "") -> list[Path]:
     """Write the layout into out (its base and overlays replaced; secrets kept, made when missing)."""
-    rendered = files(topo, deploy_file, opts)
+    pod_topo = pods.pod_topology(topo, deployspec.load(deploy_file))
+    rendered = _files(pod_topo, deploy_file, opts)
     for sub in ("base", "overlays"):
         shutil.rmtree(out / sub, ignore_errors=True)
     written = []
@@ -126,6 +129,5 @@ def write(out: Path, topo: Topology, deploy_file: Path, opts: manifests.Options,
         path.write_text(text)
         written.append(path)
     if with_secrets:
-        spec = deployspec.load(deploy_file)
-        secrets.write(out, pods.pod_topology(topo, spec), postgres=postgres_url or True)
+        secrets.write(out, pod_topo, postgres=postgres_url or True)
     return written
