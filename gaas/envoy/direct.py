@@ -6,7 +6,7 @@ Session turns and prompt lists go through the router either way."""
 from __future__ import annotations
 
 from gaas.envoy.clusters import WORKERS_CLUSTER
-from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, decorator, grpc_route
+from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, ROUTER_CALL_RETRY, UNREACHED_HEADER, decorator, grpc_route
 from gaas.contracts.services import DIRECT_GENERATION
 from gaas.runtime.context import WORKER_HEADER
 
@@ -34,7 +34,7 @@ def ext_proc() -> dict:
         "name": EXT_PROC_FILTER,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "router"}},
+            "grpc_service": {"envoy_grpc": {"cluster_name": "router"}, "retry_policy": ROUTER_CALL_RETRY},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 # Headers and body go at once; the router answers both when the body is whole.

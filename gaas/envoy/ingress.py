@@ -18,7 +18,7 @@ from gaas.envoy.clusters import static_cluster, workers_cluster, xds_cluster
 from gaas.envoy.direct import direct_routes, ext_proc, ext_proc_disabled
 from gaas.envoy.errors import openai_errors_filter, router_unanswered_replies
 from gaas.envoy.listeners import hcm, listener, pipe_address, socket_address
-from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, UNREACHED_HEADER, grpc_route
+from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, ROUTER_CALL_RETRY, UNREACHED_HEADER, grpc_route
 from gaas.envoy.tls import client_tls, downstream_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
@@ -69,7 +69,8 @@ def ext_authz() -> dict:
         "name": "envoy.filters.http.ext_authz",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-            "grpc_service": {"envoy_grpc": {"cluster_name": AUTHZ_CLUSTER}, "timeout": f"{edge.AUTHZ_TIMEOUT_S}s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": AUTHZ_CLUSTER}, "timeout": f"{edge.AUTHZ_TIMEOUT_S}s",
+                             "retry_policy": ROUTER_CALL_RETRY},
             "transport_api_version": "V3",
             "failure_mode_allow": False,
             "status_on_error": {"code": "ServiceUnavailable"},

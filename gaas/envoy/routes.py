@@ -57,3 +57,9 @@ def grpc_route(prefix: str, cluster: str, *, retry: dict | None = None, operatio
         route["retry_policy"] = retry
     return {"match": {"prefix": prefix, "grpc": {}, **match_extra}, "route": route,
             **(decorator(operation) if operation else {})}
+
+
+# The ingress's own calls to a router (the key check, the direct path's decision): one that found
+# no router, or a router gone (its connection refused or reset before any answer), is tried again
+# on another: one router's death costs no request.
+ROUTER_CALL_RETRY = {"retry_on": "connect-failure,refused-stream,reset,unavailable", "num_retries": 2}
