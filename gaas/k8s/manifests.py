@@ -114,9 +114,10 @@ def mount(name: str, path, read_only: bool = False) -> dict:
     return {"name": name, "mountPath": str(path), **({"readOnly": True} if read_only else {})}
 
 
-def envoy_container(name: str, resources: tuple[dict, dict], *, sidecar: bool) -> dict:
-    """An Envoy running its config from the pod's ConfigMap; as a native sidecar (an init
-    container with restartPolicy Always) it starts before the service and stops after it."""
+def envoy_container(name: str, instance: str, resources: tuple[dict, dict], *, sidecar: bool) -> dict:
+    """The Envoy of instance (named name) running its config from the pod's ConfigMap; as a native
+    sidecar (an init container with restartPolicy Always) it starts before the service and stops
+    after it."""
     requests, limits = resources
     c = {
         "name": "envoy",
@@ -129,7 +130,7 @@ def envoy_container(name: str, resources: tuple[dict, dict], *, sidecar: bool) -
         "resources": {"requests": requests, "limits": limits},
         "securityContext": security(),
         "volumeMounts": [mount("envoy", pods.ENVOY_DIR, True), mount("pki", pods.PKI_DIR, True),
-                         mount("sockets", pods.SOCKETS_DIR), mount("logs", pods.LOG_DIR)],
+                         mount("sockets", pods.sockets_dir(instance)), mount("logs", pods.LOG_DIR)],
     }
     if sidecar:
         c["restartPolicy"] = "Always"
@@ -179,7 +180,7 @@ def service_container(inst: Instance, startup_seconds: int, resources: tuple[dic
         "livenessProbe": http_probe(pods.METRICS_PORT, "/metrics", period=10, failures=6, timeout=5),
         "resources": {"requests": requests, "limits": limits},
         "securityContext": security(),
-        "volumeMounts": [mount("sockets", pods.SOCKETS_DIR), mount("tmp", pods.TMP_DIR),
+        "volumeMounts": [mount("sockets", pods.sockets_dir(inst.name)), mount("tmp", pods.TMP_DIR),
                          mount("spool", pods.SPOOL_DIR)],
     }
     if secret_keys(inst.service):
@@ -266,7 +267,7 @@ def service_objects(topo: Topology, inst: Instance, opts: Options) -> list[dict]
     deploy = reads_deploy_file(kind)
     dep = deployment(
         name, kind, [service_container(inst, SERVICE_STARTUP_SECONDS, RESOURCES[kind])],
-        [envoy_container(f"sidecar-{name}", RESOURCES["envoy"], sidecar=True)],
+        [envoy_container(f"sidecar-{name}", name, RESOURCES["envoy"], sidecar=True)],
         replicas=opts.replicas, grace=grace, volumes=pod_volumes(name, deploy=deploy),
         extra_labels={f"{pods.PREFIX}.dev/redis-client": "true"} if kind in REDIS_CLIENTS else None,
     )
@@ -358,7 +359,7 @@ def worker_objects(topo: Topology, inst: Instance, opts: Options) -> list[dict]:
     container["env"].append({"name": "GAAS_DEVICE", "value": "cpu"})
     replicas, low, high = worker_replicas(inst, opts)
     dep = deployment(
-        name, "worker", [container], [envoy_container(f"sidecar-{name}", RESOURCES["envoy"], sidecar=True)],
+        name, "worker", [container], [envoy_container(f"sidecar-{name}", name, RESOURCES["envoy"], sidecar=True)],
         replicas=replicas, grace=worker_grace_seconds(), volumes=pod_volumes(name, deploy=False),
         # A new worker serves before an old one drains; never fewer than the pool's.
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
@@ -386,7 +387,7 @@ def ingress_objects(topo: Topology, descriptor: str) -> list[dict]:
     name = pods.INGRESS
     config = envoyconf.ingress_config(topo, Path(descriptor), Path(pods.LOG_DIR), pods.authority(), None,
                                       Path(pods.SOCKETS_DIR))
-    envoy = envoy_container("ingress-0", RESOURCES["ingress"], sidecar=False)
+    envoy = envoy_container("ingress-0", "ingress-0", RESOURCES["ingress"], sidecar=False)
     envoy["ports"].insert(0, {"name": "http", "containerPort": pods.INGRESS_PORT})
     envoy["readinessProbe"] = http_probe(pods.ENVOY_STATS_PORT, "/metrics", period=2, failures=2)
     dep = deployment(name, "ingress", [envoy], [], replicas=2, grace=int(INGRESS_DRAIN_SECONDS) + 5,

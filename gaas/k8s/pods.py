@@ -111,6 +111,12 @@ def pod_topology(topo: Topology, spec: deployspec.DeploySpec) -> Topology:
                    pod=True)
 
 
+def sockets_dir(inst_name: str) -> PurePosixPath:
+    """Where a pod's sockets volume is mounted: the directory of its instance's Unix sockets (the
+    service's, the sidecar's outbound and admin: LocalSockets), which so exists before either starts."""
+    return PurePosixPath(LocalSockets.of(Path(SOCKETS_DIR), inst_name).dir)
+
+
 def placement(inst: Instance) -> Placement:
     """Where a service container is (gaas.ops.serviceenv): its pod's name and address come from the
     downward API ($(POD_NAME), $(POD_IP): Kubernetes expands them in env values)."""

@@ -64,6 +64,10 @@ def write(out: Path, topo: Topology, *, postgres: bool | str = True) -> Path:
     authority = pki.Authority(d)
     authority.ensure()
     generators: list[dict] = []
+    # The operator's (the gaas CLI's, `--run-dir DIR/secrets`): in no Secret.
+    operator = authority.credentials(*pki.OPERATOR)
+    if not operator.cert.exists():
+        authority.issue(*pki.OPERATOR)
     identities = [(pods.INGRESS, pki.INGRESS)] + [(i.name, pods.identity(i)) for i in topo.instances]
     for name, (kind, ident) in identities:
         creds = authority.credentials(kind, ident)
