@@ -88,11 +88,11 @@ def redis_url(tmp_path_factory):
 @pytest.fixture(scope="session")
 def postgres_url():
     """A PostgreSQL database for the session: the one GAAS_TEST_POSTGRES_URL names, else a throw-away
-    server started here (tests/postgres.py), never one the machine happens to run."""
+    server started here (gaas/ops/pgserver.py), never one the machine happens to run."""
     if url := os.environ.get("GAAS_TEST_POSTGRES_URL"):
         yield url
         return
-    from tests.postgres import HOW_TO_INSTALL, ThrowAwayPostgres, find_binaries
+    from gaas.ops.pgserver import HOW_TO_INSTALL, ThrowAwayPostgres, find_binaries
 
     if (bindir := find_binaries()) is None:
         pytest.skip(HOW_TO_INSTALL)

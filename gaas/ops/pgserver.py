@@ -1,8 +1,9 @@
-"""A throw-away PostgreSQL for the test session: a cluster made by initdb in a temporary directory,
-served on a free port of 127.0.0.1 (its unix socket in that directory), removed at the end.
+"""A throw-away PostgreSQL: a cluster made by initdb in a temporary directory, served on a free port
+(of 127.0.0.1, or the address given, its unix socket in that directory), removed at the end.
 
 Nothing here uses a PostgreSQL the machine already runs. Started by the `postgres_url` fixture in
-tests/conftest.py, unless GAAS_TEST_POSTGRES_URL names a database to use instead."""
+tests/conftest.py (unless GAAS_TEST_POSTGRES_URL names a database to use instead), and by the
+Kubernetes rehearsal as the cluster's managed database (gaas/k8s/rehearsal.py)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ def _version(folder: Path) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"\d+", str(folder))) or (0,)
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -65,9 +66,14 @@ def _server_user() -> pwd.struct_passwd | None:
 
 class ThrowAwayPostgres:
     """One private PostgreSQL server; `with ThrowAwayPostgres(bindir) as url:` starts it, stops it and
-    removes its files. url is the database `test`, owned by the superuser `postgres`, trust auth."""
+    removes its files. url is the database `test` (and each of databases), owned by the superuser
+    `postgres`, trust auth, on host; clients of the network allow (a CIDR) are trusted too."""
 
-    def __init__(self, bindir: Path, start_timeout: float = 60) -> None:
+    def __init__(self, bindir: Path, start_timeout: float = 60, host: str = "127.0.0.1", allow: str = "",
+                 databases: tuple[str, ...] = ()) -> None:
+        self.host = host
+        self.allow = allow
+        self.databases = (DATABASE, *databases)
         self.bindir = bindir
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
@@ -109,25 +115,29 @@ class ThrowAwayPostgres:
             )
             if done.returncode != 0:
                 raise RuntimeError(f"initdb failed ({done.returncode}):\n{log.read_text()[-2000:]}")
-            port = _free_port()
+            if self.allow:
+                with open(data / "pg_hba.conf", "a") as hba:
+                    hba.write(f"host all all {self.allow} trust\n")
+            port = _free_port(self.host)
             self.proc = subprocess.Popen(
                 [str(self.bindir / "postgres"), "-D", str(data), "-p", str(port), "-k", str(self.root),
-                 "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
+                 "-c", f"listen_addresses={self.host}", "-c", "fsync=off", "-c", "synchronous_commit=off",
                  "-c", "full_page_writes=off"],
                 stdout=out, stderr=subprocess.STDOUT, cwd=self.root, **owner,
             )
-        admin = f"postgresql://{SUPERUSER}@127.0.0.1:{port}/postgres"
+        admin = f"postgresql://{SUPERUSER}@{self.host}:{port}/postgres"
         deadline = time.monotonic() + self.start_timeout
         while True:
             try:
                 with psycopg.connect(admin, connect_timeout=2, autocommit=True) as conn:
-                    conn.execute(f"CREATE DATABASE {DATABASE}")
+                    for name in self.databases:
+                        conn.execute(f"CREATE DATABASE {name}")
                 break
             except psycopg.OperationalError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"PostgreSQL did not start:\n{log.read_text()[-2000:]}") from None
                 time.sleep(0.1)
-        self.url = f"postgresql://{SUPERUSER}@127.0.0.1:{port}/{DATABASE}"
+        self.url = f"postgresql://{SUPERUSER}@{self.host}:{port}/{DATABASE}"
         return self.url
 
     def stop(self) -> None:
