@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: help install proto model run test test-unit test-router bench gpu-check envoy-config k8s clean
+.PHONY: help install proto model run test test-unit test-router bench gpu-check envoy-config k8s k8s-rehearsal clean
 
 help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
@@ -18,6 +18,8 @@ help:
 	@echo "make model   build the tiny local model into models/gaas-tiny"
 	@echo "make envoy-config   render the Envoy configs of deploy/topology.yaml into envoy/generated/"
 	@echo "make k8s     render the Kubernetes manifests (Kustomize) into deploy/k8s/ with their secrets, and validate them"
+	@echo "make k8s-rehearsal   run the cpu overlay's pods here, each in its own network namespace (root), stream through"
+	@echo "             its ingress with the openai client, kill one pod of each Deployment in turn (docs/kubernetes.md)"
 
 install:
 	@bash scripts/install.sh
@@ -66,6 +68,9 @@ envoy-config: proto
 k8s: proto
 	$(BIN)/gaas k8s render
 	$(BIN)/gaas k8s validate
+
+k8s-rehearsal: proto
+	$(BIN)/gaas k8s rehearse --check
 
 clean:
 	rm -rf build gaas/v1 envoy/generated .gaas .pytest_cache

@@ -1,4 +1,4 @@
-"""`gaas k8s render|validate`: the mesh on Kubernetes, from the same topology and
+"""`gaas k8s render|validate|rehearse`: the mesh on Kubernetes, from the same topology and
 deployment file as `gaas up` (gaas/k8s)."""
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def manifests_default(field: str):
 
 
 def register(sub) -> None:
-    k8s = sub.add_parser("k8s", help="the mesh on Kubernetes: render and validate its manifests",
+    k8s = sub.add_parser("k8s", help="the mesh on Kubernetes: render, validate and rehearse its manifests",
                          description="Render the mesh as Kustomize manifests from the topology and the deployment "
-                                     "file, validate them, (docs/kubernetes.md).")
+                                     "file, validate them, or rehearse them on this machine (docs/kubernetes.md).")
     ksub = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
     render = ksub.add_parser("render", help="write the Kustomize base, the cpu and gpu overlays and the secrets")
     render.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory ({DEFAULT_OUT.relative_to(ROOT)})")
@@ -84,3 +84,53 @@ def register(sub) -> None:
     val.add_argument("--dir", default=str(DEFAULT_OUT), help="what `gaas k8s render --out` wrote")
     val.add_argument("--overlay", action="append", choices=("cpu", "gpu"), help="only this overlay (repeatable)")
     val.set_defaults(func=cmd_validate)
+    reh = ksub.add_parser(
+        "rehearse", help="run the cpu overlay's pods here, each in its own network namespace (root)",
+        description="Render the cpu overlay (a managed PostgreSQL standing in on this machine) and run every pod of "
+                    "it as processes in its own Linux network namespace, with the commands, environment and files the "
+                    "manifests give its containers (gaas/k8s/rehearsal.py says what is and is not rehearsed). "
+                    "--check streams through the ingress with the openai client and kills one pod of each "
+                    "Deployment in turn. Needs root.")
+    reh.add_argument("--topology", default=str(ROOT / "deploy" / "topology.yaml"), help="the topology file")
+    reh.add_argument("-f", "--file", default=str(ROOT / "deploy" / "gaas.yaml"), help="the deployment file")
+    reh.add_argument("--workers", type=int, default=2, help="workers of the default model's pool (kubectl scale)")
+    reh.add_argument("--work", default="", help="where the manifests, pods' volumes and logs go (a new temporary "
+                                                "directory by default)")
+    reh.add_argument("--check", action="store_true",
+                     help="stream through the ingress, kill one pod of each Deployment in turn, report, stop")
+    reh.set_defaults(func=cmd_rehearse)
+
+
+def cmd_rehearse(args) -> int:
+    import signal
+    import tempfile
+
+    from gaas.k8s import rehearsal
+
+    def stop(signum, frame):  # a background shell's children start with SIGINT ignored: both, explicitly
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gaas-rehearsal-"))
+    try:
+        with rehearsal.rehearse(work, ROOT, deploy_file=Path(args.file), topology_file=Path(args.topology),
+                                workers=args.workers, progress=say) as r:
+            say(f"ready: the ingress at http://{r.ingress}/v1 (and every other ingress pod), control at {r.control}"
+                f" (gaas --control {r.control} --run-dir {r.secrets} ...); pods' logs under {work}/pods")
+            if not args.check:
+                say("Ctrl-C stops it")
+                signal.pause()
+                return 0
+            results = rehearsal.survives_kills(r, progress=say)
+    except KeyboardInterrupt:
+        say("stopped")
+        return 130
+    except rehearsal.RehearsalError as exc:
+        return fail(str(exc))
+    print(f"{'killed pod of':<34} {'served while down':>18} {'ready again':>12}")
+    for k in results:
+        print(f"{k.workload:<34} {k.requests - k.failed:>12}/{k.requests:<5} {k.recovered_s:>10.1f} s")
+        for e in k.errors:
+            print(f"    {e}")
+    return 1 if any(k.failed for k in results) else 0
