@@ -113,8 +113,12 @@ class Rehearsal:
         self.repo = repo.resolve()
         self.scale: dict[str, int] = {}
         self.progress = progress
+        # A /24 of its own (subnet_of), none this machine routes already; the bridge at .1 (where
+        # a managed database may listen).
+        routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
         self.id = pysecrets.token_hex(2)
-        # A /24 of its own (10.213.N.0), the bridge at .1 (where a managed database may listen).
+        while f"{subnet_of(self.id)}." in routes:
+            self.id = pysecrets.token_hex(2)
         self.subnet = subnet_of(self.id)
         self.bridge = f"gb{self.id}"
         self.pods: list[Pod] = []
