@@ -31,3 +31,8 @@ XDS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 # registry: services/control/registry.py), which routers follow to read the registry again at once
 # (services/router/registry_changes.py).
 REGISTRY_CHANGED_CHANNEL = "gaas:workers:changed"
+
+
+# The Envoy cluster of every worker's sidecar (its endpoints served by control over xDS), in every
+# Envoy that reaches workers; `gaas up` waits until the ingress's holds each registered worker.
+WORKERS_CLUSTER = "workers"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gaas.contracts.headers import WORKER_HEADER
+from gaas.contracts.services import WORKERS_CLUSTER
 from gaas.envoy.listeners import socket_address
 from gaas.envoy.tls import client_tls
 from gaas.ops import pki
@@ -109,8 +110,7 @@ def pipe_cluster(name: str, path: Path, health_check: bool = False) -> dict:
     }
 
 
-# The cluster of every worker's sidecar, and the one of control's replicas that say who they are.
-WORKERS_CLUSTER = "workers"
+# The cluster of control's replicas that say who the workers are (WORKERS_CLUSTER).
 XDS_CLUSTER = "xds"
 # How long an Envoy that starts waits for control's first answer before it goes on with no workers
 # (they come when control answers).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gaas.contracts.services import WORKERS_CLUSTER
 from gaas.ops import pki
 from gaas.ops.topology import LocalSockets, Topology, sockets_root
 from gaas.v1 import control_pb2, control_pb2_grpc
@@ -82,9 +84,11 @@ def envoy_ready(admin: Path, timeout: float = 1.0) -> bool:
 INGRESS_NEEDS = ("router", "router_authz")
 
 
-def ingress_ready(admin: Path, timeout: float = 1.0) -> bool:
+def ingress_ready(admin: Path, timeout: float = 1.0, workers: Iterable[str] = ()) -> bool:
     """The ingress's Envoy is ready and has a healthy router to send requests to (each cluster of
-    INGRESS_NEEDS it has, from its admin /clusters: `NAME::HOST::health_flags::healthy`)."""
+    INGRESS_NEEDS it has, from its admin /clusters: `NAME::HOST::health_flags::healthy`), and knows
+    each of workers (addresses, on the direct path: control's xDS has reached it; a request placed
+    on a worker it does not know yet is a 503 no_healthy_upstream)."""
     if not envoy_ready(admin, timeout):
         return False
     try:
@@ -98,7 +102,8 @@ def ingress_ready(admin: Path, timeout: float = 1.0) -> bool:
         mine = [line for line in lines if line.startswith(cluster + "::")]
         if mine and not any(line.endswith("::health_flags::healthy") for line in mine):
             return False
-    return True
+    known = {line.split("::")[1] for line in lines if line.startswith(WORKERS_CLUSTER + "::")}
+    return set(workers) <= known
 
 
 def grpc_health(address: str, timeout: float = 1.0, run_dir: Path | None = None) -> tuple[str, str]:
@@ -177,10 +182,15 @@ def probe(topo: Topology, run_dir: Path, timeout: float = 1.0) -> MeshHealth:
             detail=detail,
         )
 
+    def ingress(workers_f) -> bool:
+        serving = [w["address"] for w in (workers_f.result() if workers_f else []) if w.get("state") == "SERVING"]
+        return ingress_ready(LocalSockets.of(sockets, "ingress-0").admin, timeout,
+                             serving if topo.ingress_path == "direct" else ())
+
     with ThreadPoolExecutor(max_workers=8) as pool:
-        ingress_f = pool.submit(ingress_ready, LocalSockets.of(sockets, "ingress-0").admin, timeout)
         controls = topo.of("control")
         workers_f = pool.submit(list_workers, controls[0].inbound, timeout, run_dir) if controls else None
+        ingress_f = pool.submit(ingress, workers_f)
         kvs = topo.of("kvcache")
         kv_f = pool.submit(kv_stats, kvs[0].inbound, timeout, run_dir) if kvs else None
         instances = list(pool.map(one, topo.instances))
