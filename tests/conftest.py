@@ -46,12 +46,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if e2e in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.mesh)
-    # Tests that break the shared mesh (kill a worker, stop it) run after all others, in file order.
-    items.sort(key=lambda item: 1 if item.get_closest_marker("destructive") else 0)
+    # Tests that break the shared mesh (kill a worker, stop it) run after all others, in file order;
+    # those that load the whole host (a mesh of their own as large as the shared one) after them:
+    # the shared mesh's tests never run beside them.
+    items.sort(key=lambda item: 2 if item.get_closest_marker("apart") else 1 if item.get_closest_marker("destructive")
+               else 0)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "destructive: damages the shared mesh; runs last")
+    config.addinivalue_line("markers", "apart: loads the whole host; runs after the destructive tests")
 
 
 @pytest.fixture(scope="session")

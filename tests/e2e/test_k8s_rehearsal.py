@@ -21,9 +21,12 @@ from tests.conftest import INGRESS_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("setpriv"),
-    reason="the rehearsal needs root, iproute2's ip and util-linux's setpriv")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("setpriv"),
+                       reason="the rehearsal needs root, iproute2's ip and util-linux's setpriv"),
+    # Thirteen pods with two vLLM workers load this host as much as the shared mesh: run after its tests.
+    pytest.mark.apart,
+]
 
 
 @pytest.fixture(scope="module")
