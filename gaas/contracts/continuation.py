@@ -12,7 +12,9 @@ and its usage says the client's prompt, as cached as the first worker found it, 
 client received; the recomputed prefill (the prompt plus the tokens sent, less what the new worker
 had cached) is the mesh's cost, counted apart (the stream_moved_prefill_tokens_total metrics), not billed.
 
-Only a single-choice request is carried on (n > 1 runs its choices together on one worker). Its
+Only a single-choice request is carried on (n > 1 runs its choices together on one worker), and
+not one whose output is constrained or read for tool calls: the grammar's state and the tool
+parser's live in the first worker's engine, and a new one would start them over mid-output. Its
 limits: a stop string that would have spanned the two workers' texts is not seen, and a seeded
 sampler starts over on the new worker (so only greedy decoding reproduces an undisturbed run)."""
 
@@ -53,7 +55,9 @@ class Carried:
     def can_carry_on(self, request: worker_pb2.WorkerGenerateRequest, code: str) -> bool:
         """Whether the stream of request, whose worker failed with code (a gRPC status code's
         name) after tokens went out, can be carried on by another."""
-        return code in CARRIED_ON and (request.request.n or 1) == 1
+        r = request.request
+        return code in CARRIED_ON and (r.n or 1) == 1 and not r.HasField("structured_output") and \
+            not r.tool_calling.mode
 
     def continuation(self, request: worker_pb2.WorkerGenerateRequest) -> worker_pb2.WorkerGenerateRequest | None:
         """The request that carries the stream on (None when the tokens sent already reach its

@@ -23,7 +23,7 @@ MAX_BAD_WORDS = 64
 MAX_PROMPT_CHARS = 1 << 20
 MAX_MESSAGES = 256
 MAX_MODEL_NAME = 256
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 ID_MAX = 128
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -86,6 +86,22 @@ def check_token_ids(name: str, ids, vocab_size: int | None) -> None:
                     f"'{name}' holds {t}, which is not a token id of this model (its vocabulary has {vocab_size})",
                     param=name,
                 )
+
+
+def structured_dict(so: common_pb2.StructuredOutput) -> dict | None:
+    """A request's output constraint as vLLM's StructuredOutputsParams fields (None: none)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return {"json": so.json_schema}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "choice":
+        if not so.choice.choices:
+            raise _invalid("structured_outputs.choice", "must hold at least one choice")
+        return {"choice": list(so.choice.choices)}
+    return {kind: getattr(so, kind)}
 
 
 def sampling_dict(sp: common_pb2.SamplingParams, vocab_size: int | None = None) -> dict:
@@ -167,7 +183,7 @@ def check(req: inference_pb2.GenerateRequest, max_model_len: int | None = None, 
         raise InvalidArgument("set exactly one of prompt (text), prompt_token_ids and messages", param="prompt")
     if len(req.model) > MAX_MODEL_NAME:
         raise _invalid("model", f"is {len(req.model)} characters; model names are at most {MAX_MODEL_NAME}")
-    chars = len(req.prompt) + sum(len(m.content) for m in req.messages)
+    chars = len(req.prompt) + sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages)
     if chars > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"the prompt is {chars} characters; the limit is {MAX_PROMPT_CHARS}", param="prompt")
     if len(req.messages) > MAX_MESSAGES:
@@ -177,6 +193,12 @@ def check(req: inference_pb2.GenerateRequest, max_model_len: int | None = None, 
             raise InvalidArgument(
                 f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {quote(m.role)}", param="messages"
             )
+    if req.session_id and (req.tools or any(m.tool_calls or m.role == "tool" for m in req.messages)):
+        raise InvalidArgument(
+            "a session keeps text turns only: send a conversation with tools or tool calls whole, without session_id",
+            param="session_id")
+    if (req.tools or req.tool_calling.mode) and req.prompt:
+        raise InvalidArgument("tools are for chat messages, not a text prompt", param="tools")
     if req.continue_final_message and (not req.messages or req.add_generation_prompt):
         raise InvalidArgument(
             "continue_final_message needs messages and add_generation_prompt false", param="continue_final_message"

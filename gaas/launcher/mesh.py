@@ -38,7 +38,7 @@ from gaas.settings import deployspec
 from gaas.settings import worker as worker_settings
 from gaas.settings.env import env_of, value_from_env, variables
 from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
-from gaas.model.build import build_model, check_source, is_built
+from gaas.model.build import build_model, check_source, is_built, refresh_chat_template
 from gaas.host import placement
 from gaas.host.devices import visible_gpus
 from gaas.ops.topology import Instance, LocalSockets, Topology, TopologyError, sockets_root, with_workers
@@ -562,7 +562,11 @@ class Mesh:
     def _model_ready(self, pool: fleet.PoolSpec, wait: bool) -> bool:
         """Whether the pool's weights are there: a preset's are built when missing (wait: here and
         now; else in the background, the pool's workers started at a later look)."""
-        if not pool.preset or not pool.source.startswith("/") or is_built(Path(pool.source)):
+        if not pool.preset or not pool.source.startswith("/"):
+            return True
+        if is_built(Path(pool.source)):
+            if refresh_chat_template(Path(pool.source)):
+                self.progress(f"model {pool.model} {pool.version}: its chat template now renders tools")
             return True
         building = self._builds.get(pool.source)
         if building is not None and building.is_alive():

@@ -26,11 +26,32 @@ END_HEADER = "<|end_header_id|>"
 EOT = "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, START_HEADER, END_HEADER, EOT]
 
-# Llama-3 style chat template: every message is "<header>role<end>\n\ncontent<eot>".
+# Llama-3 style chat template: every message is "<header>role<end>\n\ncontent<eot>". With tools,
+# Hermes' conventions (what vLLM's "hermes" tool parser reads): the functions in a system block
+# first, an assistant's calls as <tool_call>{"name", "arguments"}</tool_call>, a tool's answer as
+# <tool_response>...</tool_response>. Without tools it renders as it always did.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\nYou may call one or more functions. Their signatures "
+    "are within <tools></tools>:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\nTo call a function, answer with its name and arguments as JSON within <tool_call></tool_call>:"
+    "\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <arguments-object>}\n</tool_call><|eot_id|>' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\n' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|eot_id|>' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|start_header_id|>tool<|end_header_id|>\n\n<tool_response>\n' + message['content'] + '\n</tool_response><|eot_id|>' }}"
+    "{% else %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
@@ -186,6 +207,29 @@ def is_built(model_dir: Path) -> bool:
     """True when model_dir holds a complete build (the marker is written last)."""
     d = Path(model_dir)
     return (d / MARKER_FILE).is_file() and (d / "config.json").is_file() and (d / "tokenizer.json").is_file()
+
+
+def refresh_chat_template(model_dir: Path) -> bool:
+    """Bring the chat template of a model this module built earlier to CHAT_TEMPLATE (a build from
+    before tool calling renders no tools); True when it changed. A model it did not build is left alone."""
+    d = Path(model_dir)
+    if not (d / MARKER_FILE).is_file():
+        return False
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        if jinja.read_text() == CHAT_TEMPLATE:
+            return False
+        jinja.write_text(CHAT_TEMPLATE)
+        return True
+    config_path = d / "tokenizer_config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text())
+    if config.get("chat_template") == CHAT_TEMPLATE:
+        return False
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return True
 
 
 def check_source(name: str, version: str, source: str, preset: str) -> str | None:

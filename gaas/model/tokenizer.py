@@ -76,6 +76,52 @@ def _compile(template: str):
 class ChatMessage:
     role: str
     content: str
+    # An assistant's calls: (id, function name, arguments as JSON text).
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    # A tool's message: the call it answers, and the function's name.
+    tool_call_id: str = ""
+    name: str = ""
+
+    @classmethod
+    def of(cls, m) -> "ChatMessage":
+        """From a gaas.v1 ChatMessage (or anything with its fields)."""
+        calls = tuple((c.id, c.name, c.arguments) for c in m.tool_calls)
+        return cls(m.role, m.content, calls, m.tool_call_id, m.name)
+
+    def as_template_dict(self) -> dict:
+        """The message as chat templates read it (transformers' conventions: a call's arguments as
+        an object when they are one)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": _arguments(args)}}
+                                 for cid, name, args in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_tools(tools) -> list[dict] | None:
+    """A request's tools (gaas.v1 Tool) as chat templates read them (None: none)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn: dict = {"name": t.name}
+        if t.description:
+            fn["description"] = t.description
+        fn["parameters"] = json.loads(t.parameters) if t.parameters else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 @dataclass(slots=True)
@@ -148,14 +194,16 @@ class Tokenizer:
         return len(text) - len(prefix.text) if prefix.text and text.startswith(prefix.text) else len(text)
 
     def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The conversation as the chat template writes it (transformers' apply_chat_template, tokenize=False)."""
+        """The conversation as the chat template writes it (transformers' apply_chat_template,
+        tokenize=False); tools: the functions the model may call (template_tools)."""
         if self._template is None:
             raise TokenizerError("this model has no chat template: use /v1/completions with a prompt instead")
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("set at most one of continue_final_message and add_generation_prompt")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat = [m.as_template_dict() for m in messages]
         final = ""
         if continue_final_message:
             if not chat:
@@ -166,7 +214,7 @@ class Tokenizer:
 
         try:
             text = self._template.render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:
@@ -180,10 +228,11 @@ class Tokenizer:
 
     def encode_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, continue_final_message: bool = False,
-        add_special_tokens: bool = False,
+        add_special_tokens: bool = False, tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation (the template adds BOS; vLLM's default adds nothing more)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message), add_special_tokens)
+        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message, tools),
+                           add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -16,6 +16,7 @@ from gaas.contracts import edge, genrequest
 from gaas.contracts import finish as finish_reasons
 from gaas.contracts.errors import InvalidArgument, quote
 from gaas.v1 import common_pb2, inference_pb2
+from gaas.openai import outputs
 from gaas.contracts.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, is_digits, type_name
 
 DONE = b"data: [DONE]\n\n"
@@ -64,8 +65,6 @@ _ONLY_DEFAULT = {
     "prompt_logprobs": (lambda v: False, "no prompt logprobs"),
     "logprob_token_ids": (lambda v: v == [], "no logprobs of chosen token ids"),
     "prompt_embeds": (lambda v: False, "no prompt embeddings"),
-    "response_format": (lambda v: v == {"type": "text"}, "no structured output"),
-    "structured_outputs": (lambda v: False, "no structured output"),
     "return_token_ids": (lambda v: v is False, "token ids are not returned in the response"),
     "return_token_offsets": (lambda v: v is False, "no token offsets"),
     "return_prompt_text": (lambda v: v is False, "the prompt text is not returned"),
@@ -87,17 +86,21 @@ _COMPLETION_ONLY_DEFAULT = {
     "best_of": (lambda v: v == 1, "use n for several choices"),
 }
 _CHAT_ONLY_DEFAULT = {
-    "tools": (lambda v: v == [], "no tool calling"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "no tool calling"),
-    "functions": (lambda v: v == [], "no tool calling"),
-    "function_call": (lambda v: v in ("none", "auto"), "no tool calling"),
+    "functions": (lambda v: v == [], "the legacy functions field: send tools"),
+    "function_call": (lambda v: v in ("none", "auto"), "the legacy function_call field: send tool_choice"),
     "reasoning_effort": (lambda v: False, "no reasoning control"),
     "documents": (lambda v: v == [], "no document templates"),
     "chat_template": (lambda v: False, "the model's own chat template is used"),
     "chat_template_kwargs": (lambda v: v == {}, "the model's own chat template is used"),
 }
-# Accepted and without effect here, as on a vLLM server without tools or a reasoning parser.
-_CHAT_TOLERATED = ("parallel_tool_calls", "include_reasoning")
+# Accepted and without effect here, as on a vLLM server without a reasoning parser.
+_CHAT_TOLERATED = ("include_reasoning",)
+# /tokenize: fields of a chat it does not take.
+_TOKENIZE_ONLY_DEFAULT = {
+    "tools": (lambda v: v == [], "a conversation is tokenized without tools"),
+    "chat_template": _CHAT_ONLY_DEFAULT["chat_template"],
+    "chat_template_kwargs": _CHAT_ONLY_DEFAULT["chat_template_kwargs"],
+}
 
 
 def _only_defaults(f: Fields, table: dict) -> None:
@@ -155,6 +158,8 @@ def _common(f: Fields, kind: str) -> OpenAIRequest:
         continuous = bool(options.boolean("continuous_usage_stats"))
         options.finish()
     tokens_as_ids = bool(f.boolean("return_tokens_as_token_ids"))
+    if (constraint := outputs.structured_output(f)) is not None:
+        req.structured_output.CopyFrom(constraint)
     _only_defaults(f, _ONLY_DEFAULT)
     return OpenAIRequest(
         kind, req, stream=stream, include_usage=include_usage, continuous_usage=continuous and include_usage,
@@ -267,11 +272,16 @@ def parse_chat(body: dict) -> OpenAIRequest:
                 param="messages",
             )
         content = _content(m, i)
-        m.string("name", MAX_USER_CHARS)
-        m.only_default("tool_calls", lambda v: v == [], "no tool calling")
+        message = req.messages.add(role=role, content=content, name=m.string("name", MAX_USER_CHARS) or "")
+        message.tool_calls.extend(outputs.message_tool_calls(m, i))
+        if (call_id := m.string("tool_call_id", 256)) is not None:
+            message.tool_call_id = call_id
+        if message.tool_calls and role != "assistant":
+            raise InvalidArgument(f"'messages[{i}].tool_calls': only an assistant's message holds tool calls",
+                                  param="messages")
         m.only_default("refusal", lambda v: True, "")
+        m.only_default("reasoning_content", lambda v: True, "")
         m.finish()
-        req.messages.add(role=role, content=content)
     max_tokens = _max_tokens(f, "max_completion_tokens")
     legacy = _max_tokens(f, "max_tokens")
     if (chosen := max_tokens if max_tokens is not None else legacy) is not None:
@@ -292,6 +302,7 @@ def parse_chat(body: dict) -> OpenAIRequest:
         req.add_special_tokens = special
     for name in _CHAT_TOLERATED:
         f.boolean(name)
+    outputs.tools(f, req, parsed.stream)
     _only_defaults(f, _CHAT_ONLY_DEFAULT)
     f.finish()
     if req.max_tokens:
@@ -344,7 +355,7 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
         if cfm and agp:
             raise f.fail("continue_final_message", "needs 'add_generation_prompt': false")
         special = f.boolean("add_special_tokens")
-        _only_defaults(f, {k: _CHAT_ONLY_DEFAULT[k] for k in ("tools", "chat_template", "chat_template_kwargs")})
+        _only_defaults(f, _TOKENIZE_ONLY_DEFAULT)
         _only_defaults(f, {k: _ONLY_DEFAULT[k] for k in ("mm_processor_kwargs", "media_io_kwargs")})
         f.finish()
         return TokenizeRequest(model, None, list(chat.messages), bool(special), agp is not False and not cfm, cfm, return_strs)
@@ -415,9 +426,12 @@ class Formatter:
         self.top = parsed.top_logprobs
         self.tokens_as_ids = parsed.tokens_as_ids
         self.include_usage = parsed.include_usage
+        self.tool_mode = parsed.generate.tool_calling.mode
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         # Completions' text_offset continues across a choice's chunks.
         self._offsets: dict[int, int] = {}
+        # The streamed choices that made tool calls.
+        self._called: set[int] = set()
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -458,15 +472,15 @@ class Formatter:
         """A non-streamed choice's logprobs, assembled as its chunks come (None: none asked for)."""
         return None if self.top is None else AnswerLogprobs(self, index)
 
-    def answer(self, choices: list[tuple[int, str, "AnswerLogprobs | None", common_pb2.GenerateChunk]],
+    def answer(self, choices: list[tuple[int, str, "AnswerLogprobs | None", common_pb2.GenerateChunk, list[dict]]],
                usage_obj: dict, extra: dict | None = None) -> bytes:
         """The whole answer of a non-streamed request, as JSON: choices (index, text, logprobs,
-        final chunk) in index order, the usage and extra fields. Built from each choice's
-        serialized pieces, never as one tree of objects of the whole answer."""
+        final chunk, tool calls) in index order, the usage and extra fields. Built from each
+        choice's serialized pieces, never as one tree of objects of the whole answer."""
         obj = self._base("chat.completion" if self.chat else "text_completion")
         parts = []
-        for index, text, logprobs, final in sorted(choices, key=lambda c: c[0]):
-            raw = dumps(self.choice(index, text, None, final))
+        for index, text, logprobs, final, calls in sorted(choices, key=lambda c: c[0]):
+            raw = dumps(self.choice(index, text, None, final, calls))
             if logprobs is not None:
                 # (the key's quotes are unescaped: no string value can hold this)
                 raw = raw.replace(b'"logprobs":null', b'"logprobs":' + logprobs.json(), 1)
@@ -474,24 +488,38 @@ class Formatter:
         tail = dumps({"usage": usage_obj, **(extra or {})})
         return dumps(obj)[:-1] + b',"choices":[' + b",".join(parts) + b"]," + tail[1:]
 
-    def choice(self, index: int, text: str, logprobs: dict | None, final: common_pb2.GenerateChunk) -> dict:
+    def choice(self, index: int, text: str, logprobs: dict | None, final: common_pb2.GenerateChunk,
+               calls: list[dict] = ()) -> dict:
         out: dict = {"index": index}
         if self.chat:
-            out["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+            out["message"] = {"role": "assistant", "content": text if text or not calls else None,
+                              "tool_calls": list(calls)}
         else:
             out["text"] = text
-        out.update(logprobs=logprobs, finish_reason=finish_reason(final), stop_reason=stop_reason(final))
+        out.update(logprobs=logprobs, finish_reason=self._finish(final, bool(calls)), stop_reason=stop_reason(final))
         return out
+
+    def _finish(self, c: common_pb2.GenerateChunk, called: bool) -> str | None:
+        """OpenAI's finish reason: "tool_calls" when tool_choice "auto" made calls, or "required"
+        made them and stopped; a named function's call ends as "stop" (as vLLM's server answers)."""
+        reason = finish_reason(c)
+        if called and (self.tool_mode == inference_pb2.ToolCalling.MODE_AUTO or (
+                self.tool_mode == inference_pb2.ToolCalling.MODE_REQUIRED and reason == "stop")):
+            return "tool_calls"
+        return reason
 
     def chunk(self, index: int, c: common_pb2.GenerateChunk, first: bool, usage_obj: dict | None = None) -> dict:
         """One streamed piece of choice index; first: the choice's first (chat sends the role then)."""
-        finish = finish_reason(c) if c.finish_reason else None
         choice: dict = {"index": index}
         if self.chat:
             delta: dict = {"role": "assistant", "content": c.text} if first else ({"content": c.text} if c.text else {})
+            if c.tool_calls:
+                delta["tool_calls"] = [tool_call_delta(t) for t in c.tool_calls]
+                self._called.add(index)
             choice["delta"] = delta
         else:
             choice["text"] = c.text
+        finish = self._finish(c, index in self._called) if c.finish_reason else None
         choice["logprobs"] = self.logprobs(index, c.logprobs)
         choice["finish_reason"] = finish
         if finish:
@@ -504,6 +532,37 @@ class Formatter:
     def usage_chunk(self, usage_obj: dict) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
         return {**self._base(self.object), "choices": [], "usage": usage_obj}
+
+
+def tool_call_delta(t: common_pb2.ToolCall) -> dict:
+    """A streamed piece of a tool call, in OpenAI's delta shape (id, type and name on its first)."""
+    out: dict = {"index": t.index}
+    fn: dict = {}
+    if t.id:
+        out["id"], out["type"] = t.id, "function"
+    if t.name:
+        fn["name"] = t.name
+    fn["arguments"] = t.arguments
+    out["function"] = fn
+    return out
+
+
+class ToolCalls:
+    """A non-streamed choice's tool calls, assembled from its chunks' pieces."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict] = {}
+
+    def add(self, pieces) -> None:
+        for t in pieces:
+            call = self._calls.get(t.index)
+            if call is None:
+                call = self._calls[t.index] = {"id": t.id, "type": "function",
+                                               "function": {"name": t.name, "arguments": ""}}
+            call["function"]["arguments"] += t.arguments
+
+    def json(self) -> list[dict]:
+        return [self._calls[i] for i in sorted(self._calls)]
 
 
 class AnswerLogprobs:

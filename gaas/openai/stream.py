@@ -45,6 +45,8 @@ class _Choice:
     logprobs: openai_api.AnswerLogprobs | None = None
     final: common_pb2.GenerateChunk | None = None
     started: bool = False
+    # A non-streamed chat's tool calls (None until the first piece of one).
+    calls: openai_api.ToolCalls | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +111,10 @@ async def respond(
                 turn = session_json(c.session, truncation)
             if not parsed.stream:
                 choice.text.append(c.text)
+                if c.tool_calls:
+                    if choice.calls is None:
+                        choice.calls = openai_api.ToolCalls()
+                    choice.calls.add(c.tool_calls)
                 if choice.logprobs is not None and c.logprobs:
                     choice.logprobs.add(c.logprobs)
                 if c.finish_reason:
@@ -132,7 +138,8 @@ async def respond(
         yield sse_body(openai_api.DONE)
         return
     if not parsed.stream:
-        answer = fmt.answer([(i, "".join(ch.text), ch.logprobs, ch.final or common_pb2.GenerateChunk())
+        answer = fmt.answer([(i, "".join(ch.text), ch.logprobs, ch.final or common_pb2.GenerateChunk(),
+                              ch.calls.json() if ch.calls is not None else [])
                              for i, ch in choices.items()], usage.final(),
                             {SESSION_FIELD: turn} if turn is not None else None)
         choices.clear()

@@ -95,6 +95,12 @@ class WorkerSettings(Settings):
     max_cpu_loras: int = setting("GAAS_MAX_CPU_LORAS", 0, "adapters kept loaded (vLLM's max_cpu_loras; the least "
                                  "recently used goes when another loads); 0: max_loras",
                                  check=lambda n: None if n >= 0 else f"must be 0 or more, got {n}")
+    tool_parser: str = setting("GAAS_TOOL_PARSER", "", "the vLLM tool parser that reads tool calls out of this "
+                               "model's output for tool_choice \"auto\" (hermes, llama3_json, mistral, ...: the "
+                               "model's chat template decides); empty: \"auto\" with tools is refused (named and "
+                               "\"required\" choices need none)",
+                               check=lambda n: None if n == "" or n.replace("_", "").replace("-", "").isalnum()
+                               else f"must be a tool parser's name (hermes, llama3_json, ...), got {n!r}")
     kv_events: bool = setting("GAAS_KV_EVENTS", True, "publish the engine's KV events to the KV directories")
     warmup_requests: int = setting("GAAS_WARMUP_REQUESTS", 2, "requests a worker runs through its engine once "
                                    "loaded, before it registers and takes traffic (0: none)",
@@ -111,8 +117,9 @@ class WorkerSettings(Settings):
 # and a deployment pool for its own (a model's engine: in deploy/gaas.yaml), by the same names.
 TOPOLOGY_OPTIONS = ("kv_cache_gib", "kv_cache_blocks", "block_size", "enforce_eager", "max_num_seqs",
                     "max_num_batched_tokens", "max_waiting", "stream_interval", "executor")
-# The settings only a pool sets (the control plane checks adapters against its model's): LoRA.
-POOL_OPTIONS = ("max_loras", "max_lora_rank", "max_cpu_loras")
+# The settings only a pool sets (the control plane checks adapters against its model's): LoRA,
+# and the tool parser its model's chat template calls for.
+POOL_OPTIONS = ("max_loras", "max_lora_rank", "max_cpu_loras", "tool_parser")
 ENGINE_OPTIONS = TOPOLOGY_OPTIONS + POOL_OPTIONS
 
 

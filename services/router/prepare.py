@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gaas.contracts import errors, genrequest, kvhash
 from gaas.contracts.principal import Principal
-from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer
+from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer, template_tools
 from gaas.v1 import inference_pb2
 from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
@@ -241,15 +241,17 @@ class Preparer:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
         if request.messages:
-            messages = [ChatMessage(m.role, m.content) for m in request.messages]
+            messages = [ChatMessage.of(m) for m in request.messages]
             agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            tools = template_tools(request.tools)
             if prefix is not None and not request.add_special_tokens:
-                text = tok.render_chat(messages, agp, request.continue_final_message)
+                text = tok.render_chat(messages, agp, request.continue_final_message, tools)
                 args, fn, size = (text, prefix), tok.encode_continuing, tok.continued_chars(text, prefix)
             else:
-                args = (messages, agp, request.continue_final_message, request.add_special_tokens)
+                args = (messages, agp, request.continue_final_message, request.add_special_tokens, tools)
                 fn = tok.encode_chat
-                size = sum(len(m.content) for m in messages)
+                size = sum(len(m.content) + sum(len(c[2]) for c in m.tool_calls) for m in messages) + \
+                    sum(len(t.parameters) + len(t.description) for t in request.tools)
         else:
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             args, fn, size = (request.prompt, special), tok.encode, len(request.prompt)

@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 ABANDONED_FIRST_OUTPUT_S = 30.0
 
 
+NO_TOOL_PARSER = ("tool_choice \"auto\" needs a tool parser for this model, and it has none: choose \"none\", "
+                  "\"required\" or a named function, or give the model one (engine: {tool_parser: hermes} in its "
+                  "entry of deploy/gaas.yaml, then `gaas apply`)")
+
+
 class InvalidRequest(errors.InvalidArgument):
     """The request can never succeed as sent (too long, bad parameter); the message says why."""
 
@@ -83,6 +88,8 @@ class GenerationRequest:
     continue_final_message: bool = False
     # Tokens per streamed delta (0 or 1: each token; never below the engine's own setting).
     stream_interval: int = 0
+    # Output constrained while decoding: vLLM's StructuredOutputsParams fields (None: free output).
+    structured: dict | None = None
     # The LoRA adapter to serve it with (None: the base model): loaded on its first request.
     adapter: "AdapterRef | None" = None
     # Told, with a future of the first delta (None if none came), when the caller leaves before
@@ -187,6 +194,11 @@ class Engine(ABC):
     async def retain_adapters(self, adapter_ids: Collection[int]) -> None:
         """Unload the adapters it holds that are not among adapter_ids (removed from the catalogue)."""
 
+    def tool_parser(self, tools: list[dict]):
+        """A fresh (tool parser, its request) reading tool calls for tool_choice "auto" out of the
+        model's output (services/worker/toolcalls.py); InvalidRequest when the model has none."""
+        raise InvalidRequest(NO_TOOL_PARSER)
+
     @abstractmethod
     async def shutdown(self) -> None: ...
 
@@ -228,10 +240,13 @@ class VllmEngine(Engine):
     """vLLM's AsyncLLM in this process (its EngineCore runs in a child process)."""
 
     def __init__(
-        self, llm, info: EngineInfo, load_tracker: "_LoadTracker", gpu_uuid: str | None, tokenizer: Tokenizer
+        self, llm, info: EngineInfo, load_tracker: "_LoadTracker", gpu_uuid: str | None, tokenizer: Tokenizer,
+        tool_parser: type | None = None,
     ) -> None:
         self._llm = llm
         self._tokenizer = tokenizer
+        # vLLM's tool parser class for the model (None: it has none configured).
+        self._tool_parser = tool_parser
         self.info = info
         self._load = load_tracker
         # The UUID of the GPU it runs on; None on the CPU.
@@ -293,6 +308,11 @@ class VllmEngine(Engine):
             # used going when more than max_cpu_loras would be held.
             extra.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                          max_cpu_loras=max(s.max_cpu_loras, s.max_loras))
+        from vllm.config import StructuredOutputsConfig
+
+        # Structured output (JSON) decodes without free whitespace: compact, and no model spends
+        # its tokens on blanks between the fields (vLLM takes this per engine, not per request).
+        extra["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         backend, engine_env = placement.engine_executor(s.executor, on_gpu, bind)
         if backend:
@@ -349,7 +369,15 @@ class VllmEngine(Engine):
             "in the engine core's process" if backend != "mp" else "in a process of its own",
         )
         tokenizer = await asyncio.to_thread(Tokenizer.load, s.model_path)
-        return cls(llm, info, tracker, gpu_uuid, tokenizer)
+        return cls(llm, info, tracker, gpu_uuid, tokenizer, _tool_parser_class(s.tool_parser))
+
+    def tool_parser(self, tools: list[dict]):
+        if self._tool_parser is None:
+            raise InvalidRequest(NO_TOOL_PARSER)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(model=self.info.model, messages=[], tools=tools, tool_choice="auto")
+        return self._tool_parser(self._llm.tokenizer, request.tools), request
 
     def _prompt_ids(self, r: GenerationRequest) -> list[int]:
         """The prompt as token ids (the router sends ids; other callers may send text or messages)."""
@@ -364,7 +392,14 @@ class VllmEngine(Engine):
 
         VLLMClientError, _, _ = _vllm_errors()
         try:
+            if r.structured is not None:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                structured = StructuredOutputsParams(**r.structured)
+            else:
+                structured = None
             return SamplingParams(
+                structured_outputs=structured,
                 n=r.n,
                 max_tokens=max_tokens,
                 stop=r.stop or None,
@@ -548,6 +583,20 @@ class VllmEngine(Engine):
         if not self._closed:
             self._closed = True
             await asyncio.to_thread(self._llm.shutdown)
+
+
+def _tool_parser_class(name: str) -> type | None:
+    """vLLM's tool parser of that name (None for ""); ValueError naming the known ones."""
+    if not name:
+        return None
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+    try:
+        return ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        known = ", ".join(sorted(ToolParserManager.list_registered()))
+        raise ValueError(f"no vLLM tool parser is named {name!r} (tool_parser in the model's engine settings); "
+                         f"vLLM {__import__('vllm').__version__} knows: {known}") from None
 
 
 def _logprobs(token_ids, positions) -> list[TokenLogprob]:

@@ -7,10 +7,12 @@ import logging
 import time
 
 from gaas.contracts import errors, finish, genrequest
+from gaas.model.tokenizer import template_tools
 from gaas.runtime.context import current_tenant
 from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.engine import AdapterRef, Delta, Engine, EngineBusy, EngineUnavailable, GenerationRequest
+from services.worker import toolcalls
 from services.worker.kvevents import KVEventRelay
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if r.model and r.model != info.model:
             raise errors.FailedPrecondition(f"this worker serves {info.model!r}, not {errors.quote(r.model)}")
         max_tokens = genrequest.check(r, info.max_model_len)
+        tools = toolcalls.readers(r.tool_calling, lambda: engine.tool_parser(template_tools(r.tools) or []))
         gen = GenerationRequest(
             request_id=request.request_id,
             prompt=r.prompt,
@@ -78,6 +81,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             messages=[(m.role, m.content) for m in r.messages],
             sampling=genrequest.sampling_dict(r.sampling),
             stop=list(r.stop),
+            structured=genrequest.structured_dict(r.structured_output),
             priority=(request.engine_priority if request.HasField("engine_priority")
                       else genrequest.VLLM_PRIORITY[r.priority]),
             cache_salt=request.cache_salt,
@@ -116,6 +120,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     waiting = False
                 produced = d.completion_tokens
                 chunk = self._chunk(request.request_id, d, cap)
+                if tools is not None:
+                    tools.rewrite(chunk)
                 if d.done:
                     chunk.usage.prompt_tokens = d.prompt_tokens
                     chunk.usage.cached_tokens = _capped(d.cached_tokens, cap)

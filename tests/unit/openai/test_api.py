@@ -133,10 +133,14 @@ def test_chat_messages_parts_and_options():
         (parse_chat, chat(messages=[{"role": "robot", "content": "x"}]), "'messages[0].role' must be one of", "messages"),
         (parse_chat, chat(messages=[{"role": "user", "content": 5}]), "'messages[0].content' must be a string", "messages"),
         (parse_chat, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "only text parts", "messages"),
-        (parse_chat, chat(messages=[{"role": "user", "content": "x", "tool_call_id": "1"}]),
-         "unknown field(s) 'messages[0].tool_call_id'", "messages[0].tool_call_id"),
-        (parse_chat, chat(tools=[{"type": "function"}]), "'tools' is not supported", "tools"),
-        (parse_chat, chat(response_format={"type": "json_object"}), "'response_format' is not supported", "response_format"),
+        (parse_chat, chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+         "only an assistant's message holds tool calls", "messages"),
+        (parse_chat, chat(tools=[{"type": "function"}]), "'tools[0].function' is required", "tools[0].function"),
+        (parse_chat, chat(tool_choice="required"), "'tool_choice' needs 'tools'", "tool_choice"),
+        (parse_chat, chat(response_format={"type": "xml"}), "'response_format.type' must be text, json_object or json_schema",
+         "response_format.type"),
+        (parse_chat, chat(functions=[{"name": "f"}]), "'functions' is not supported", "functions"),
         (parse_chat, chat(chat_template="{{ x }}"), "'chat_template' is not supported", "chat_template"),
         (parse_chat, chat(top_logprobs=2), "needs 'logprobs': true", "top_logprobs"),
         (parse_chat, chat(continue_final_message=True), "needs 'add_generation_prompt': false", "continue_final_message"),
@@ -194,7 +198,8 @@ _json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.di
 _fields = sorted(
     {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
      "logprobs", "top_logprobs", "logit_bias", "stream", "stream_options", "stop_token_ids", "min_tokens",
-     "ignore_eos", "echo", "best_of", "tools", "response_format", "priority", "bad_words", "user"}
+     "ignore_eos", "echo", "best_of", "tools", "response_format", "priority", "bad_words", "user",
+     "tool_choice", "structured_outputs", "parallel_tool_calls"}
 )
 _bodies = st.dictionaries(st.sampled_from(_fields) | st.text(max_size=6), _json, max_size=6)
 
@@ -229,7 +234,7 @@ def final_chunk(index=0, text="!"):
 
 def test_formatter_shapes():
     f = Formatter(parse_chat(chat(stream=True, stream_options={"include_usage": True})), "req-0123abcd", "gaas-tiny")
-    r = json.loads(f.answer([(0, "hello", None, final_chunk())], openai_api.usage(10, 3, 4)))
+    r = json.loads(f.answer([(0, "hello", None, final_chunk(), [])], openai_api.usage(10, 3, 4)))
     assert r["id"] == "chatcmpl-0123abcd" and r["object"] == "chat.completion"
     assert r["choices"][0]["message"]["content"] == "hello" and r["choices"][0]["message"]["role"] == "assistant"
     assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == "END"
@@ -243,7 +248,7 @@ def test_formatter_shapes():
     c = Formatter(parse_completion(completion()), "req-1", "m")
     assert c.chunk(0, common_pb2.GenerateChunk(text="x"), True)["object"] == "text_completion"
     assert "usage" not in c.chunk(0, common_pb2.GenerateChunk(text="x"), True)
-    assert json.loads(c.answer([(0, "x", None, final_chunk())], {}))["choices"][0]["text"] == "x"
+    assert json.loads(c.answer([(0, "x", None, final_chunk(), [])], {}))["choices"][0]["text"] == "x"
 
 
 def _logprob_chunk(index=0):
@@ -285,7 +290,7 @@ def test_an_answer_assembled_chunk_by_chunk_is_what_the_whole_would_be(kind):
     for index in (1, 0):
         assembled[index].add(_logprob_chunk(index).logprobs)
         assembled[index].add(_logprob_chunk(index).logprobs)
-    body = json.loads(f.answer([(1, "abab", assembled[1], final_chunk(1)), (0, "abab", assembled[0], final_chunk(0))],
+    body = json.loads(f.answer([(1, "abab", assembled[1], final_chunk(1), []), (0, "abab", assembled[0], final_chunk(0), [])],
                                openai_api.usage(3, 4, 0), {"gaas_session": {"id": "s"}}))
     entries = list(_logprob_chunk().logprobs) * 2
     expected = whole.logprobs(0, entries)

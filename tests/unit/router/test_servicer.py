@@ -82,10 +82,10 @@ class FakeTokenizer:
     def encode(self, text, add_special_tokens=True):
         return ([0] if add_special_tokens else []) + [1 + ord(c) % 900 for c in text]
 
-    def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False):
+    def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None):
         return "".join(f"<{m.role}>{m.content}" for m in messages)
 
-    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, add_special_tokens=False):
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, add_special_tokens=False, tools=None):
         return self.encode(self.render_chat(messages), add_special_tokens)
 
     def encode_continuing(self, text, prefix):
