@@ -33,6 +33,24 @@ MAX_MESSAGE_TOOL_CALLS = 128
 MAX_ARGUMENTS_CHARS = 256 << 10
 
 
+def for_engine(schema):
+    """A JSON schema as the engine is given it. xgrammar (vLLM's backend here) decodes a string with
+    minLength / maxLength from a character class that lets control characters through unescaped,
+    which is not JSON; such a string gets a pattern of its lengths instead, whose characters are
+    JSON's own (no quote, backslash or control character: a value needs no escapes)."""
+    if isinstance(schema, list):
+        return [for_engine(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: for_engine(v) for k, v in schema.items()}
+    if out.get("type") == "string" and "pattern" not in out and not {"enum", "const", "format"} & out.keys() \
+            and ("minLength" in out or "maxLength" in out):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
+            out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, hi)
+    return out
+
+
 def call_id() -> str:
     """A new tool call's id, as OpenAI shapes them."""
     return "call_" + secrets.token_hex(12)
@@ -54,7 +72,7 @@ def closed(parameters: dict | None) -> dict:
 
 def named_schema(parameters: dict | None) -> str:
     """The output schema of a named tool choice: the function's arguments."""
-    return json.dumps(closed(parameters), separators=(",", ":"))
+    return json.dumps(for_engine(closed(parameters)), separators=(",", ":"))
 
 
 def required_schema(functions: list[tuple[str, dict | None]], parallel: bool) -> str:
@@ -72,4 +90,4 @@ def required_schema(functions: list[tuple[str, dict | None]], parallel: bool) ->
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
-    return json.dumps(schema, separators=(",", ":"))
+    return json.dumps(for_engine(schema), separators=(",", ":"))

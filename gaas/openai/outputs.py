@@ -19,8 +19,9 @@ from gaas.v1 import common_pb2, inference_pb2
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _schema_text(value, name: str) -> str:
-    """A JSON schema given as an object (or as JSON text, which vLLM's extension accepts)."""
+def _schema_text(value, name: str, engine: bool = False) -> str:
+    """A JSON schema given as an object (or as JSON text, which vLLM's extension accepts); engine:
+    as the engine decodes it (gaas.contracts.tools.for_engine)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -28,7 +29,7 @@ def _schema_text(value, name: str) -> str:
             raise InvalidArgument(f"'{name}' is not valid JSON", param=name) from None
     if not isinstance(value, (dict, bool)):
         raise InvalidArgument(f"'{name}' must be a JSON schema (an object), not {type_name(value)}", param=name)
-    text = json.dumps(value, separators=(",", ":"))
+    text = json.dumps(tool_contract.for_engine(value) if engine else value, separators=(",", ":"))
     if len(text) > tool_contract.MAX_SCHEMA_BYTES:
         raise InvalidArgument(f"'{name}' is {len(text):,} bytes as JSON; at most {tool_contract.MAX_SCHEMA_BYTES:,} "
                               "are accepted", param=name)
@@ -58,7 +59,7 @@ def _response_format(f: Fields) -> common_pb2.StructuredOutput | None:
         rf.finish()
         if schema is None:
             return common_pb2.StructuredOutput(json_object=True)
-        return common_pb2.StructuredOutput(json_schema=_schema_text(schema, "response_format.json_schema.schema"))
+        return common_pb2.StructuredOutput(json_schema=_schema_text(schema, "response_format.json_schema.schema", engine=True))
     raise rf.fail("type", f"must be text, json_object or json_schema, got {quote(kind)}")
 
 
@@ -74,7 +75,7 @@ def _extension(f: Fields) -> common_pb2.StructuredOutput | None:
     out = common_pb2.StructuredOutput()
     kind = given[0]
     if kind == "json":
-        out.json_schema = _schema_text(so.raw("json"), "structured_outputs.json")
+        out.json_schema = _schema_text(so.raw("json"), "structured_outputs.json", engine=True)
     elif kind == "json_object":
         if not so.boolean("json_object"):
             raise so.fail("json_object", "must be true when it is the only constraint")
