@@ -10,6 +10,11 @@ TTL that each turn renews. One definition here for every router replica:
                                until when, Unix ms), summary fields for listing (model, kind, turns,
                                tokens, worker, created, updated)
   gaas:sessions:{tenant}       sorted set: session id -> when it expires (Unix ms), for listing
+  gaas:response:{tenant}:<id>  a stored Response (the Responses API): JSON of the response, its
+                               input items, the conversation that continues it and its version
+                               (responses before it in its chain, plus one); TTL response_ttl_seconds
+  gaas:responses:{tenant}      sorted set: response id -> when it expires, the oldest dropped past
+                               max_responses_per_tenant
 
 A turn's life (seed 003's Init -> Extend -> Evict, the version checked before every extend):
 BEGIN takes the turn (ABORTED if another request holds it and its lease has not lapsed) and
@@ -56,6 +61,10 @@ class SessionPolicy:
     # Sessions a tenant may keep at once (its Redis memory bounded with them); a turn that would
     # start one more is refused until some are deleted or expire.
     max_per_tenant: int = 1000
+    # A stored response (the Responses API's store) is kept this long, and a tenant keeps at most
+    # this many (the oldest go first).
+    response_ttl_seconds: int = 7 * 86400
+    max_responses_per_tenant: int = 10000
 
 
 TRUNCATIONS = ("drop_oldest_turns",)
@@ -65,11 +74,13 @@ def parse_policy(doc: object) -> SessionPolicy:
     """The `sessions:` section; ValueError naming what is wrong."""
     if doc is None:
         return SessionPolicy()
-    known = {"ttl_seconds", "reply_reserve_tokens", "lease_seconds", "truncation", "max_per_tenant"}
+    known = {"ttl_seconds", "reply_reserve_tokens", "lease_seconds", "truncation", "max_per_tenant",
+             "response_ttl_seconds", "max_responses_per_tenant"}
     if not isinstance(doc, dict) or set(doc) - known:
         raise ValueError(f"sessions: expected a mapping with {', '.join(sorted(known))}")
     out = {}
-    for name in ("ttl_seconds", "reply_reserve_tokens", "lease_seconds", "max_per_tenant"):
+    for name in ("ttl_seconds", "reply_reserve_tokens", "lease_seconds", "max_per_tenant", "response_ttl_seconds",
+                 "max_responses_per_tenant"):
         if name in doc:
             value = doc[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,6 +107,17 @@ def session_key(tenant: str, session_id: str) -> str:
 
 def index_key(tenant: str) -> str:
     return f"gaas:sessions:{{{tenant}}}"
+
+
+RESPONSE_ID_RE = re.compile(r"resp_[A-Za-z0-9]{1,96}")
+
+
+def response_key(tenant: str, response_id: str) -> str:
+    return f"gaas:response:{{{tenant}}}:{response_id}"
+
+
+def responses_index_key(tenant: str) -> str:
+    return f"gaas:responses:{{{tenant}}}"
 
 
 @dataclass(slots=True)

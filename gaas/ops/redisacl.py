@@ -29,13 +29,13 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     # Registry changes announced to the routers.
     "control": ("~gaas:worker:*", "~gaas:workers", "~gaas:control:*", "~gaas:rollout:*", "~gaas:autoscale:*",
                 "&gaas:workers:changed"),
-    # Admission (quotas, budgets, spend), the usage stream, sessions, on the direct path the
+    # Admission (quotas, budgets, spend), the usage stream, sessions, stored responses, on the direct path the
     # workers' reports of requests' ends and their streams' progress, and the outcomes of requests
     # of models under a roll-out or autoscaled, and those held for a model no worker serves; the
     # registry's changes, announced.
     "router": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:rpm:*", "~gaas:tpm:*", "~gaas:budget:*",
-               "~gaas:spend:*", "~gaas:usage", "~gaas:session:*", "~gaas:sessions:*", "~gaas:direct:*",
-               "&gaas:direct:*", "~gaas:rollout:outcomes", "~gaas:autoscale:demand:*", "&gaas:workers:changed"),
+               "~gaas:spend:*", "~gaas:usage", "~gaas:session:*", "~gaas:sessions:*", "~gaas:response:*",
+               "~gaas:responses:*", "~gaas:direct:*", "&gaas:direct:*", "~gaas:rollout:outcomes", "~gaas:autoscale:demand:*", "&gaas:workers:changed"),
     # On the direct path: a request's usage appended (settling its admission), its progress, a
     # session turn's reply committed, its end reported.
     "worker": ("~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:tpm:*", "~gaas:spend:*", "~gaas:usage",

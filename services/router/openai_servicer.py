@@ -13,15 +13,20 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gaas.contracts import errors, jsonbody
-from gaas.openai import api as openai_api, stream as openai_stream
+from gaas.openai import api as openai_api, responses as openai_responses, stream as openai_stream
+from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
-from gaas.v1 import inference_pb2, openai_pb2_grpc
+from gaas.v1 import common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
 from services.router.pipeline import Pipeline, Timing, note_client_id
+from services.router.responses import ResponseStore
 
 
 class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
-    def __init__(self, pipeline: Pipeline, max_body_bytes: int, metrics: CollectorRegistry) -> None:
+    def __init__(self, pipeline: Pipeline, max_body_bytes: int, metrics: CollectorRegistry,
+                 responses: ResponseStore | None = None) -> None:
         self._pipeline = pipeline
+        # Stored responses (the Responses API); None: none are kept (store is refused).
+        self._responses = responses
         self._dispatcher = pipeline.dispatcher
         self._max_body = max_body_bytes
         self._metrics = metrics
@@ -62,6 +67,83 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         truncation = sessions.policy.truncation if sessions is not None else ""
         async for body in openai_stream.respond(parsed, fmt, usage, chunks, truncation):
             yield body
+
+    # ------------------------------------------------------------ the Responses API
+
+    def _store(self) -> ResponseStore:
+        if self._responses is None:
+            raise errors.Unavailable("this router keeps no responses (it has no Redis)")
+        return self._responses
+
+    async def CreateResponse(self, request: httpbody_pb2.HttpBody, context):
+        """A response served as the chat it means (gaas.openai.responses), stored for the tenant
+        before its last event (a client that saw it complete can fetch it)."""
+        timing = Timing()
+        principal = await self._pipeline.authenticate(timing)
+        metadata = dict(context.invocation_metadata() or ())
+        req = openai_responses.parse(jsonbody.parse(request.data, self._max_body))
+        before, version = [], 1
+        if req.previous_response_id:
+            stored = await self._store().get(principal.tenant, req.previous_response_id, param="previous_response_id")
+            before, version = stored["conversation"], stored.get("v", 1) + 1
+        parsed = openai_api.parse_chat(req.chat_body(before))
+        g = await self._pipeline.start(principal, [parsed.generate], timing, check=answer_check(parsed))
+        builder = openai_responses.ResponseBuilder(req, "resp_" + g.request_id.removeprefix("req-"),
+                                                   g.prepared[0].model.served_name)
+        usage = openai_stream.Usage(prompt=g.prepared[0].prompt_tokens,
+                                    explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
+        final = None
+        for event in builder.start():
+            yield openai_stream.sse_body(event)
+        started = bool(req.stream)
+        try:
+            async for _, c in self._pipeline.stream(g, context.time_remaining(), metadata):
+                usage.completion += len(c.token_ids)
+                if c.HasField("usage"):
+                    usage.add_final(c)
+                if c.finish_reason:
+                    final = c
+                for event in builder.add(c):
+                    yield openai_stream.sse_body(event)
+        except Exception as exc:  # noqa: BLE001 - answered in the shape the client can read
+            if not started or (err := translate(exc)) is None:
+                raise
+            yield openai_stream.sse_body(builder.failed(errors.openai_error(err)["error"]))
+            return
+        last = builder.finish(final or common_pb2.GenerateChunk(), usage.final())
+        if req.store:
+            await self._store().put(principal.tenant, builder.id, {
+                "response": builder.response(), "input_items": req.items, "v": version,
+                "conversation": before + req.messages + builder.conversation()})
+        if req.stream:
+            for event in last:
+                yield openai_stream.sse_body(event)
+        else:
+            yield openai_stream.json_body(builder.response())
+
+    async def GetResponse(self, request: openai_pb2.ResponseRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        stored = await self._store().get(principal.tenant, request.response_id)
+        return openai_stream.json_body(stored["response"])
+
+    async def DeleteResponse(self, request: openai_pb2.ResponseRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        await self._store().delete(principal.tenant, request.response_id)
+        return openai_stream.json_body({"id": request.response_id, "object": "response.deleted", "deleted": True})
+
+    async def CancelResponse(self, request: openai_pb2.ResponseRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        stored = await self._store().get(principal.tenant, request.response_id)
+        raise errors.InvalidArgument(
+            f"response {request.response_id} is {stored['response']['status']}: only a response still in progress "
+            "(created with \"background\": true) can be cancelled, and this server serves responses as they are "
+            "asked for", param="response_id")
+
+    async def ListResponseInputItems(self, request: openai_pb2.ListInputItemsRequest, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        stored = await self._store().get(principal.tenant, request.response_id)
+        return openai_stream.json_body(openai_responses.input_items_page(
+            stored["input_items"], request.limit, request.order, request.after, request.before))
 
     # ------------------------------------------------------------ tokenizer
 

@@ -40,6 +40,7 @@ from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
 from services.router.openai_servicer import OpenAIServicer
+from services.router.responses import ResponseStore
 from services.router.demand import Demand
 from services.router.outcomes import RolloutReporter
 from services.router.pipeline import Pipeline
@@ -157,7 +158,8 @@ async def serve(cfg: RouterSettings) -> None:
     )
     rt.add_service(
         openai_pb2_grpc.add_OpenAIServicer_to_server,
-        OpenAIServicer(pipeline, cfg.max_body_bytes, rt.metrics.registry), "gaas.v1.OpenAI"
+        OpenAIServicer(pipeline, cfg.max_body_bytes, rt.metrics.registry, ResponseStore(redis, session_policy)),
+        "gaas.v1.OpenAI"
     )
     # The ingress's key check on each request's headers, before it reads the body.
     rt.add_service(ext_authz_pb2_grpc.add_AuthorizationServicer_to_server, EdgeAuthorizer(auth), AUTHZ_SERVICE,
