@@ -58,6 +58,7 @@ bench: proto
 	$(BIN)/python -m bench.rollout
 	$(BIN)/python -m bench.autoscale
 	$(BIN)/python -m bench.lora
+	$(BIN)/python -m bench.structured
 
 gpu-check:
 	@bash scripts/gpu-check.sh
