@@ -15,6 +15,7 @@ TTL that each turn renews. One definition here for every router replica:
                                (responses before it in its chain, plus one); TTL response_ttl_seconds
   gaas:responses:{tenant}      sorted set: response id -> when it expires, the oldest dropped past
                                max_responses_per_tenant
+  gaas:response:{tenant}:<id>:cancel  a background response's cancel asked for
 
 A turn's life (seed 003's Init -> Extend -> Evict, the version checked before every extend):
 BEGIN takes the turn (ABORTED if another request holds it and its lease has not lapsed) and
@@ -118,6 +119,11 @@ def response_key(tenant: str, response_id: str) -> str:
 
 def responses_index_key(tenant: str) -> str:
     return f"gaas:responses:{{{tenant}}}"
+
+
+def response_cancel_key(tenant: str, response_id: str) -> str:
+    """Set when a background response's cancel is asked for; its runner (on whichever router) looks."""
+    return f"{response_key(tenant, response_id)}:cancel"
 
 
 @dataclass(slots=True)

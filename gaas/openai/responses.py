@@ -49,6 +49,8 @@ class ResponsesRequest:
     store: bool
     stream: bool
     echo: dict = field(default_factory=dict)
+    # Run after the answer (status in_progress), fetched with GET /v1/responses/{id} and cancellable.
+    background: bool = False
 
     def chat_body(self, before: list[dict]) -> dict:
         """The Chat Completions body: the instructions as the first system message, the stored
@@ -218,7 +220,11 @@ def parse(body: dict) -> ResponsesRequest:
     f.string("prompt_cache_key", 64)
     f.only_default("truncation", lambda v: v == "disabled", "a conversation longer than the model's window is refused, "
                    "never cut")
-    f.only_default("background", lambda v: v is False, "no background responses: stream it instead")
+    background = bool(f.boolean("background"))
+    if background and stream:
+        raise f.fail("background", "and stream both set: stream a response, or run it in the background and fetch it")
+    if background and store is False:
+        raise f.fail("background", "needs \"store\": true (a background response is fetched from the store)")
     f.only_default("include", lambda v: v == [], "nothing more to include")
     f.only_default("reasoning", lambda v: v == {} or v == {"effort": None}, "no reasoning control")
     f.only_default("service_tier", lambda v: v in ("auto", "default"), "a tenant's tier sets its service")
@@ -236,11 +242,11 @@ def parse(body: dict) -> ResponsesRequest:
         "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
         "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [], "user": body.get("user"), "truncation": "disabled",
-        "store": store is not False, "background": False, "reasoning": None, "service_tier": "default",
+        "store": store is not False, "background": background, "reasoning": None, "service_tier": "default",
     }
     if fmt is not None and fmt["type"] == "json_schema":
         echo["text"] = {"format": {"type": "json_schema", **fmt["json_schema"]}}
-    return ResponsesRequest(chat, items, messages, instructions, previous, store is not False, stream, echo)
+    return ResponsesRequest(chat, items, messages, instructions, previous, store is not False, stream, echo, background)
 
 
 # ------------------------------------------------------------------ the answer
@@ -384,6 +390,14 @@ class ResponseBuilder:
         body = self.response()
         body["error"] = {"code": error.get("code") or "server_error", "message": error.get("message", "")}
         return self._event("response.failed", response=body)
+
+    def cancelled(self) -> None:
+        """A background response cancelled: its output so far, closed."""
+        self._close_message()
+        for index in self._calls.values():
+            self.output[index]["status"] = "incomplete"
+        self._calls.clear()
+        self.status = "cancelled"
 
     def conversation(self) -> list[dict]:
         """The output as chat messages (what a later response's conversation continues with)."""

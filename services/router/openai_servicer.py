@@ -6,6 +6,8 @@ that says what happened ends the stream, as vLLM's server ends it."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from google.api import httpbody_pb2
@@ -18,7 +20,9 @@ from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
 from gaas.v1 import common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
 from services.router.pipeline import Pipeline, Timing, note_client_id
-from services.router.responses import ResponseStore
+from services.router.responses import LEASE_RENEW_S, ResponseStore
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
@@ -27,6 +31,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         self._pipeline = pipeline
         # Stored responses (the Responses API); None: none are kept (store is refused).
         self._responses = responses
+        # Background responses running here.
+        self._running: set[asyncio.Task] = set()
         self._dispatcher = pipeline.dispatcher
         self._max_body = max_body_bytes
         self._metrics = metrics
@@ -92,6 +98,15 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                                                    g.prepared[0].model.served_name)
         usage = openai_stream.Usage(prompt=g.prepared[0].prompt_tokens,
                                     explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
+        record = {"response": builder.response(), "input_items": req.items, "v": version,
+                  "conversation": before + req.messages}
+        if req.background:
+            await self._store().lease(principal.tenant, builder.id, record)
+            task = asyncio.create_task(self._background(g, builder, usage, record, metadata, principal.tenant))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            yield openai_stream.json_body(builder.response())
+            return
         final = None
         for event in builder.start():
             yield openai_stream.sse_body(event)
@@ -112,14 +127,48 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             return
         last = builder.finish(final or common_pb2.GenerateChunk(), usage.final())
         if req.store:
-            await self._store().put(principal.tenant, builder.id, {
-                "response": builder.response(), "input_items": req.items, "v": version,
-                "conversation": before + req.messages + builder.conversation()})
+            record.update(response=builder.response(), conversation=record["conversation"] + builder.conversation())
+            await self._store().put(principal.tenant, builder.id, record)
         if req.stream:
             for event in last:
                 yield openai_stream.sse_body(event)
         else:
             yield openai_stream.json_body(builder.response())
+
+    async def _background(self, g, builder: openai_responses.ResponseBuilder, usage: openai_stream.Usage,
+                          record: dict, metadata: dict, tenant: str) -> None:
+        """A background response's generation, its lease renewed while it runs (with its output so
+        far), stopped at the renewal after its cancel was asked for; its end stored."""
+        store = self._store()
+        final, renew_at = None, time.monotonic() + LEASE_RENEW_S
+        chunks = self._pipeline.stream(g, None, metadata)
+        conversation = record["conversation"]
+        try:
+            async for _, c in chunks:
+                usage.completion += len(c.token_ids)
+                if c.HasField("usage"):
+                    usage.add_final(c)
+                if c.finish_reason:
+                    final = c
+                builder.add(c)
+                if time.monotonic() >= renew_at:
+                    renew_at = time.monotonic() + LEASE_RENEW_S
+                    record["response"] = builder.response()
+                    if not await store.lease(tenant, builder.id, record):
+                        log.info("background response %s cancelled after %d tokens", builder.id, usage.completion)
+                        return  # (closing the stream aborts the engine request; its tokens are metered)
+            builder.finish(final or common_pb2.GenerateChunk(), usage.final())
+        except Exception as exc:  # noqa: BLE001 - stored as the response's failure
+            err = translate(exc)
+            log.warning("background response %s failed: %s", builder.id, err.message if err else type(exc).__name__)
+            builder.failed(errors.openai_error(err)["error"] if err else {"message": "the generation failed"})
+        finally:
+            await chunks.aclose()
+        if await store.cancel_asked(tenant, builder.id):
+            return
+        record.update(response=builder.response(), conversation=conversation + builder.conversation())
+        record.pop("lease_until_ms", None)
+        await store.put(tenant, builder.id, record)
 
     async def GetResponse(self, request: openai_pb2.ResponseRef, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
@@ -134,10 +183,13 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     async def CancelResponse(self, request: openai_pb2.ResponseRef, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
         stored = await self._store().get(principal.tenant, request.response_id)
-        raise errors.InvalidArgument(
-            f"response {request.response_id} is {stored['response']['status']}: only a response still in progress "
-            "(created with \"background\": true) can be cancelled, and this server serves responses as they are "
-            "asked for", param="response_id")
+        status = stored["response"]["status"]
+        if status not in ("queued", "in_progress") or not stored["response"].get("background"):
+            raise errors.InvalidArgument(
+                f"response {request.response_id} is {status}: only a background response still in progress can "
+                "be cancelled", param="response_id")
+        await self._store().ask_cancel(principal.tenant, request.response_id, stored)
+        return openai_stream.json_body(stored["response"])
 
     async def ListResponseInputItems(self, request: openai_pb2.ListInputItemsRequest, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()

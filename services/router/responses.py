@@ -1,6 +1,10 @@
 """Stored responses (OpenAI's Responses API, store: true) in Redis, under the tenant's namespace
 (gaas.contracts.sessions: response_key, responses_index_key): what GET /v1/responses/{id} answers
-and what previous_response_id continues. A tenant sees only its own: another's id is not found."""
+and what previous_response_id continues. A tenant sees only its own: another's id is not found.
+
+A background response is stored at once, in_progress, with a lease its runner renews (every
+LEASE_RENEW_S, for LEASE_S) until it stores the end; one whose lease lapsed (its router stopped)
+reads as failed. Its cancel is a key the runner looks at with each renewal, on whichever router."""
 
 from __future__ import annotations
 
@@ -12,9 +16,15 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gaas.contracts import errors
-from gaas.contracts.sessions import RESPONSE_ID_RE, SessionPolicy, response_key, responses_index_key
+from gaas.contracts.sessions import (
+    RESPONSE_ID_RE, SessionPolicy, response_cancel_key, response_key, responses_index_key,
+)
 
 log = logging.getLogger(__name__)
+
+# A background response's lease: renewed this often by its runner, lapsing this long after.
+LEASE_RENEW_S = 1.0
+LEASE_S = 10.0
 
 
 def not_found(response_id: str, param: str | None = None) -> errors.NotFound:
@@ -64,7 +74,38 @@ class ResponseStore:
             raise _unavailable(exc) from None
         if raw is None:
             raise not_found(response_id, param)
-        return json.loads(raw)
+        record = json.loads(raw)
+        response = record["response"]
+        if response["status"] in ("queued", "in_progress") and record.get("lease_until_ms", 0) < time.time() * 1000:
+            response["status"] = "failed"
+            response["error"] = {"code": "server_error", "message": "the router running this background response "
+                                 "stopped before it finished; create it again"}
+        return record
+
+    async def lease(self, tenant: str, response_id: str, record: dict) -> bool:
+        """Store a background response's progress with its lease renewed; False once its cancel
+        was asked for (then nothing is written: the cancel wrote the end)."""
+        if await self.cancel_asked(tenant, response_id):
+            return False
+        record["lease_until_ms"] = int((time.time() + LEASE_S) * 1000)
+        await self.put(tenant, response_id, record)
+        return True
+
+    async def cancel_asked(self, tenant: str, response_id: str) -> bool:
+        try:
+            return bool(await self._redis.exists(response_cancel_key(tenant, response_id)))
+        except RedisError as exc:
+            raise _unavailable(exc) from None
+
+    async def ask_cancel(self, tenant: str, response_id: str, record: dict) -> None:
+        """Mark a background response cancelled (its runner stops at its next look) and store it so."""
+        try:
+            await self._redis.set(response_cancel_key(tenant, response_id), "1",
+                                  px=self._policy.response_ttl_seconds * 1000)
+        except RedisError as exc:
+            raise _unavailable(exc) from None
+        record["response"]["status"] = "cancelled"
+        await self.put(tenant, response_id, record)
 
     async def delete(self, tenant: str, response_id: str) -> None:
         if not RESPONSE_ID_RE.fullmatch(response_id):

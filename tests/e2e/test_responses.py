@@ -106,7 +106,7 @@ def test_bad_requests_are_400s(mesh):
     for kwargs, message in [
         (dict(input=[{"type": "image", "url": "x"}]), "not supported"),
         (dict(input="x", tools=[{"type": "web_search"}]), "must be \"function\""),
-        (dict(input="x", background=True), "not supported"),
+        (dict(input="x", background=True, store=False), "needs \"store\": true"),
         (dict(input=[]), "'input' is required"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
@@ -115,3 +115,26 @@ def test_bad_requests_are_400s(mesh):
     r = c.responses.create(model=MODEL, input="x", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError):
         c.responses.cancel(r.id)
+
+
+def test_background_response_runs_after_the_answer_and_can_be_cancelled(mesh):
+    import time
+
+    c = client(mesh)
+    r = c.responses.create(model=MODEL, input="Count slowly", max_output_tokens=6, background=True)
+    assert r.status in ("queued", "in_progress") and r.background
+    deadline = time.monotonic() + 60
+    while (got := c.responses.retrieve(r.id)).status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got.status in ("completed", "incomplete") and got.usage.output_tokens <= 6 and got.output_text
+    # A long one, cancelled while it runs: it stops, stays cancelled, and keeps what it had made.
+    long = c.responses.create(model=MODEL, input="Go on and on", max_output_tokens=1800, background=True)
+    cancelled = c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    time.sleep(2.5)
+    assert c.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(r.id)  # (finished: nothing to cancel)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model=MODEL, input="x", background=True, stream=True, max_output_tokens=2)
+    assert "background" in err.value.message
