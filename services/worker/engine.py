@@ -196,7 +196,8 @@ class Engine(ABC):
 
     def tool_parser(self, tools: list[dict]):
         """A fresh (tool parser, its request) reading tool calls for tool_choice "auto" out of the
-        model's output (services/worker/toolcalls.py); InvalidRequest when the model has none."""
+        model's output (services/worker/toolcalls.py); InvalidRequest when the model has none. The
+        request is vLLM's, as the parser adjusted it (skip_special_tokens: what the output needs)."""
         raise InvalidRequest(NO_TOOL_PARSER)
 
     @abstractmethod
@@ -377,7 +378,10 @@ class VllmEngine(Engine):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(model=self.info.model, messages=[], tools=tools, tool_choice="auto")
-        return self._tool_parser(self._llm.tokenizer, request.tools), request
+        parser = self._tool_parser(self._llm.tokenizer, request.tools)
+        # What the parser needs of the request (hermes: skip_special_tokens off, its tags being
+        # special tokens in some models), read back by the caller.
+        return parser, parser.adjust_request(request)
 
     def _prompt_ids(self, r: GenerationRequest) -> list[int]:
         """The prompt as token ids (the router sends ids; other callers may send text or messages)."""

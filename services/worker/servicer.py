@@ -73,13 +73,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise errors.FailedPrecondition(f"this worker serves {info.model!r}, not {errors.quote(r.model)}")
         max_tokens = genrequest.check(r, info.max_model_len)
         tools = toolcalls.readers(r.tool_calling, lambda: engine.tool_parser(template_tools(r.tools) or []))
+        sampling = genrequest.sampling_dict(r.sampling)
+        if tools is not None and tools.adjusted is not None and not r.sampling.HasField("skip_special_tokens"):
+            # (the tool parser reads calls whose tags may be special tokens: they stay in the text)
+            sampling["skip_special_tokens"] = bool(getattr(tools.adjusted, "skip_special_tokens", True))
         gen = GenerationRequest(
             request_id=request.request_id,
             prompt=r.prompt,
             prompt_token_ids=list(r.prompt_token_ids),
             max_tokens=max_tokens,
             messages=[(m.role, m.content) for m in r.messages],
-            sampling=genrequest.sampling_dict(r.sampling),
+            sampling=sampling,
             stop=list(r.stop),
             structured=genrequest.structured_dict(r.structured_output),
             priority=(request.engine_priority if request.HasField("engine_priority")

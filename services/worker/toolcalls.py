@@ -160,10 +160,12 @@ def _piece(t) -> common_pb2.ToolCall:
 
 
 class ChoiceReaders:
-    """The readers of a request's choices, rewriting its chunks in place."""
+    """The readers of a request's choices, rewriting its chunks in place. adjusted: for "auto",
+    vLLM's request as the tool parser adjusted it (what the engine request must do for it)."""
 
-    def __init__(self, make) -> None:
+    def __init__(self, make, adjusted=None) -> None:
         self._make = make
+        self.adjusted = adjusted
         self._readers: dict[int, Reader] = {}
 
     def rewrite(self, chunk: common_pb2.GenerateChunk) -> None:
@@ -186,6 +188,6 @@ def readers(calling: inference_pb2.ToolCalling, auto_parser) -> ChoiceReaders | 
     if calling.mode == Mode.MODE_REQUIRED:
         return ChoiceReaders(RequiredReader)
     if calling.mode == Mode.MODE_AUTO:
-        auto_parser()  # (refused here, before any token, when the model has no parser)
-        return ChoiceReaders(lambda: AutoReader(*auto_parser(), whole=calling.whole))
+        _, adjusted = auto_parser()  # (refused here, before any token, when the model has no parser)
+        return ChoiceReaders(lambda: AutoReader(*auto_parser(), whole=calling.whole), adjusted)
     return None
