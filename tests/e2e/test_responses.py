@@ -54,7 +54,7 @@ def test_create_retrieve_continue_and_delete(mesh):
 
 
 def test_streamed_events_in_openais_order(mesh):
-    with client(mesh).responses.stream(model=MODEL, input="Stream me", max_output_tokens=5) as stream:
+    with client(mesh).responses.stream(model=MODEL, input="Stream me", max_output_tokens=5, temperature=0) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -121,7 +121,7 @@ def test_background_response_runs_after_the_answer_and_can_be_cancelled(mesh):
     import time
 
     c = client(mesh)
-    r = c.responses.create(model=MODEL, input="Count slowly", max_output_tokens=6, background=True)
+    r = c.responses.create(model=MODEL, input="Count slowly", max_output_tokens=6, background=True, temperature=0)
     assert r.status in ("queued", "in_progress") and r.background
     deadline = time.monotonic() + 60
     while (got := c.responses.retrieve(r.id)).status in ("queued", "in_progress") and time.monotonic() < deadline:
