@@ -60,6 +60,12 @@ class Usage:
     explain: bool = False
     timings: common_pb2.Timings | None = None
 
+    def count(self, c: common_pb2.GenerateChunk) -> None:
+        """Count a chunk as it goes out: its tokens, and the usage a final chunk reports."""
+        self.completion += len(c.token_ids)
+        if c.HasField("usage"):
+            self.add_final(c)
+
     def add_final(self, c: common_pb2.GenerateChunk) -> None:
         self.reported_prompt += c.usage.prompt_tokens
         self.cached += c.usage.cached_tokens
@@ -104,9 +110,7 @@ async def respond(
             choice = choices.get(index)
             if choice is None:
                 choice = choices[index] = _Choice(logprobs=None if parsed.stream else fmt.answer_logprobs(index))
-            usage.completion += len(c.token_ids)
-            if c.HasField("usage"):
-                usage.add_final(c)
+            usage.count(c)
             if c.HasField("session"):
                 turn = session_json(c.session, truncation)
             if not parsed.stream:

@@ -113,9 +113,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         started = bool(req.stream)
         try:
             async for _, c in self._pipeline.stream(g, context.time_remaining(), metadata):
-                usage.completion += len(c.token_ids)
-                if c.HasField("usage"):
-                    usage.add_final(c)
+                usage.count(c)
                 if c.finish_reason:
                     final = c
                 for event in builder.add(c):
@@ -145,9 +143,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         conversation = record["conversation"]
         try:
             async for _, c in chunks:
-                usage.completion += len(c.token_ids)
-                if c.HasField("usage"):
-                    usage.add_final(c)
+                usage.count(c)
                 if c.finish_reason:
                     final = c
                 builder.add(c)

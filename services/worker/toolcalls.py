@@ -188,6 +188,9 @@ def readers(calling: inference_pb2.ToolCalling, auto_parser) -> ChoiceReaders | 
     if calling.mode == Mode.MODE_REQUIRED:
         return ChoiceReaders(RequiredReader)
     if calling.mode == Mode.MODE_AUTO:
-        _, adjusted = auto_parser()  # (refused here, before any token, when the model has no parser)
-        return ChoiceReaders(lambda: AutoReader(*auto_parser(), whole=calling.whole), adjusted)
+        # Made here, before any token (a model without a parser is refused now); the first choice
+        # reads with it, the others with their own.
+        first = [auto_parser()]
+        return ChoiceReaders(lambda: AutoReader(*(first.pop() if first else auto_parser()), whole=calling.whole),
+                             first[0][1])
     return None

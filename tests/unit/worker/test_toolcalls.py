@@ -116,3 +116,18 @@ def test_auto_without_a_parser_is_refused_before_any_token():
 def test_no_tools_no_readers():
     assert toolcalls.readers(inference_pb2.ToolCalling(), None) is None
     assert toolcalls.readers(inference_pb2.ToolCalling(mode=Mode.MODE_NONE), None) is None
+
+
+def test_auto_makes_one_parser_per_choice():
+    made = []
+
+    def parser():
+        made.append(1)
+        return _Parser(), "adjusted"
+
+    readers = toolcalls.readers(inference_pb2.ToolCalling(mode=Mode.MODE_AUTO, whole=True), parser)
+    assert readers.adjusted == "adjusted" and len(made) == 1
+    _run(readers, ["a"], index=0)
+    assert len(made) == 1  # the first choice reads with the parser made to check the model has one
+    _run(readers, ["b"], index=1)
+    assert len(made) == 2
