@@ -102,7 +102,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                   "conversation": before + req.messages}
         if req.background:
             await self._store().lease(principal.tenant, builder.id, record)
-            task = asyncio.create_task(self._background(g, builder, usage, record, metadata, principal.tenant))
+            task = asyncio.create_task(self._background_logged(g, builder, usage, record, metadata, principal.tenant))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             yield openai_stream.json_body(builder.response())
@@ -132,6 +132,12 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
                 yield openai_stream.sse_body(event)
         else:
             yield openai_stream.json_body(builder.response())
+
+    async def _background_logged(self, g, builder: openai_responses.ResponseBuilder, *args) -> None:
+        try:
+            await self._background(g, builder, *args)
+        except errors.GaasError as err:  # (the store unreachable: the lease lapses, and it reads as failed)
+            log.warning("background response %s: its progress cannot be stored (%s)", builder.id, err.message)
 
     async def _background(self, g, builder: openai_responses.ResponseBuilder, usage: openai_stream.Usage,
                           record: dict, metadata: dict, tenant: str) -> None:
