@@ -91,41 +91,19 @@ def ingress_ready(admin: Path, timeout: float = 1.0, workers: Iterable[str] = ()
     on a worker it does not know yet is a 503 no_healthy_upstream)."""
     if not envoy_ready(admin, timeout):
         return False
-    lines = _cluster_hosts(admin, timeout)
-    if lines is None:
+    try:
+        status, body = envoy_admin(admin, "/clusters", timeout=timeout)
+    except (OSError, http.client.HTTPException):
         return False
+    if status != 200:
+        return False
+    lines = [line for line in body.decode(errors="replace").splitlines() if "::health_flags::" in line]
     for cluster in INGRESS_NEEDS:
         mine = [line for line in lines if line.startswith(cluster + "::")]
         if mine and not any(line.endswith("::health_flags::healthy") for line in mine):
             return False
-    return _knows(lines, workers)
-
-
-def _cluster_hosts(admin: Path, timeout: float) -> list[str] | None:
-    """An Envoy's admin /clusters lines of its hosts' health (None: it did not answer)."""
-    try:
-        status, body = envoy_admin(admin, "/clusters", timeout=timeout)
-    except (OSError, http.client.HTTPException):
-        return None
-    if status != 200:
-        return None
-    return [line for line in body.decode(errors="replace").splitlines() if "::health_flags::" in line]
-
-
-def _knows(lines: list[str], workers: Iterable[str]) -> bool:
     known = {line.split("::")[1] for line in lines if line.startswith(WORKERS_CLUSTER + "::")}
     return set(workers) <= known
-
-
-def knows_workers(admin: Path, workers: Iterable[str], timeout: float = 1.0) -> bool:
-    """An Envoy that sends streams to workers (a router's sidecar) knows each of workers (their
-    addresses: control's xDS has reached it; a stream to one it does not know yet is a 503
-    no_healthy_upstream)."""
-    workers = list(workers)
-    if not workers:
-        return True
-    lines = _cluster_hosts(admin, timeout)
-    return lines is not None and _knows(lines, workers)
 
 
 def grpc_health(address: str, timeout: float = 1.0, run_dir: Path | None = None) -> tuple[str, str]:
@@ -193,33 +171,26 @@ def probe(topo: Topology, run_dir: Path, timeout: float = 1.0) -> MeshHealth:
     operator of the mesh run from run_dir (its certificate; its Envoys' admin sockets)."""
     sockets = sockets_root(run_dir)
 
-    def serving() -> list[str]:
-        return [w["address"] for w in (workers_f.result() if workers_f else []) if w.get("state") == "SERVING"]
-
     def one(inst) -> InstanceHealth:
         status, detail = grpc_health(inst.inbound, timeout, run_dir)
-        admin = LocalSockets.of(sockets, inst.name).admin
-        ready = envoy_ready(admin, timeout)
-        if ready and inst.service == "router":
-            # A router's sidecar streams to the workers: ready once it knows each serving one.
-            ready = knows_workers(admin, serving(), timeout)
         return InstanceHealth(
             name=inst.name,
             service=inst.service,
             address=inst.inbound,
             health=status,
-            sidecar_ready=ready,
+            sidecar_ready=envoy_ready(LocalSockets.of(sockets, inst.name).admin, timeout),
             detail=detail,
         )
 
-    def ingress() -> bool:
+    def ingress(workers_f) -> bool:
+        serving = [w["address"] for w in (workers_f.result() if workers_f else []) if w.get("state") == "SERVING"]
         return ingress_ready(LocalSockets.of(sockets, "ingress-0").admin, timeout,
-                             serving() if topo.ingress_path == "direct" else ())
+                             serving if topo.ingress_path == "direct" else ())
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         controls = topo.of("control")
         workers_f = pool.submit(list_workers, controls[0].inbound, timeout, run_dir) if controls else None
-        ingress_f = pool.submit(ingress)
+        ingress_f = pool.submit(ingress, workers_f)
         kvs = topo.of("kvcache")
         kv_f = pool.submit(kv_stats, kvs[0].inbound, timeout, run_dir) if kvs else None
         instances = list(pool.map(one, topo.instances))
