@@ -123,7 +123,7 @@ def placement(inst: Instance) -> Placement:
     local = LocalSockets.of(Path(SOCKETS_DIR), inst.name)
     return Placement(instance="$(POD_NAME)", host=POD_BIND, advertise=f"$(POD_IP):{INBOUND_PORT}",
                      listen=f"unix:{local.service}", outbound=f"unix:{local.outbound}",
-                     spool_dir=str(SPOOL_DIR), deploy_file=str(DEPLOY_FILE))
+                     spool_dir=str(SPOOL_DIR), deploy_file=str(DEPLOY_FILE), files_dir=str(RUN_DIR / "files"))
 
 
 def authority() -> pki.Authority:

@@ -292,7 +292,7 @@ class Mesh:
         values = placed_values(inst, Placement(
             instance=inst.name, host=inst.host, advertise=inst.inbound, listen=f"unix:{sockets.service}",
             outbound=f"unix:{sockets.outbound}", spool_dir=str(self.run_dir / "spool"),
-            deploy_file=str(self.deploy_file)))
+            deploy_file=str(self.deploy_file), files_dir=str(self.run_dir / "files")))
         if inst.service in REDIS_CLIENTS:
             user = self.redis_users.get(inst.service)
             values["redis_url"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url

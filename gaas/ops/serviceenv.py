@@ -16,7 +16,7 @@ from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where an instance runs: its name, the address it listens on for /metrics, the sidecar
-    address it advertises, its two Unix sockets, its spool and the deployment file."""
+    address it advertises, its two Unix sockets, its spool, the deployment file and (billing) its batch files."""
 
     instance: str
     host: str
@@ -25,6 +25,8 @@ class Placement:
     outbound: str
     spool_dir: str
     deploy_file: str
+    # Where billing keeps batch files.
+    files_dir: str = ""
 
 
 def placed_values(inst: Instance, where: Placement) -> dict[str, object]:
@@ -41,6 +43,7 @@ def placed_values(inst: Instance, where: Placement) -> dict[str, object]:
         "outbound": where.outbound,
         "spool_dir": where.spool_dir,
         "deploy_file": where.deploy_file,
+        "files_dir": where.files_dir,
     }
     values = {k: v for k, v in placed.items() if k in has}
     if inst.service == "worker":

@@ -23,6 +23,8 @@ class BillingSettings(Settings):
                             "(control: the tenants' Stripe customers); empty: no tenant has one")
     deploy_file: str = setting("GAAS_DEPLOY_FILE", "", "the deployment file: the Stripe meters' event names "
                                "(empty: the default names)")
+    files_dir: str = setting("GAAS_FILES_DIR", ".gaas/files", "where batch files (uploads, outputs) are kept: a "
+                             "directory (the run directory's files/ under gaas up)")
     stripe_api_key: str = setting("GAAS_STRIPE_API_KEY", "", "Stripe's secret key; empty: usage is not sent to "
                                   "Stripe (gaas status says so)")
     stripe_api_base: str = setting("GAAS_STRIPE_API_BASE", "https://api.stripe.com", "Stripe's API address")

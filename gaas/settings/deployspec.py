@@ -152,6 +152,8 @@ class DeploySpec:
     qos: dict = field(default_factory=dict)
     # Multi-turn sessions: how long they are kept, how their context is shortened (gaas.contracts.sessions).
     sessions: object = None
+    # Batches: their price per tier and limits per tenant (gaas.contracts.batches).
+    batches: object = None
     # The file's text as written (what control keeps in its revision history), and its digest.
     text: str = ""
 
@@ -191,7 +193,7 @@ class DeploySpec:
 
         said = {"models": [m.as_dict() for m in self.models], "prices": repr(sorted(self.prices.items())),
                 "meters": sorted(self.meters.items()), "qos": repr(sorted(self.qos.items())),
-                "sessions": repr(self.sessions)}
+                "sessions": repr(self.sessions), "batches": repr(self.batches)}
         return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -402,11 +404,11 @@ def parse(doc: object, root: Path, text: str = "") -> DeploySpec:
     with the path of what is wrong (load() and parse_text() add the file and line)."""
     if not isinstance(doc, dict):
         raise SpecError("the deployment file must be a mapping with a 'models' list")
-    unknown = set(doc) - {"models", "billing", "qos", "sessions"}
+    unknown = set(doc) - {"models", "billing", "qos", "sessions", "batches"}
     if unknown:
         first = sorted(unknown)[0]
-        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models', 'billing', 'qos' "
-                        "and 'sessions'", (first,))
+        raise SpecError(f"unknown section(s) {', '.join(sorted(unknown))}; the file has 'models', 'billing', 'qos', "
+                        "'sessions' and 'batches'", (first,))
     from gaas.contracts.qos import parse_policies
 
     try:
@@ -432,7 +434,14 @@ def parse(doc: object, root: Path, text: str = "") -> DeploySpec:
         sessions = parse_policy(doc.get("sessions"))
     except ValueError as exc:
         raise SpecError(str(exc), ("sessions",)) from None
-    return DeploySpec(models=models, prices=prices, meters=meters, qos=qos, sessions=sessions, text=text)
+    from gaas.contracts.batches import parse_policy as parse_batches
+
+    try:
+        batches = parse_batches(doc.get("batches"))
+    except ValueError as exc:
+        raise SpecError(str(exc), ("batches",)) from None
+    return DeploySpec(models=models, prices=prices, meters=meters, qos=qos, sessions=sessions, batches=batches,
+                      text=text)
 
 
 def parse_text(text: str, root: Path, name: str = "", check=None) -> DeploySpec:

@@ -20,7 +20,10 @@ from gaas.settings.docs import help_epilog
 from gaas.settings.billing import BillingSettings
 from gaas.runtime.sql import Database
 from gaas.v1 import billing_pb2_grpc, control_pb2, control_pb2_grpc
+from gaas.contracts.batches import DEFAULT_POLICY as DEFAULT_BATCH_POLICY
+from services.billing.batches import BatchStore
 from services.billing.budgets import Budgets
+from services.billing.filestore import DirectoryFileStore
 from services.billing.consumer import UsageConsumer
 from services.billing.ledger import Ledger
 from services.billing.servicer import BillingServicer
@@ -45,6 +48,16 @@ def tenant_customers(stub: control_pb2_grpc.ControlStub | None, ttl: float = 10.
     return customers
 
 
+async def maintain_batches(batches: BatchStore, every_s: float = 2.0) -> None:
+    """Batches past their window expire; stopped ones whose last items' runners are gone finish."""
+    while True:
+        try:
+            await batches.maintain()
+        except Exception:  # noqa: BLE001 - the database away for a while: the next round tries again
+            log.warning("batches: cannot finish or expire batches now", exc_info=True)
+        await asyncio.sleep(every_s)
+
+
 async def serve(cfg: BillingSettings) -> None:
     rt = ServiceRuntime(options_for("billing", cfg))
     rt.install_signal_handlers()
@@ -54,7 +67,11 @@ async def serve(cfg: BillingSettings) -> None:
     redis = redisconn.connect(cfg.redis_url, timeout=5.0)
     channel = rt.channel(cfg.outbound) if cfg.outbound else None
     customers = tenant_customers(control_pb2_grpc.ControlStub(channel) if channel else None)
-    meters = deployspec.load(Path(cfg.deploy_file)).meters if cfg.deploy_file else dict(deployspec.DEFAULT_METERS)
+    spec = deployspec.load(Path(cfg.deploy_file)) if cfg.deploy_file else None
+    meters = spec.meters if spec is not None else dict(deployspec.DEFAULT_METERS)
+    batches = BatchStore(db, DirectoryFileStore(Path(cfg.files_dir)),
+                         spec.batches if spec is not None and spec.batches is not None else DEFAULT_BATCH_POLICY)
+    await batches.init_schema()
     sender, reason = None, ""
     if not cfg.stripe_api_key:
         reason = "no Stripe key: set GAAS_STRIPE_API_KEY to report usage to Stripe"
@@ -74,12 +91,13 @@ async def serve(cfg: BillingSettings) -> None:
     budgets = Budgets(ledger, redis)
     rt.add_service(
         billing_pb2_grpc.add_BillingServicer_to_server,
-        BillingServicer(ledger, budgets, sync, consumer, customers, reason),
+        BillingServicer(ledger, budgets, sync, consumer, customers, reason, batches),
         "gaas.v1.Billing",
     )
     await rt.start()
     tasks = [asyncio.create_task(consumer.run(), name="usage-consumer"),
-             asyncio.create_task(budgets.run(), name="budgets")]
+             asyncio.create_task(budgets.run(), name="budgets"),
+             asyncio.create_task(maintain_batches(batches), name="batches")]
     if sender is not None:
         tasks.append(asyncio.create_task(sync.run(), name="stripe-sync"))
         log.info("reporting usage to Stripe at %s (meters: %s)", cfg.stripe_api_base, ", ".join(meters.values()))

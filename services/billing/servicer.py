@@ -6,6 +6,9 @@ from gaas.contracts import errors, pricing, usage
 from gaas.contracts.jsonbody import is_digits
 from gaas.v1 import billing_pb2 as pb
 from gaas.v1 import billing_pb2_grpc
+from gaas.contracts import batches as batch_terms
+from gaas.contracts.edge import KIB
+from services.billing.batches import BatchStore
 from services.billing.budgets import Budgets
 from services.billing.consumer import UsageConsumer
 from services.billing.ledger import Ledger, UsageRow
@@ -23,8 +26,9 @@ def row_pb(r: UsageRow) -> pb.UsageRow:
 class BillingServicer(billing_pb2_grpc.BillingServicer):
     def __init__(
         self, ledger: Ledger, budgets: Budgets, sync: StripeSync, consumer: UsageConsumer,
-        customers=None, disabled_reason: str = "",
+        customers=None, disabled_reason: str = "", batches: BatchStore | None = None,
     ) -> None:
+        self._batches = batches
         self._ledger = ledger
         self._budgets = budgets
         self._sync = sync
@@ -98,3 +102,74 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
             stream_backlog=max(0, await self._consumer.backlog()), ledger_rows=await self._ledger.rows(),
             dead_letters=await self._ledger.dead_letters(),
         )
+
+    # ------------------------------------------------------------ batches
+
+    def _store(self) -> BatchStore:
+        if self._batches is None:
+            raise errors.Unimplemented("this billing service keeps no batches")
+        return self._batches
+
+    async def CreateFile(self, request: pb.CreateFileRequest, context) -> pb.BatchFile:
+        return await self._store().create_file(self._tenant(request.tenant), request.filename, request.purpose,
+                                               request.data)
+
+    async def GetFile(self, request: pb.FileRef, context) -> pb.BatchFile:
+        return await self._store().get_file(self._tenant(request.tenant), request.file_id)
+
+    async def ListFiles(self, request: pb.ListFilesRequest, context) -> pb.BatchFileList:
+        if request.limit > 10_000:
+            raise errors.InvalidArgument("limit must be between 1 and 10000", param="limit")
+        files, more = await self._store().list_files(self._tenant(request.tenant), request.purpose,
+                                                     request.limit or 10_000, request.after, request.order)
+        return pb.BatchFileList(files=files, has_more=more)
+
+    async def DeleteFile(self, request: pb.FileRef, context) -> pb.BatchFile:
+        return await self._store().delete_file(self._tenant(request.tenant), request.file_id)
+
+    async def ReadFile(self, request: pb.FileRef, context):
+        data = await self._store().read_file(self._tenant(request.tenant), request.file_id)
+        for at in range(0, max(len(data), 1), PIECE_BYTES):
+            yield pb.FileChunk(data=data[at:at + PIECE_BYTES])
+
+    async def CreateBatch(self, request: pb.CreateBatchRequest, context) -> pb.Batch:
+        self._tenant(request.owner.tenant)
+        if request.endpoint not in batch_terms.ENDPOINTS:
+            raise errors.InvalidArgument(f"endpoint must be one of {', '.join(batch_terms.ENDPOINTS)}", param="endpoint")
+        return await self._store().create_batch(request.owner, request.input_file_id, request.endpoint,
+                                                dict(request.metadata))
+
+    async def GetBatch(self, request: pb.BatchRef, context) -> pb.Batch:
+        return await self._store().get_batch(request.tenant, request.batch_id)
+
+    async def ListBatches(self, request: pb.ListBatchesRequest, context) -> pb.BatchList:
+        if request.limit > 1000:
+            raise errors.InvalidArgument("limit must be between 1 and 1000", param="limit")
+        found, more = await self._store().list_batches(request.tenant, request.limit or 20, request.after)
+        return pb.BatchList(batches=found, has_more=more)
+
+    async def CancelBatch(self, request: pb.BatchRef, context) -> pb.Batch:
+        return await self._store().cancel_batch(request.tenant, request.batch_id)
+
+    async def ClaimBatchItems(self, request: pb.ClaimBatchItemsRequest, context) -> pb.ClaimedBatchItems:
+        items = await self._store().claim(request.runner, min(request.max_items, 256),
+                                          request.lease_seconds or batch_terms.LEASE_SECONDS)
+        return pb.ClaimedBatchItems(items=items)
+
+    async def RenewBatchItems(self, request: pb.RenewBatchItemsRequest, context) -> pb.RenewBatchItemsResponse:
+        kept = await self._store().renew(request.runner, request.items,
+                                         request.lease_seconds or batch_terms.LEASE_SECONDS)
+        return pb.RenewBatchItemsResponse(items=kept)
+
+    async def ReleaseBatchItems(self, request: pb.RenewBatchItemsRequest, context) -> pb.RenewBatchItemsResponse:
+        await self._store().release(request.runner, request.items)
+        return pb.RenewBatchItemsResponse()
+
+    async def CompleteBatchItem(self, request: pb.CompleteBatchItemRequest, context) -> pb.CompleteBatchItemResponse:
+        recorded = await self._store().complete(request.runner, request.item, request.status_code or 200,
+                                                request.body, request.request_id)
+        return pb.CompleteBatchItemResponse(recorded=recorded)
+
+
+# A file's bytes go back in pieces of this size.
+PIECE_BYTES = 256 * KIB

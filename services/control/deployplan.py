@@ -80,7 +80,7 @@ def sections_of(spec: DeploySpec) -> dict[str, object]:
     """The sections other than models, comparable between two files."""
     return {"prices": repr(sorted((t, sorted(p.items())) for t, p in spec.prices.items())),
             "meters": repr(sorted(spec.meters.items())), "qos": repr(sorted(spec.qos.items())),
-            "sessions": repr(spec.sessions)}
+            "sessions": repr(spec.sessions), "batches": repr(spec.batches)}
 
 
 def _workers(m: ModelSpec) -> str:
