@@ -1,5 +1,5 @@
-"""`gaas usage`, `gaas budget set|show` and `gaas invoice preview`: a tenant's metered usage and cost,
-monthly budget and bill so far, through billing's admin API."""
+"""`gaas usage`, `gaas budget set|show`, `gaas invoice preview` and `gaas batch list|show|cancel`: a
+tenant's metered usage and cost, monthly budget, bill so far and batches, through billing's admin API."""
 
 from __future__ import annotations
 
@@ -112,6 +112,68 @@ def cmd_invoice_preview(args) -> int:
     return 0
 
 
+def _when(ts) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def cmd_batch_list(args) -> int:
+    page, err = _billing_call(args, lambda b: b.batches(args.tenant or "", args.limit, args.after or ""))
+    if err is not None:
+        return err
+    found, more = page
+    if args.json:
+        print(json.dumps({"batches": found, "has_more": more}, indent=2))
+        return 0
+    if not found:
+        print("no batches" + (f" of tenant {args.tenant}" if args.tenant else ""))
+        return 0
+    print(f"{'batch':<38} {'tenant':<16} {'status':<11} {'done':>13} {'failed':>7}  {'created (UTC)':<19}  endpoint")
+    for b in found:
+        c = b["request_counts"]
+        print(f"{b['id']:<38} {b['tenant']:<16} {b['status']:<11} {c['completed'] + c['failed']:>6}/{c['total']:<6} "
+              f"{c['failed']:>7}  {_when(b['created_at']):<19}  {b['endpoint']}")
+    if more:
+        print(f"more: gaas batch list --after {found[-1]['id']}")
+    return 0
+
+
+def cmd_batch_show(args) -> int:
+    b, err = _billing_call(args, lambda x: x.batch(args.batch_id))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(b, indent=2))
+        return 0
+    c = b["request_counts"]
+    print(f"batch {b['id']}: {b['status']}")
+    print(f"  tenant {b['tenant']} ({b['tier']}), billed at {b['price_factor']:g}x the tier's price")
+    print(f"  {b['endpoint']}, input {b['input_file_id']}")
+    print(f"  requests: {c['total']} total, {c['completed']} completed, {c['failed']} failed")
+    for what in ("created", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled"):
+        if b.get(f"{what}_at"):
+            print(f"  {what + ':':<13} {_when(b[f'{what}_at'])} UTC")
+    print(f"  expires:      {_when(b['expires_at'])} UTC")
+    for what in ("output_file_id", "error_file_id"):
+        if b[what]:
+            print(f"  {what.removesuffix('_id').replace('_', ' ')}: {b[what]}")
+    for e in (b["errors"] or {}).get("data", []):
+        print(f"  line {e['line'] or '-'}: {e['code']}: {e['message']}")
+    return 0
+
+
+def cmd_batch_cancel(args) -> int:
+    b, err = _billing_call(args, lambda x: x.cancel_batch(args.batch_id))
+    if err is not None:
+        return err
+    if args.json:
+        print(json.dumps(b))
+    else:
+        print(f"batch {b['id']}: {b['status']} (requests not started never run; those running may finish)")
+    return 0
+
+
 def _billing_args(sp) -> None:
     """The options of a command that calls billing."""
     add_mesh_args(sp, workers=False)
@@ -134,6 +196,27 @@ def register(sub) -> None:
                        help="also break the total down (version: by model and version, e.g. across a roll-out; adapter: by LoRA adapter)")
     _billing_args(usage)
     usage.set_defaults(func=cmd_usage)
+
+    batch = sub.add_parser(
+        "batch", help="tenants' batches (OpenAI's /v1/batches): list, show, cancel",
+        description="Batches that tenants created with POST /v1/batches: their requests run in the band below bronze, "
+        "with what interactive traffic leaves idle, within 24 h; each billed once at the batch price "
+        "(deploy/gaas.yaml: batches.price_factor).")
+    bsub = batch.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
+    blist = bsub.add_parser("list", help="batches, newest first")
+    blist.add_argument("--tenant", default=None, help="one tenant's (default: every tenant's)")
+    blist.add_argument("--limit", type=int, default=20, help="at most this many (1-1000)")
+    blist.add_argument("--after", default=None, help="the page after this batch id")
+    _billing_args(blist)
+    blist.set_defaults(func=cmd_batch_list)
+    bshow = bsub.add_parser("show", help="one batch: its state, counts, times and files")
+    bshow.add_argument("batch_id")
+    _billing_args(bshow)
+    bshow.set_defaults(func=cmd_batch_show)
+    bcancel = bsub.add_parser("cancel", help="cancel a batch in progress (its requests not started never run)")
+    bcancel.add_argument("batch_id")
+    _billing_args(bcancel)
+    bcancel.set_defaults(func=cmd_batch_cancel)
 
     budget = sub.add_parser("budget", help="tenants' monthly budgets (USD)")
     bsub = budget.add_subparsers(dest="budget_command", required=True, metavar="ACTION")

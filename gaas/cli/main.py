@@ -37,6 +37,7 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
   gaas usage acme --by model   a tenant's metered usage and cost, from the ledger
   gaas budget set acme 50      a monthly budget, USD; past it the tenant's requests get HTTP 429
   gaas invoice preview acme    this month's bill so far, line by line
+  gaas batch list              tenants' batches (POST /v1/batches); `gaas batch show|cancel ID`
   gaas model build             build the local test/benchmark model
   gaas envoy render            write the Envoy configs the topology produces
   gaas k8s render              the mesh as Kubernetes manifests (Kustomize); `gaas k8s validate` checks them

@@ -27,6 +27,10 @@ class Price:
     cached_input: float = 0.0
     output: float = 0.0
 
+    def scaled(self, factor: float) -> "Price":
+        """This price times factor (a batch's share of its tier's price)."""
+        return Price(self.input * factor, self.cached_input * factor, self.output * factor)
+
 
 FREE = Price()
 

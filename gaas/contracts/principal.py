@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gaas.contracts.qos import Limits
+from gaas.contracts.qos import BATCH, Limits
 from gaas.contracts.ids import TenantId
 
 
@@ -20,4 +20,12 @@ class Principal:
     cache_salt: str
     # Its quotas (its own, else its tier's, as control resolved them).
     limits: Limits = Limits()
+    # A batch's item, run by a router for the tenant (gaas.contracts.batches): served in the batch
+    # band, below every tier's, at the tier's prices times the batch's price factor.
+    batch: bool = False
+
+    @property
+    def band_name(self) -> str:
+        """What the router orders and sheds it by (gaas.contracts.qos): its tier, or the batch band."""
+        return BATCH if self.batch else self.tier
 

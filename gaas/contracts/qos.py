@@ -16,9 +16,12 @@ from dataclasses import dataclass, replace
 from gaas.contracts.tenancy import DEFAULT_TIER, TIERS, TIERS_BY_PRIORITY
 from gaas.v1 import common_pb2
 
+# The band of batch items (gaas.contracts.batches), below every tier's: served with what interactive
+# requests leave idle, and the first shed.
+BATCH = "batch"
 # Lower bands are served first.
-BANDS = {tier: band for band, tier in enumerate(TIERS_BY_PRIORITY)}
-BAND_NAMES = TIERS_BY_PRIORITY
+BAND_NAMES = (*TIERS_BY_PRIORITY, BATCH)
+BANDS = {tier: band for band, tier in enumerate(BAND_NAMES)}
 # A client's priority within its band: vLLM serves lower values first.
 _WITHIN_BAND = {
     common_pb2.PRIORITY_HIGH: 0,
@@ -30,11 +33,13 @@ PER_BAND = 3
 
 
 def band(tier: str) -> int:
+    """The band of a tier (or of BATCH)."""
     return BANDS.get(tier, BANDS[DEFAULT_TIER])
 
 
 def engine_priority(tier: str, client_priority: int) -> int:
-    """vLLM's priority for a request of this tier asking for client_priority (lower is served first)."""
+    """vLLM's priority for a request of this tier (or BATCH) asking for client_priority (lower is
+    served first)."""
     return band(tier) * PER_BAND + _WITHIN_BAND.get(client_priority, 1)
 
 

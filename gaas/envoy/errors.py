@@ -17,6 +17,7 @@ def openai_errors_lua() -> str:
     """The ingress's Lua error filter, its tables generated from gaas.contracts.errors.STATUS_TABLE."""
     import grpc
 
+    from gaas.contracts import batches as batch_terms
     from gaas.contracts.errors import HTTP_ONLY_TYPES, STATUS_TABLE
 
     def lua_table(pairs) -> str:
@@ -29,7 +30,8 @@ def openai_errors_lua() -> str:
         f"local GRPC_CODES = {lua_table((c, i.openai_code) for c, i in codes)}\n"
         f"local TYPES = {lua_table((c, i.openai_type) for c, i in codes)}\n"
         f"local HTTP_TYPES = {lua_table(sorted(http_types.items()))}\n"
-        f'local MAX_BODY = "{router_settings.max_body_bytes()} bytes"\n\n'
+        f'local MAX_BODY = "{router_settings.max_body_bytes()} bytes"\n'
+        f'local MAX_UPLOAD = "{batch_terms.MAX_UPLOAD_BYTES} bytes of file"\n\n'
     )
     return header + OPENAI_ERRORS_LUA.read_text()
 

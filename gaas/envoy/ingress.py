@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gaas.contracts import edge
+from gaas.contracts import batches as batch_terms, edge
 from gaas.settings import router as router_settings
 from gaas.envoy.bootstrap import bootstrap
 from gaas.envoy.clusters import static_cluster, workers_cluster, xds_cluster
@@ -86,17 +86,35 @@ def max_http_body() -> int:
     return router_settings.max_body_bytes() + 16 * edge.KIB
 
 
-def transcoder(descriptor_set: Path) -> dict:
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+
+
+def max_upload_body() -> int:
+    """The largest body of an upload (POST /v1/files): a batch input file and its multipart framing."""
+    return batch_terms.MAX_UPLOAD_BYTES + 16 * edge.KIB
+
+
+def upload_route(descriptor_set: Path) -> dict:
+    """POST /v1/files, the one route whose body may pass the router's body limit: the transcoder
+    buffers up to max_upload_body() here (its per-route config is read on the HTTP request; once
+    transcoded, the request is routed as any gRPC one)."""
+    return {"match": {"path": "/v1/files", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
+            "route": {"cluster": "router", "timeout": "0s"},
+            "typed_per_filter_config": {TRANSCODER: transcoder(descriptor_set, max_upload_body())["typed_config"]}}
+
+
+def transcoder(descriptor_set: Path, max_body: int | None = None) -> dict:
     """The gRPC-JSON transcoder for the router's two APIs (HttpBody methods pass their body through
-    raw), with the service descriptors of descriptor_set."""
+    raw), with the service descriptors of descriptor_set; max_body: the largest request body it
+    buffers (default max_http_body())."""
     return {
-        "name": "envoy.filters.http.grpc_json_transcoder",
+        "name": TRANSCODER,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
             "proto_descriptor": str(descriptor_set),
             "services": [GRPC_SERVICE["router"], OPENAI_SERVICE],
             "convert_grpc_status": True,
-            "max_request_body_size": max_http_body(),
+            "max_request_body_size": max_body or max_http_body(),
             # Per message of a response: a non-streamed answer comes in pieces (edge.ANSWER_PIECE_BYTES).
             "max_response_body_size": edge.RESPONSE_MESSAGE_BYTES,
             "print_options": {
@@ -146,6 +164,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
     direct = topo.ingress_path == "direct"
     routes = [
         *(direct_routes() if direct else []),
+        upload_route(descriptor_set),
         grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
         grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
         *(grpc_route(f"/{name}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress")
@@ -156,7 +175,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
     if direct:
         # The router is asked about the generation routes only.
         for route in routes[len(DIRECT_GENERATION) * 2:]:
-            route["typed_per_filter_config"] = ext_proc_disabled()
+            route.setdefault("typed_per_filter_config", {}).update(ext_proc_disabled())
     manager = hcm(
         "ingress",
         routes,

@@ -30,7 +30,13 @@ ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
         "ReportPoolFailure": ("worker", "operator"),
     },
     "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
-    "billing": {"GetUsage": ("router", "operator")},
+    "billing": {"GetUsage": ("router", "operator"),
+                # The Files and Batch routes, for the caller's tenant; the batch runners.
+                **{m: ("router", "operator") for m in (
+                    "CreateFile", "GetFile", "ListFiles", "DeleteFile", "ReadFile", "CreateBatch", "GetBatch",
+                    "ListBatches", "CancelBatch")},
+                **{m: ("router",) for m in (
+                    "ClaimBatchItems", "RenewBatchItems", "CompleteBatchItem", "ReleaseBatchItems")}},
     "worker": {"Generate": ("router",), "WatchKVEvents": ("kvcache",)},
     # The router's public APIs (and server reflection) are the ingress's; gaas.v1.Router (flow
     # status) is the operator's.

@@ -262,6 +262,17 @@ class BillingAdmin(_Service):
             "meter_events_sent": r.meter_events_sent, "meter_events_pending": r.meter_events_pending,
         }
 
+    def batches(self, tenant: str = "", limit: int = 20, after: str = "") -> tuple[list[dict], bool]:
+        """Batches, newest first: a tenant's, or every tenant's (tenant "")."""
+        r = self._call("ListBatches", billing_pb.ListBatchesRequest(tenant=tenant, limit=limit, after=after))
+        return [batch_dict(b) for b in r.batches], r.has_more
+
+    def batch(self, batch_id: str) -> dict:
+        return batch_dict(self._call("GetBatch", billing_pb.BatchRef(batch_id=batch_id)))
+
+    def cancel_batch(self, batch_id: str) -> dict:
+        return batch_dict(self._call("CancelBatch", billing_pb.BatchRef(batch_id=batch_id)))
+
     def status(self) -> dict:
         r = self._call("GetStatus", billing_pb.GetBillingStatusRequest())
         return {
@@ -320,3 +331,10 @@ def router_flow(address: str, timeout: float = 2.0) -> dict | None:
         "tenants": [{"tenant": t.tenant, "tier": t.tier, "in_flight": t.in_flight, "requests_1m": t.requests_1m,
                      "tokens_1m": t.tokens_1m} for t in r.tenants],
     }
+
+
+def batch_dict(b) -> dict:
+    """A batch as OpenAI shows it, and who it is for and at what price."""
+    from gaas.openai.batches import batch_object
+
+    return {**batch_object(b), "tenant": b.tenant, "tier": b.tier, "price_factor": b.price_factor}

@@ -15,10 +15,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gaas.contracts import errors, jsonbody
-from gaas.openai import api as openai_api, responses as openai_responses, stream as openai_stream
+from gaas.contracts import batches as batch_terms
+from gaas.openai import api as openai_api, batches as openai_batches, responses as openai_responses, \
+    stream as openai_stream
 from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
-from gaas.v1 import common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
+from gaas.v1 import billing_pb2, common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
 from services.router.pipeline import Pipeline, Timing, note_client_id
 from services.router.responses import LEASE_RENEW_S, ResponseStore
 
@@ -27,8 +29,10 @@ log = logging.getLogger(__name__)
 
 class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     def __init__(self, pipeline: Pipeline, max_body_bytes: int, metrics: CollectorRegistry,
-                 responses: ResponseStore | None = None) -> None:
+                 responses: ResponseStore | None = None, batches=None) -> None:
         self._pipeline = pipeline
+        # The Files and Batch routes' calls to billing (services/router/batches.BatchFront); None: no batches.
+        self._batches = batches
         # Stored responses (the Responses API); None: none are kept (store is refused).
         self._responses = responses
         # Background responses running here.
@@ -198,6 +202,74 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         stored = await self._store().get(principal.tenant, request.response_id)
         return openai_stream.json_body(openai_responses.input_items_page(
             stored["input_items"], request.limit, request.order, request.after, request.before))
+
+    # ------------------------------------------------------------ files and batches (kept by billing)
+
+    def _front(self):
+        if self._batches is None:
+            raise errors.Unavailable("this router serves no batches (it has no billing service)")
+        return self._batches
+
+    async def CreateFile(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        upload = openai_batches.parse_upload(request.content_type, request.data, batch_terms.MAX_UPLOAD_BYTES)
+        f = await self._front().call("CreateFile", billing_pb2.CreateFileRequest(
+            tenant=principal.tenant, filename=upload.filename, purpose=upload.purpose, data=upload.data), "files")
+        return openai_stream.json_body(openai_batches.file_object(f))
+
+    async def ListFiles(self, request: openai_pb2.ListOpenAIFilesRequest, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        page = await self._front().call("ListFiles", billing_pb2.ListFilesRequest(
+            tenant=principal.tenant, purpose=request.purpose, limit=request.limit, after=request.after,
+            order=request.order), "files")
+        return openai_stream.json_body(openai_batches.listing([openai_batches.file_object(f) for f in page.files],
+                                                              page.has_more))
+
+    async def GetFile(self, request: openai_pb2.OpenAIFileRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        f = await self._front().call("GetFile", billing_pb2.FileRef(tenant=principal.tenant, file_id=request.file_id),
+                                     "files")
+        return openai_stream.json_body(openai_batches.file_object(f))
+
+    async def DeleteFile(self, request: openai_pb2.OpenAIFileRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        f = await self._front().call("DeleteFile", billing_pb2.FileRef(tenant=principal.tenant,
+                                                                        file_id=request.file_id), "files")
+        return openai_stream.json_body(openai_batches.file_deleted(f))
+
+    async def GetFileContent(self, request: openai_pb2.OpenAIFileRef, context):
+        principal = await self._pipeline.caller()
+        async for data in self._front().read(principal.tenant, request.file_id):
+            yield httpbody_pb2.HttpBody(content_type="application/octet-stream", data=data)
+
+    async def CreateBatch(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        create = openai_batches.parse_create(jsonbody.parse(request.data, self._max_body))
+        owner = billing_pb2.BatchOwner(tenant=principal.tenant, tier=principal.tier, key_id=principal.key_id,
+                                       cache_salt=principal.cache_salt)
+        b = await self._front().call("CreateBatch", billing_pb2.CreateBatchRequest(
+            owner=owner, input_file_id=create.input_file_id, endpoint=create.endpoint,
+            completion_window=batch_terms.COMPLETION_WINDOW, metadata=create.metadata))
+        return openai_stream.json_body(openai_batches.batch_object(b))
+
+    async def ListBatches(self, request: openai_pb2.ListOpenAIBatchesRequest, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        page = await self._front().call("ListBatches", billing_pb2.ListBatchesRequest(
+            tenant=principal.tenant, limit=openai_batches.page_params(request.limit), after=request.after))
+        return openai_stream.json_body(openai_batches.listing([openai_batches.batch_object(b) for b in page.batches],
+                                                              page.has_more))
+
+    async def GetBatch(self, request: openai_pb2.OpenAIBatchRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        b = await self._front().call("GetBatch", billing_pb2.BatchRef(tenant=principal.tenant,
+                                                                       batch_id=request.batch_id))
+        return openai_stream.json_body(openai_batches.batch_object(b))
+
+    async def CancelBatch(self, request: openai_pb2.OpenAIBatchRef, context) -> httpbody_pb2.HttpBody:
+        principal = await self._pipeline.caller()
+        b = await self._front().call("CancelBatch", billing_pb2.BatchRef(tenant=principal.tenant,
+                                                                          batch_id=request.batch_id))
+        return openai_stream.json_body(openai_batches.batch_object(b))
 
     # ------------------------------------------------------------ tokenizer
 

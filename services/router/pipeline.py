@@ -78,6 +78,8 @@ class Generation:
     plan: TurnPlan | None = None
     # Its usage record (None: this router meters nothing).
     metered: Metered | None = None
+    # The share of its tier's price it is billed at (a batch item's: gaas.contracts.batches).
+    price_factor: float = 1.0
 
     @property
     def max_tokens(self) -> int:
@@ -122,7 +124,7 @@ class Pipeline:
 
     async def start(
         self, principal: Principal, requests: list[inference_pb2.GenerateRequest], timing: Timing, *,
-        check: Callable[[list[Prepared]], None] | None = None, direct: bool = False,
+        check: Callable[[list[Prepared]], None] | None = None, direct: bool = False, price_factor: float = 1.0,
     ) -> Generation:
         """Prepare every prompt (a session's turn with its context: a request naming its session),
         run the adapter's check on them, and admit the request. Every prompt is checked and
@@ -137,7 +139,8 @@ class Pipeline:
             timing.tenant_s += plan.tenant_s
         else:
             prepared = [await self.dispatcher.prepare(r, principal) for r in requests]
-        g = Generation(principal, request_id, prepared, timing, plan.held.session_id if plan else "", plan)
+        g = Generation(principal, request_id, prepared, timing, plan.held.session_id if plan else "", plan,
+                       price_factor=price_factor)
         try:
             if check is not None:
                 check(prepared)
@@ -158,8 +161,10 @@ class Pipeline:
         if self.meter is None:
             return None
         model = g.prepared[0].model
+        price = model.prices.get(g.principal.tier, FREE)
         m = await self.meter.admit(
-            g.principal, g.request_id, model.name, model.version, model.prices.get(g.principal.tier, FREE),
+            g.principal, g.request_id, model.name, model.version,
+            price if g.price_factor == 1.0 else price.scaled(g.price_factor),
             sum(p.prompt_tokens for p in g.prepared), g.max_tokens, len(g.prepared), client_request_id_var.get(),
             g.timing.arrived, sequences=sum(p.request.n or 1 for p in g.prepared), direct=direct,
         )

@@ -146,7 +146,8 @@ class Placer:
         provisioned where they will be...), the request counted in flight there. Returns (worker, seconds queued, in-flight token,
         every candidate's score)."""
         placing = time.perf_counter()
-        decision = await self._flow.place(self._scheduler, ctx, workers, principal.tier, principal.tenant, time_remaining)
+        decision = await self._flow.place(self._scheduler, ctx, workers, principal.band_name, principal.tenant,
+                                          time_remaining)
         queued_s = time.perf_counter() - placing
         worker = decision.worker
         if span.is_recording():
@@ -174,7 +175,7 @@ class Placer:
         interval = self._coalescing.interval(self._inflight.total)
         if interval > 1:
             worker_request.stream_interval = interval
-        priority = self._flow.engine_priority(principal.tier, prepared.request.priority)
+        priority = self._flow.engine_priority(principal.band_name, prepared.request.priority)
         if priority is not None:
             worker_request.engine_priority = priority
         return worker_request
@@ -207,12 +208,12 @@ class Placer:
                    final: common_pb2.GenerateChunk | None, by: str = "") -> None:
         """A direct generation is over: the flow learns how its worker did, and the request is
         recorded as one of the router's own streams is (Dispatcher.stream), from the worker's final."""
-        worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.tier)
+        worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.band_name)
         tokens = 0
         if by and by != worker:
             # The ingress found the worker would not take it (unreachable, busy) and sent it to the
             # second choice, which served it (or failed it: that counts against the second).
-            self._hooks.failed(Response(worker, p.principal.tier, code=grpc.StatusCode.UNAVAILABLE,
+            self._hooks.failed(Response(worker, p.principal.band_name, code=grpc.StatusCode.UNAVAILABLE,
                                         detail="did not take a request the ingress sent it"))
             worker = WorkerId(by)
         if final is not None:
@@ -220,26 +221,26 @@ class Placer:
             # What the tenant waited for the first token, from the ingress's arrival; the window's
             # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
             seen_ms = t.total_ms - t.decode_ms
-            self._hooks.first_token(Response(worker, p.principal.tier, t.ttft_ms,
+            self._hooks.first_token(Response(worker, p.principal.band_name, t.ttft_ms,
                                              seen_ms - t.ingress_ms - t.router_queue_ms,
                                              prompt_work(u.prompt_tokens - u.cached_tokens)))
             outcome = finish.label(final.finish_reason)
             if m.ttft_seconds is not None:
                 m.ttft_seconds.labels(*labels).observe(seen_ms / 1000)
             tokens = self._outcomes.count(labels, u, t.decode_ms / 1000)
-            self._outcomes.observe_latency(t, p.principal.tier)
+            self._outcomes.observe_latency(t, p.principal.band_name)
             log.info("served for %s by %s straight to the ingress: %d prompt (%d cached, %d blocks predicted) + %d "
                      "completion tokens, %s, TTFT %.1f ms at the worker", p.principal.tenant, worker, u.prompt_tokens,
                      u.cached_tokens, p.confirmed_blocks, u.completion_tokens,
                      common_pb2.FinishReason.Name(final.finish_reason), t.ttft_ms)
             if worker == p.worker.worker_id:
-                self._hooks.served(Response(worker, p.principal.tier, cached_tokens=u.cached_tokens,
+                self._hooks.served(Response(worker, p.principal.band_name, cached_tokens=u.cached_tokens,
                                             confirmed_blocks=p.confirmed_blocks, block_size=p.worker.block_size))
-            self._outcomes.rollout(p.prepared.model, p.principal.tier, True, seen_ms, u.completion_tokens,
+            self._outcomes.rollout(p.prepared.model, p.principal.band_name, True, seen_ms, u.completion_tokens,
                                    t.decode_ms / 1000)
         elif code is not None and code != grpc.StatusCode.OK:
-            self._hooks.failed(Response(worker, p.principal.tier, code=code, detail=detail))
-            self._outcomes.rollout(p.prepared.model, p.principal.tier, False)
+            self._hooks.failed(Response(worker, p.principal.band_name, code=code, detail=detail))
+            self._outcomes.rollout(p.prepared.model, p.principal.band_name, False)
             outcome = code.name
         else:
             outcome = "cancelled"
@@ -247,5 +248,5 @@ class Placer:
             m.requests.labels(*labels, outcome).inc()
         # The room taken was the first choice's.
         self._inflight.finish(p.worker.worker_id, p.token)
-        self._hooks.ended(Response(p.worker.worker_id, p.principal.tier))
+        self._hooks.ended(Response(p.worker.worker_id, p.principal.band_name))
         self.activity.finished(p.principal.tenant, tokens)

@@ -28,6 +28,7 @@ from gaas.v1 import (
     worker_pb2_grpc,
 )
 from services.router.auth import Authenticator
+from services.router.batches import BatchFront, BatchRunner
 from services.router.billingclient import usage_reader
 from services.router.coalescing import Coalescing
 from services.router.controlclient import control_fetcher, key_lookup
@@ -150,7 +151,8 @@ async def serve(cfg: RouterSettings) -> None:
         sessions.metrics.turns.labels(outcome)
     log.info("sessions kept %d s after their last turn; context past a model's window: %s (reply reserve %d tokens)",
              session_policy.ttl_seconds, session_policy.truncation, session_policy.reply_reserve_tokens)
-    read_usage = usage_reader(billing_pb2_grpc.BillingStub(channel))
+    billing = billing_pb2_grpc.BillingStub(channel)
+    read_usage = usage_reader(billing)
     # One request pipeline; each API below is an adapter of it.
     pipeline = Pipeline(dispatcher, auth, meter, sessions)
     rt.add_service(
@@ -158,7 +160,8 @@ async def serve(cfg: RouterSettings) -> None:
     )
     rt.add_service(
         openai_pb2_grpc.add_OpenAIServicer_to_server,
-        OpenAIServicer(pipeline, cfg.max_body_bytes, rt.metrics.registry, ResponseStore(redis, session_policy)),
+        OpenAIServicer(pipeline, cfg.max_body_bytes, rt.metrics.registry, ResponseStore(redis, session_policy),
+                       BatchFront(billing)),
         "gaas.v1.OpenAI"
     )
     # The ingress's key check on each request's headers, before it reads the body.
@@ -180,9 +183,14 @@ async def serve(cfg: RouterSettings) -> None:
     sweep = asyncio.create_task(extproc.sweep(redis), name="direct-sweep")
     reporting = asyncio.create_task(reporter.run(), name="rollout-outcomes")
     changes = asyncio.create_task(registry_changes.follow(cfg.redis_url, directory.refresh), name="registry-changes")
+    # Batch items, while this router has room for them (none while an interactive request waits).
+    runner = BatchRunner(pipeline, billing, cfg.instance, cfg.batch_concurrency, cfg.max_body_bytes,
+                         busy=lambda: len(flow.queue) > 0)
+    batches = asyncio.create_task(runner.run(), name="batch-runner") if cfg.batch_concurrency else None
 
     async def stop_refreshing() -> None:
-        tasks = (refresher, spool, reports, sweep, reporting, changes)
+        await runner.drain(cfg.grace_seconds / 2)
+        tasks = (refresher, spool, reports, sweep, reporting, changes, *([batches] if batches else []))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from gaas.runtime.metrics import nearest_rank
 from gaas.contracts.ids import WorkerId
 
-# Share of a worker's window each band may fill (gold, silver, bronze): gold past it.
-BAND_SHARE = (2.0, 0.75, 0.5)
+# Share of a worker's window each band may fill (gold, silver, bronze, batch): gold past it; batch
+# items only what the tiers leave of its first quarter.
+BAND_SHARE = (2.0, 0.75, 0.5, 0.25)
 # Samples a tier needs in the recent past before its p95 counts.
 MIN_SAMPLES = 8
 SAMPLE_SECONDS = 10.0
