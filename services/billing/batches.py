@@ -277,9 +277,12 @@ class BatchStore:
 
     # ------------------------------------------------------------ the runners
 
-    async def claim(self, runner: str, most: int, lease_s: float) -> list[pb.BatchItem]:
-        """Up to most items to run, oldest batch first, each leased to runner for lease_s."""
+    async def claim(self, runner: str, most: int, lease_s: float, fresh: bool = False) -> list[pb.BatchItem]:
+        """Up to most items to run, oldest batch first, each leased to runner for lease_s. fresh:
+        the runner just started, so the items leased to its name are lapsed already."""
         now = self._now_ms()
+        if fresh:
+            await self._db.execute("UPDATE batch_items SET lease_ms = 0 WHERE owner = ? AND state = 'running'", (runner,))
         until = now + int(lease_s * 1000)
         lock = " FOR UPDATE OF i SKIP LOCKED" if self._pg else ""
 

@@ -153,7 +153,7 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
 
     async def ClaimBatchItems(self, request: pb.ClaimBatchItemsRequest, context) -> pb.ClaimedBatchItems:
         items = await self._store().claim(request.runner, min(request.max_items, 256),
-                                          request.lease_seconds or batch_terms.LEASE_SECONDS)
+                                          request.lease_seconds or batch_terms.LEASE_SECONDS, request.fresh)
         return pb.ClaimedBatchItems(items=items)
 
     async def RenewBatchItems(self, request: pb.RenewBatchItemsRequest, context) -> pb.RenewBatchItemsResponse:

@@ -98,6 +98,7 @@ class BatchRunner:
 
     async def run(self) -> None:
         renewing = asyncio.create_task(self._renew_loop(), name="batch-leases")
+        fresh = True
         try:
             while True:
                 room = self._concurrency - len(self._running)
@@ -106,7 +107,9 @@ class BatchRunner:
                     continue
                 try:
                     claimed = await self._stub.ClaimBatchItems(pb.ClaimBatchItemsRequest(
-                        runner=self._runner, max_items=room, lease_seconds=terms.LEASE_SECONDS), timeout=BILLING_TIMEOUT)
+                        runner=self._runner, max_items=room, lease_seconds=terms.LEASE_SECONDS, fresh=fresh),
+                        timeout=BILLING_TIMEOUT)
+                    fresh = False
                 except grpc.aio.AioRpcError as exc:
                     log.info("batches: billing does not answer a claim (%s); trying again shortly", exc.code().name)
                     await asyncio.sleep(IDLE_POLL_S * 2)

@@ -403,8 +403,10 @@ _query_values = _odd_digits | st.text(max_size=12)
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(path=st.sampled_from(["/v1/gaas/usage", "/v1/gaas/sessions", "/v1/gaas/models", "/v1/models",
-                             "/v1/responses/resp_1/input_items", "/v1/responses/x"]),
-       params=st.dictionaries(st.sampled_from(["since", "until", "by", "limit", "api-version", "x"]) | st.text(max_size=5),
+                             "/v1/responses/resp_1/input_items", "/v1/responses/x", "/v1/files", "/v1/batches",
+                             "/v1/files/file-x", "/v1/files/file-x/content", "/v1/batches/batch_x"]),
+       params=st.dictionaries(st.sampled_from(["since", "until", "by", "limit", "api-version", "x", "after", "order",
+                                               "purpose"]) | st.text(max_size=5),
                               _query_values, max_size=4),
        raw=st.none() | st.text(max_size=20))
 def test_fuzz_query_strings_never_answer_5xx(mesh, conn, path, params, raw):

@@ -168,3 +168,11 @@ async def test_limits_refuse_a_large_file_and_too_many_requests(store):
     f = await store.create_file("acme", "in.jsonl", "batch", lines(101))
     b = await store.create_batch(owner(), f.id, CHAT, {})
     assert b.status == "failed" and b.errors[0].code == "too_many_requests"
+
+
+async def test_a_restarted_runner_claims_its_previous_lifes_items_at_once(store):
+    await new_batch(store, 2)
+    await store.claim("router-0", 10, 30)
+    assert await store.claim("router-0", 10, 30) == []
+    again = await store.claim("router-0", 10, 30, fresh=True)
+    assert [i.attempt for i in again] == [2, 2]
