@@ -59,6 +59,7 @@ bench: proto
 	$(BIN)/python -m bench.autoscale
 	$(BIN)/python -m bench.lora
 	$(BIN)/python -m bench.structured
+	$(BIN)/python -m bench.batches
 
 gpu-check:
 	@bash scripts/gpu-check.sh

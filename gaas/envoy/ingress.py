@@ -99,7 +99,7 @@ def upload_route(descriptor_set: Path) -> dict:
     buffers up to max_upload_body() here (its per-route config is read on the HTTP request; once
     transcoded, the request is routed as any gRPC one)."""
     return {"match": {"path": "/v1/files", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
-            "route": {"cluster": "router", "timeout": "0s"},
+            "route": {"cluster": "router", "timeout": "0s", "retry_policy": RETRY_BEFORE_RESPONSE},
             "typed_per_filter_config": {TRANSCODER: transcoder(descriptor_set, max_upload_body())["typed_config"]}}
 
 

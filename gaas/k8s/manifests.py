@@ -187,10 +187,20 @@ def service_container(inst: Instance, startup_seconds: int, resources: tuple[dic
         c["envFrom"] = [{"secretRef": {"name": secret_env_name(inst.name)}}]
     if reads_deploy_file(inst.service):
         c["volumeMounts"].append(mount("deploy", pods.DEPLOY_DIR, True))
+    if keeps_files(inst.service):
+        c["volumeMounts"].append(mount("files", pods.FILES_DIR))
     return c
 
 
-def pod_volumes(name: str, *, deploy: bool) -> list[dict]:
+def keeps_files(kind: str) -> bool:
+    """Whether kind keeps batch files (billing: GAAS_FILES_DIR)."""
+    return any(v.field == "files_dir" for v in variables(SERVICE_SETTINGS[kind]))
+
+
+def pod_volumes(name: str, *, deploy: bool, files: bool = False) -> list[dict]:
+    """A pod's volumes. files: batch files (billing's), an emptyDir here: they last as long as the
+    pod; for files that outlive it, patch the volume to a PersistentVolumeClaim (the batches and
+    items themselves are in PostgreSQL)."""
     memory = {"medium": "Memory"}
     vols = [
         {"name": "sockets", "emptyDir": memory},
@@ -202,6 +212,8 @@ def pod_volumes(name: str, *, deploy: bool) -> list[dict]:
     ]
     if deploy:
         vols.append({"name": "deploy", "configMap": {"name": f"{pods.PREFIX}-deploy"}})
+    if files:
+        vols.append({"name": "files", "emptyDir": {}})
     return vols
 
 
@@ -268,7 +280,7 @@ def service_objects(topo: Topology, inst: Instance, opts: Options) -> list[dict]
     dep = deployment(
         name, kind, [service_container(inst, SERVICE_STARTUP_SECONDS, RESOURCES[kind])],
         [envoy_container(f"sidecar-{name}", name, RESOURCES["envoy"], sidecar=True)],
-        replicas=opts.replicas, grace=grace, volumes=pod_volumes(name, deploy=deploy),
+        replicas=opts.replicas, grace=grace, volumes=pod_volumes(name, deploy=deploy, files=keeps_files(kind)),
         extra_labels={f"{pods.PREFIX}.dev/redis-client": "true"} if kind in REDIS_CLIENTS else None,
     )
     if kind in ("control", "billing") and opts.postgres:

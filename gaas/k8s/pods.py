@@ -31,6 +31,8 @@ ENVOY_DIR = RUN_DIR / "envoy"
 DEPLOY_DIR = RUN_DIR / "deploy"
 LOG_DIR = RUN_DIR / "logs"
 SPOOL_DIR = RUN_DIR / "spool"
+# Billing's batch files (uploads and outputs).
+FILES_DIR = RUN_DIR / "files"
 # pki.Authority(RUN_DIR) keeps its certificates in RUN_DIR/pki: the Secret is mounted there.
 PKI_DIR = RUN_DIR / pki.PKI_DIR
 TMP_DIR = PurePosixPath("/tmp")
@@ -123,7 +125,7 @@ def placement(inst: Instance) -> Placement:
     local = LocalSockets.of(Path(SOCKETS_DIR), inst.name)
     return Placement(instance="$(POD_NAME)", host=POD_BIND, advertise=f"$(POD_IP):{INBOUND_PORT}",
                      listen=f"unix:{local.service}", outbound=f"unix:{local.outbound}",
-                     spool_dir=str(SPOOL_DIR), deploy_file=str(DEPLOY_FILE), files_dir=str(RUN_DIR / "files"))
+                     spool_dir=str(SPOOL_DIR), deploy_file=str(DEPLOY_FILE), files_dir=str(FILES_DIR))
 
 
 def authority() -> pki.Authority:

@@ -6,8 +6,11 @@ from gaas.contracts import qos, tenancy
 
 def test_tiers_are_served_highest_first_and_an_unknown_tier_is_the_lowest():
     assert tenancy.TIERS == ("bronze", "silver", "gold")
-    assert qos.BAND_NAMES == tenancy.TIERS_BY_PRIORITY == ("gold", "silver", "bronze")
-    assert [qos.band(t) for t in qos.BAND_NAMES] == [0, 1, 2]
+    assert tenancy.TIERS_BY_PRIORITY == ("gold", "silver", "bronze")
+    # Batch requests have a band of their own, below every tier's.
+    assert qos.BAND_NAMES == ("gold", "silver", "bronze", qos.BATCH)
+    assert [qos.band(t) for t in qos.BAND_NAMES] == [0, 1, 2, 3]
+    assert qos.engine_priority(qos.BATCH, 0) > qos.engine_priority("bronze", 0)
     assert tenancy.DEFAULT_TIER == "bronze" and qos.band("platinum") == qos.band(tenancy.DEFAULT_TIER)
 
 

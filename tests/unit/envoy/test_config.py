@@ -140,7 +140,11 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     # The client's x-request-id survives and comes back in the response.
     assert hcm["preserve_external_request_id"] and hcm["always_set_request_id_in_response"]
     # Only the router's public services (and health, reflection) are routed; nothing internal.
-    prefixes = {r["match"]["prefix"] for r in vhost["routes"] if "route" in r}
+    prefixes = {r["match"]["prefix"] for r in vhost["routes"] if "route" in r and "prefix" in r["match"]}
+    # ... and uploads (POST /v1/files), whose body may be larger: their own transcoder limit.
+    (upload,) = [r for r in vhost["routes"] if r["match"].get("path") == "/v1/files"]
+    limit = upload["typed_per_filter_config"]["envoy.filters.http.grpc_json_transcoder"]["max_request_body_size"]
+    assert limit > 4 * 1024 * 1024 - 64 * 1024
     assert prefixes == {"/gaas.v1.Inference/", "/gaas.v1.OpenAI/", "/grpc.health.v1.Health/",
                         "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/"}
     filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}

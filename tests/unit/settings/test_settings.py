@@ -32,7 +32,7 @@ DEFAULTS = {
                 "GAAS_KV_POLL_SECONDS": "1.0", "GAAS_KV_PROVISION_TTL": "30.0"},
     "billing": {**BASE, "GAAS_INSTANCE": "billing-0", "GAAS_PORT": "50091",
                 "GAAS_BILLING_DATABASE_URL": "sqlite:///.gaas/billing.db", "GAAS_REDIS_URL": "redis://127.0.0.1:6379/0",
-                "GAAS_OUTBOUND": "", "GAAS_DEPLOY_FILE": "", "GAAS_STRIPE_API_KEY": "",
+                "GAAS_OUTBOUND": "", "GAAS_DEPLOY_FILE": "", "GAAS_FILES_DIR": ".gaas/files", "GAAS_STRIPE_API_KEY": "",
                 "GAAS_STRIPE_API_BASE": "https://api.stripe.com", "GAAS_STRIPE_WINDOW_SECONDS": "3600.0",
                 "GAAS_STRIPE_GRACE_SECONDS": "120.0", "GAAS_STRIPE_RATE": "100"},
     "worker": {**BASE, "GAAS_INSTANCE": "worker-0", "GAAS_PORT": "50061", "GAAS_ADVERTISE": "127.0.0.1:50061",
@@ -50,7 +50,7 @@ DEFAULTS = {
                "GAAS_QUEUE_MAX": "256", "GAAS_WINDOW_INITIAL": "8", "GAAS_WINDOW_MIN": "4", "GAAS_WINDOW_MAX": "64",
                "GAAS_BREAKER_COOLDOWN_SECONDS": "5.0", "GAAS_DEPLOY_FILE": "", "GAAS_MAX_STREAM_SECONDS": "600.0",
                "GAAS_AUTH_CACHE_SECONDS": "2.0", "GAAS_MAX_STALE_SECONDS": "60.0", "GAAS_MAX_BODY_BYTES": "1048576",
-               "GAAS_COALESCE_PER_STEP": "2", "GAAS_COALESCE_MAX": "8", "GAAS_REDIS_URL": "redis://127.0.0.1:6379/0",
+               "GAAS_BATCH_CONCURRENCY": "4", "GAAS_COALESCE_PER_STEP": "2", "GAAS_COALESCE_MAX": "8", "GAAS_REDIS_URL": "redis://127.0.0.1:6379/0",
                "GAAS_SPOOL_DIR": ".gaas/spool"},
 }
 
