@@ -99,7 +99,7 @@ def test_gaas_status_shows_each_routers_queue_windows_and_breakers(mesh):
     shown = json.loads(gaas(mesh, "status", "--json").stdout)
     flow = shown["flow"][0]
     assert flow["qos_enabled"] is True
-    assert [b["band"] for b in flow["bands"]] == ["gold", "silver", "bronze"]
+    assert [b["band"] for b in flow["bands"]] == ["gold", "silver", "bronze", "batch"]
     assert {w["worker_id"] for w in flow["workers"]} == {w["worker_id"] for w in mesh.ready["workers"]}
     assert all(w["breaker"] == "closed" and w["window"] >= 1 for w in flow["workers"])
     text = gaas(mesh, "status").stdout
