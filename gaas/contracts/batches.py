@@ -25,6 +25,8 @@ MAX_UPLOAD_BYTES = 4 * MIB - 64 * KIB
 # stopped loses it within LEASE_SECONDS, and the item is claimed again.
 LEASE_SECONDS = 30.0
 LEASE_RENEW_S = 5.0
+# Tokens per message of a batch item's stream (the worker's most): nobody reads it as it comes.
+STREAM_INTERVAL = 64
 # Batch and file ids.
 BATCH_PREFIX = "batch_"
 FILE_PREFIX = "file-"

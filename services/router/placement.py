@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from gaas.contracts import batches as batch_terms
 from gaas.contracts import finish
 from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, worker_pb2
@@ -173,6 +174,9 @@ class Placer:
                 a.name, a.adapter_id, a.path)
         # Fuller messages as this router's streams grow (the first token still goes alone).
         interval = self._coalescing.interval(self._inflight.total)
+        if principal.batch:
+            # Nobody reads a batch item as it comes: the fewest messages (the least CPU per token).
+            interval = batch_terms.STREAM_INTERVAL
         if interval > 1:
             worker_request.stream_interval = interval
         priority = self._flow.engine_priority(principal.band_name, prepared.request.priority)

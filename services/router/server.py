@@ -185,7 +185,7 @@ async def serve(cfg: RouterSettings) -> None:
     changes = asyncio.create_task(registry_changes.follow(cfg.redis_url, directory.refresh), name="registry-changes")
     # Batch items, while this router has room for them (none while an interactive request waits).
     runner = BatchRunner(pipeline, billing, cfg.instance, cfg.batch_concurrency, cfg.max_body_bytes,
-                         busy=lambda: len(flow.queue) > 0)
+                         busy=lambda: flow.queue.ahead(qos.band(qos.BATCH) - 1))
     batches = asyncio.create_task(runner.run(), name="batch-runner") if cfg.batch_concurrency else None
 
     async def stop_refreshing() -> None:

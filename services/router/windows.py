@@ -27,8 +27,8 @@ from gaas.runtime.metrics import nearest_rank
 from gaas.contracts.ids import WorkerId
 
 # Share of a worker's window each band may fill (gold, silver, bronze, batch): gold past it; batch
-# items only what the tiers leave of its first quarter.
-BAND_SHARE = (2.0, 0.75, 0.5, 0.25)
+# items only what the tiers leave of its first eighth (none beside a request of theirs, at the start).
+BAND_SHARE = (2.0, 0.75, 0.5, 0.125)
 # Samples a tier needs in the recent past before its p95 counts.
 MIN_SAMPLES = 8
 SAMPLE_SECONDS = 10.0
