@@ -435,9 +435,15 @@ class Mesh:
             health = probe.probe(self.topo, self.run_dir, timeout=1.0)
             registered = [w for w in health.workers
                           if w["state"] == "SERVING" and (w["worker_id"], w["address"]) in ours]
+            lagging = []
             if pools is not None and health.healthy and len(registered) >= want_workers:
-                return health
+                # ... and every router's sidecar told of each worker (control's xDS), or a router-path
+                # request sent at once would find its worker unknown there (503 no_healthy_upstream).
+                lagging = probe.routers_lagging(self.topo, self.run_dir, [w["address"] for w in registered])
+                if not lagging:
+                    return health
             waiting = [i.name for i in health.instances if i.health != "SERVING" or not i.sidecar_ready]
+            waiting += [f"{name}'s view of the workers" for name in lagging]
             if not health.ingress_ready:
                 waiting.append("ingress-0")
             if pools is None and "control-0" not in waiting:

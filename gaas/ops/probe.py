@@ -91,19 +91,51 @@ def ingress_ready(admin: Path, timeout: float = 1.0, workers: Iterable[str] = ()
     on a worker it does not know yet is a 503 no_healthy_upstream)."""
     if not envoy_ready(admin, timeout):
         return False
-    try:
-        status, body = envoy_admin(admin, "/clusters", timeout=timeout)
-    except (OSError, http.client.HTTPException):
+    lines = _cluster_hosts(admin, timeout)
+    if lines is None:
         return False
-    if status != 200:
-        return False
-    lines = [line for line in body.decode(errors="replace").splitlines() if "::health_flags::" in line]
     for cluster in INGRESS_NEEDS:
         mine = [line for line in lines if line.startswith(cluster + "::")]
         if mine and not any(line.endswith("::health_flags::healthy") for line in mine):
             return False
+    return _knows(lines, workers)
+
+
+def _cluster_hosts(admin: Path, timeout: float) -> list[str] | None:
+    """An Envoy's admin /clusters lines of its hosts' health (None: it did not answer)."""
+    try:
+        status, body = envoy_admin(admin, "/clusters", timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return None
+    if status != 200:
+        return None
+    return [line for line in body.decode(errors="replace").splitlines() if "::health_flags::" in line]
+
+
+def _knows(lines: list[str], workers: Iterable[str]) -> bool:
     known = {line.split("::")[1] for line in lines if line.startswith(WORKERS_CLUSTER + "::")}
     return set(workers) <= known
+
+
+def knows_workers(admin: Path, workers: Iterable[str], timeout: float = 1.0) -> bool:
+    """An Envoy that sends streams to workers (a router's sidecar) knows each of workers (their
+    addresses: control's xDS has reached it; a stream to one it does not know yet is a 503
+    no_healthy_upstream)."""
+    workers = list(workers)
+    if not workers:
+        return True
+    lines = _cluster_hosts(admin, timeout)
+    return lines is not None and _knows(lines, workers)
+
+
+def routers_lagging(topo: Topology, run_dir: Path, workers: Iterable[str], timeout: float = 1.0) -> list[str]:
+    """The routers whose sidecars do not know each of workers yet (addresses). `gaas up` waits
+    for none before it says the mesh is ready (its first requests would get 503s); later, a
+    router that lags a worker just added for a moment is not unhealthy, so status does not ask."""
+    sockets = sockets_root(run_dir)
+    workers = list(workers)
+    return [r.name for r in topo.of("router") if not knows_workers(LocalSockets.of(sockets, r.name).admin, workers,
+                                                                    timeout)]
 
 
 def grpc_health(address: str, timeout: float = 1.0, run_dir: Path | None = None) -> tuple[str, str]:
