@@ -112,7 +112,7 @@ class RouterSettings(Settings):
                                        "last view of the mesh and the keys verified are used")
     max_body_bytes: int = setting("GAAS_MAX_BODY_BYTES", edge.MAX_BODY_BYTES, "largest OpenAI-API request body "
                                   "accepted, bytes (gaas up sizes the ingress's buffer to it)")
-    batch_concurrency: int = setting("GAAS_BATCH_CONCURRENCY", 4, "batch items this router runs at once, in the "
+    batch_concurrency: int = setting("GAAS_BATCH_CONCURRENCY", 8, "batch items this router runs at once, in the "
                                      "band below bronze and only while no interactive request waits (0: none here)")
     coalesce_per_step: int = setting("GAAS_COALESCE_PER_STEP", 2, "fuller streamed messages as streams grow: "
                                      "streams in flight per token of a message (0: one token a message always)")

@@ -91,7 +91,7 @@ class Flow:
                 decision = scheduler.schedule(ctx, workers)
             except NoCapacity:
                 return None
-            self.windows.acquire(decision.worker.worker_id)
+            self.windows.acquire(decision.worker.worker_id, batch=tier == qos.BATCH)
             self.breakers.started(decision.worker.worker_id)
             return decision
 
@@ -108,7 +108,7 @@ class Flow:
             wait, why = DECISION_HOLD_S, f"the ingress waits on a decision at most {DECISION_HOLD_S:g} s"
         return await self.queue.wait(
             band, tenant, ctx.model, self._clock() + wait, place_now, why,
-            abandon=lambda decision: self.finished(decision.worker.worker_id),
+            abandon=lambda decision: self.finished(decision.worker.worker_id, batch=tier == qos.BATCH),
         )
 
     def first_token(self, worker: WorkerId, tier: str, ttft_ms: float, seen_ms: float | None = None,
@@ -137,9 +137,9 @@ class Flow:
             return
         self.breakers.failure(worker, f"{code.name}: {detail[:200]}", immediate=code in UNREACHABLE)
 
-    def finished(self, worker: WorkerId) -> None:
-        """The request left worker: its room goes to the next waiter."""
-        self.windows.release(worker)
+    def finished(self, worker: WorkerId, batch: bool = False) -> None:
+        """The request (batch: of the batch band) left worker: its room goes to the next waiter."""
+        self.windows.release(worker, batch)
         self.breakers.ended(worker)
         if self.settings.enabled:
             self.queue.dispatch()

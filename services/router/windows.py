@@ -26,9 +26,12 @@ from dataclasses import dataclass, field
 from gaas.runtime.metrics import nearest_rank
 from gaas.contracts.ids import WorkerId
 
-# Share of a worker's window each band may fill (gold, silver, bronze, batch): gold past it; batch
-# items only what the tiers leave of its first eighth (none beside a request of theirs, at the start).
-BAND_SHARE = (2.0, 0.75, 0.5, 0.125)
+# Share of a worker's window each band may fill (gold, silver, bronze, batch): gold past it. The
+# tiers count their own requests only (a batch request never keeps one of theirs waiting: the
+# engine's priorities serve theirs first); the batch band counts every request, so it fills only
+# what the tiers leave of half the window.
+BAND_SHARE = (2.0, 0.75, 0.5, 0.5)
+BATCH_BAND = len(BAND_SHARE) - 1
 # Samples a tier needs in the recent past before its p95 counts.
 MIN_SAMPLES = 8
 SAMPLE_SECONDS = 10.0
@@ -44,7 +47,9 @@ EVALUATE_EVERY_SECONDS = 0.1
 @dataclass(slots=True)
 class Window:
     limit: float
+    # Requests sent and not ended: all of them, and of those the batch band's.
     in_flight: int = 0
+    batch_in_flight: int = 0
     # Whether a request found it full since the last change (growing an unused window proves nothing).
     full: bool = False
     # Whether a gold (band 0) request found no room since the last change.
@@ -56,7 +61,8 @@ class Window:
     grows: int = 0
 
     def room(self, band: int) -> int:
-        return max(0, math.floor(self.limit * BAND_SHARE[band] + 1e-9) - self.in_flight)
+        counted = self.in_flight if band == BATCH_BAND else self.in_flight - self.batch_in_flight
+        return max(0, math.floor(self.limit * BAND_SHARE[band] + 1e-9) - counted)
 
     def p95(self, tier: str, since: float) -> float | None:
         values = [ms for t, tr, ms in self.samples if tr == tier and t >= since]
@@ -87,20 +93,23 @@ class Windows:
         for worker in workers:
             w = self._get(worker)
             out[worker] = w.room(band)
-            if out[worker] == 0:
+            if out[worker] == 0 and band != BATCH_BAND:
                 w.full = True
                 w.starved = w.starved or band == 0
         return out
 
-    def acquire(self, worker: WorkerId) -> None:
+    def acquire(self, worker: WorkerId, batch: bool = False) -> None:
         w = self._get(worker)
         w.in_flight += 1
-        if w.in_flight >= math.floor(w.limit):
+        w.batch_in_flight += batch
+        if w.in_flight - w.batch_in_flight >= math.floor(w.limit):
             w.full = True
 
-    def release(self, worker: WorkerId) -> None:
+    def release(self, worker: WorkerId, batch: bool = False) -> None:
         w = self._get(worker)
         w.in_flight = max(0, w.in_flight - 1)
+        if batch:
+            w.batch_in_flight = max(0, w.batch_in_flight - 1)
 
     def observe(self, worker: WorkerId, tier: str, ttft_ms: float) -> None:
         """A request of tier got its first token from worker after ttft_ms: maybe adjust the window."""

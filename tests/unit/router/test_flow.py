@@ -185,6 +185,21 @@ def test_bronze_fills_half_a_window_silver_three_quarters_and_gold_goes_past_it(
     assert w.room([worker], qos.band("gold")) == {worker: 12}  # to twice the window
 
 
+def test_batch_requests_fill_what_the_tiers_leave_of_half_a_window_and_never_take_theirs():
+    w = Windows({"gold": 100.0}, initial=8)
+    worker = WorkerId("w0")
+    assert w.room([worker], qos.band(qos.BATCH)) == {worker: 4}  # an idle worker: half its window
+    for _ in range(4):
+        w.acquire(worker, batch=True)
+    assert w.room([worker], qos.band(qos.BATCH)) == {worker: 0}
+    # The tiers do not count them: a bronze request has its whole share still.
+    assert w.room([worker], qos.band("bronze")) == {worker: 4}
+    w.acquire(worker)
+    w.release(worker, batch=True)
+    assert w.room([worker], qos.band(qos.BATCH)) == {worker: 0}  # the tiers' request counts for the batch band
+    assert w.state()[worker].batch_in_flight == 3 and not w.state()[worker].full
+
+
 # ------------------------------------------------------------------ the breaker
 
 

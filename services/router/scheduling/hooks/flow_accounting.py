@@ -5,6 +5,7 @@ which gives its room in the window to the next waiter."""
 
 from __future__ import annotations
 
+from gaas.contracts.qos import BATCH
 from services.router.flow import Flow
 from services.router.scheduling.types import PostResponse, Response
 
@@ -25,4 +26,4 @@ class FlowAccounting(PostResponse):
         self._flow.failed(r.worker, r.code, r.detail)
 
     def ended(self, r: Response) -> None:
-        self._flow.finished(r.worker)
+        self._flow.finished(r.worker, batch=r.tier == BATCH)
