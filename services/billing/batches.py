@@ -343,8 +343,11 @@ class BatchStore:
             except ValueError:
                 answer = {"error": {"message": "the answer could not be read", "type": "server_error"}}
             line = wire.output_line(item[0][0], request_id, status_code, answer).decode()
-            execute("UPDATE batch_items SET state = 'done', ok = ?, result = ?, owner = ? WHERE batch_id = ? AND idx = ?",
-                    (1 if ok else 0, line, runner, ref.batch_id, ref.index))
+            # (state != 'done' again: a billing replica beside this one may have completed it meanwhile)
+            if not execute("UPDATE batch_items SET state = 'done', ok = ?, result = ?, owner = ? WHERE batch_id = ? AND "
+                           "idx = ? AND state != 'done' RETURNING idx",
+                           (1 if ok else 0, line, runner, ref.batch_id, ref.index)):
+                return False
             execute(f"UPDATE batches SET {'completed = completed' if ok else 'failed = failed'} + 1 WHERE id = ?",
                     (ref.batch_id,))
             return True
