@@ -20,13 +20,14 @@ from tests.meshutil import gaas, generate
 
 
 def _wait_for_trace(path: Path, request_id: str, want_services: set[str], timeout: float = 20.0) -> traces.Trace:
-    """The request's trace once every service in want_services has exported its spans (Envoys
-    flush every 5 s, the SDK's batch processor as often)."""
+    """The request's trace once every service in want_services has exported its spans and its
+    root is in (Envoys flush every 5 s, the SDK's batch processor as often: a child's span, ended
+    first, can arrive a flush before its parent's; CI saw a trace read with two roots then)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             t = traces.find(traces.load(path), request_id)
-            if want_services <= set(t.services()):
+            if want_services <= set(t.services()) and any(not r.parent_id for r in t.roots()):
                 return t
         except TraceError:
             t = None
