@@ -203,22 +203,24 @@ def listing(data: list[dict], has_more: bool) -> dict:
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
+def _line(doc: dict) -> bytes:
+    return json.dumps({"id": "batch_req_" + uuid.uuid4().hex, **doc}, separators=(",", ":")).encode() + b"\n"
+
+
 def output_line(custom_id: str, request_id: str, status_code: int, body: object) -> bytes:
     """One line of a batch's output (status 200) or error file: OpenAI's shape."""
-    line = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None}
-    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
+    return _line({"custom_id": custom_id,
+                  "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None})
 
 
-def expired_line(custom_id: str) -> bytes:
-    """An item its batch's window closed on (or a cancel stopped) before it ran."""
-    line = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": None,
-            "error": {"code": "batch_expired", "message": "this request was not run before the batch's 24 h window "
-                      "closed"}}
-    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
+# Why a request of a batch that stopped never ran: the batch's ending -> (code, message).
+UNRUN = {
+    "expired": ("batch_expired", "this request was not run before the batch's 24 h window closed"),
+    "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+}
 
 
-def cancelled_line(custom_id: str) -> bytes:
-    line = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": None,
-            "error": {"code": "batch_cancelled", "message": "the batch was cancelled before this request ran"}}
-    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
+def unrun_line(custom_id: str, ending: str) -> bytes:
+    """The error line of a request its batch's end (expired or cancelled) stopped before it ran."""
+    code, message = UNRUN[ending]
+    return _line({"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}})

@@ -381,13 +381,12 @@ class BatchStore:
         now = self._now_ms()
         rows = await self._db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id = ?", (batch_id,))
         b, ending = batch_pb(rows[0]), rows[0][8]
-        line = wire.cancelled_line if ending == "cancelled" else wire.expired_line
         if b.status != "finalizing":
             def stop(execute) -> None:
                 for idx, custom_id in execute("SELECT idx, custom_id FROM batch_items WHERE batch_id = ? AND "
                                               "state != 'done'", (batch_id,)):
                     execute("UPDATE batch_items SET state = 'done', ok = 0, result = ? WHERE batch_id = ? AND idx = ?",
-                            (line(custom_id).decode(), batch_id, idx))
+                            (wire.unrun_line(custom_id, ending or "expired").decode(), batch_id, idx))
                 execute("UPDATE batches SET status = 'finalizing', finalizing_ms = ? WHERE id = ?", (now, batch_id))
 
             await self._db.run(stop)
