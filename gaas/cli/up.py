@@ -113,7 +113,7 @@ def cmd_up(args) -> int:
     try:
         mesh.start()
         # In this thread: what it starts is the main thread's child (a child started by a thread
-        # gets the parent-death signal when that thread ends: gaas.launcher.children.child_setup).
+        # gets the parent-death signal when that thread ends: gaas.launcher.children.child_launch).
         health = mesh.wait_ready(args.timeout)
     except MeshError as exc:
         fail(str(exc))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -20,21 +21,38 @@ from gaas.launcher.rundir import STATE_FILE
 LEFTOVER_GRACE_SECONDS = 20.0
 
 
-def child_setup(cpus: set[int] | None) -> Callable[[], None]:
-    """What the child runs before exec: get SIGTERM when the parent dies (Linux's parent-death
-    signal), and keep to the given CPUs. The signal comes when the *thread* that started the child
-    ends, not only the process: start children from the thread that lives as long as the mesh."""
+# util-linux's setpriv and taskset: set the parent-death signal and the CPUs, then exec the child.
+_SETPRIV, _TASKSET = shutil.which("setpriv"), shutil.which("taskset")
+# libc, loaded here in the parent: a dlopen in a forked child can deadlock on a lock another thread held.
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
+
+
+def child_launch(cmd: list[str], cpus: set[int] | None) -> tuple[list[str], Callable[[], None] | None]:
+    """(the command to exec, what the child runs before exec) for a child that gets SIGTERM when
+    the parent dies (Linux's parent-death signal) and keeps to the given CPUs. The signal comes when
+    the *thread* that started the child ends, not only the process: start children from the thread
+    that lives as long as the mesh.
+
+    With util-linux's setpriv (and taskset) the child execs through them and runs no Python before
+    exec: `gaas up` has threads (gRPC's, a model build), and Python code run in a forked child (a
+    preexec_fn) can deadlock on a lock one of them held at the fork, leaving gaas up waiting in
+    Popen for an exec that never comes. Without them, a preexec_fn that makes two system calls."""
+    if _SETPRIV and (_TASKSET or not cpus):
+        prefix = [_SETPRIV, "--pdeathsig", "TERM", "--"]
+        if cpus:
+            prefix += [_TASKSET, "--cpu-list", ",".join(map(str, sorted(cpus)))]
+        return [*prefix, *cmd], None
 
     def setup() -> None:
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+        if _LIBC is not None:
+            _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    return setup
+    return list(cmd), setup
 
 
 # Restart backoff of a child that exits on its own: 1, 2, 4 ... 30 s; reset once it has run this long.

@@ -24,7 +24,7 @@ from gaas.envoy import config as envoyconf
 from gaas.envoy.binary import ENVOY_ARGS
 from gaas.launcher import fleet
 from gaas.launcher.children import (
-    RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_setup, signal_group, start_ticks, stop_leftovers,
+    RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_launch, signal_group, start_ticks, stop_leftovers,
 )
 from gaas.launcher.errors import MeshError
 from gaas.launcher.rundir import STATE_FILE, port_in_use
@@ -248,15 +248,16 @@ class Mesh:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            argv, setup = child_launch(cmd, cpus)
             proc = subprocess.Popen(
-                cmd,
+                argv,
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: signalled as a whole at the end
-                preexec_fn=child_setup(cpus),
+                preexec_fn=setup,
             )
         child = Child(name, kind, proc, log, cmd=cmd, env=env, cpus=cpus)
         self.children.append(child)
@@ -268,9 +269,10 @@ class Mesh:
         self._close_control()  # (no gRPC channel open across a fork)
         with open(child.log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
+            argv, setup = child_launch(child.cmd, child.cpus)
             child.proc = subprocess.Popen(
-                child.cmd, cwd=ROOT, env=child.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=child_setup(child.cpus),
+                argv, cwd=ROOT, env=child.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=setup,
             )
         child.started = time.monotonic()
         child.restarts += 1

@@ -79,7 +79,8 @@ def wait_state(m, *states: str, timeout: float = READY_SECONDS) -> dict:
         s = status(m)
         if s["state"] in states:
             return s
-        assert time.monotonic() < deadline, f"the roll-out is {s['state']}, not {'/'.join(states)}: {s['decisions']}"
+        assert time.monotonic() < deadline, (f"the roll-out is {s['state']}, not {'/'.join(states)}: {s['decisions']}; "
+                                             f"gaas up said last:\n{m.output.read_text()[-2000:]}")
         time.sleep(0.5)
 
 
