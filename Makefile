@@ -11,10 +11,13 @@ help:
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge, roll-outs (a breach back to 0%, failed requests"
-	@echo "             while promoting and switching, the cost of an apply), autoscaling (a step served by a new worker, scale-in, scale from zero)"
+	@echo "             while promoting and switching, the cost of an apply), autoscaling (a step served by a new worker, scale-in, scale from zero),"
+	@echo "             LoRA, structured output, batches, and the SITS2026 scorecard (gaas bench sits: its six dimensions"
+	@echo "             on a live mesh beside the seed's columns; also sits.png and sits.html)"
 	@echo "             (prints tables, writes bench/results/*.json)"
 	@echo "make gpu-check   on a host with NVIDIA GPUs: install, start the mesh (one worker per GPU), stream"
-	@echo "             through it, compare with vLLM's own server on the same GPU (bench/results/gpu-check.json)"
+	@echo "             through it, compare with vLLM's own server on the same GPU (bench/results/gpu-check.json),"
+	@echo "             then the SITS2026 scorecard on the GPU (bench/results/sits-gpu.json, .png, .html)"
 	@echo "make model   build the tiny local model into models/gaas-tiny"
 	@echo "make envoy-config   render the Envoy configs of deploy/topology.yaml into envoy/generated/"
 	@echo "make k8s     render the Kubernetes manifests (Kustomize) into deploy/k8s/ with their secrets, and validate them"
@@ -60,6 +63,7 @@ bench: proto
 	$(BIN)/python -m bench.lora
 	$(BIN)/python -m bench.structured
 	$(BIN)/python -m bench.batches
+	$(BIN)/python -m bench.sits
 
 gpu-check:
 	@bash scripts/gpu-check.sh

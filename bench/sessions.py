@@ -75,74 +75,62 @@ def fit(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,31744",
-                    help="context lengths in tokens (default 1K to 31K of the 32K window)")
-    ap.add_argument("--turns", type=int, default=3, help="timed next turns per length, cached (3)")
-    ap.add_argument("--uncached", type=int, default=2, help="timed turns per length with nothing cached (2)")
-    ap.add_argument("--out", default=str(RESULTS / "sessions.json"))
-    args = ap.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-
+def measure(base_url: str, key: str, tok, lengths: list[int], turns: int, uncached: int, say) -> list[dict]:
+    """For each context length: a session started with that much context, `turns` next turns timed
+    with it cached, `uncached` with nothing of it cached (module docstring); a row per length."""
     import httpx
     import openai
 
-    from bench.common.mesh import bench_mesh, demo_key, running
-    from gaas.model.tokenizer import Tokenizer
-
-    mesh = bench_mesh("sessions", 23000, say, serve_model=MODEL)
-    topo, run_dir = mesh.topo, mesh.run_dir
+    ids = corpus_ids(tok, max(lengths) + 64 * (turns + uncached + 4))
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=600)
+    http = httpx.Client(base_url=base_url, headers={"authorization": f"Bearer {key}"}, timeout=30)
+    cursor = max(lengths)
     rows = []
-    say(f"starting a mesh with one worker serving {MODEL} (logs in {run_dir / 'logs'})")
-    with running(mesh, 400):
-        key = demo_key(mesh)
-        tok = Tokenizer.load(mesh.spec.model(MODEL).source)
-        ids = corpus_ids(tok, max(lengths) + 64 * (args.turns + args.uncached + 4))
-        client = openai.OpenAI(base_url=f"http://{topo.ingress}/v1", api_key=key, max_retries=0, timeout=600)
-        http = httpx.Client(base_url=f"http://{topo.ingress}", headers={"authorization": f"Bearer {key}"}, timeout=30)
-        cursor = max(lengths)
 
-        def short() -> str:
-            nonlocal cursor
-            piece = tok.decode(ids[cursor: cursor + TURN_TOKENS])
-            cursor = (cursor + TURN_TOKENS) % (len(ids) - TURN_TOKENS)
-            return piece
+    def short() -> str:
+        nonlocal cursor
+        piece = tok.decode(ids[cursor: cursor + TURN_TOKENS])
+        cursor = (cursor + TURN_TOKENS) % (len(ids) - TURN_TOKENS)
+        return piece
 
-        say("warming up")
-        timed_turn(client, f"warm-{uuid.uuid4().hex[:8]}", [{"role": "user", "content": short()}])
-        for length in lengths:
-            session = f"len{length}-{uuid.uuid4().hex[:8]}"
-            system = f"Session {session}. Answer from the document."
-            opening = tok.decode(ids[: max(1, length - 64)])
-            say(f"{length} tokens: starting a session with a {length}-token context")
-            start = timed_turn(client, session, [{"role": "system", "content": system},
-                                                 {"role": "user", "content": opening}])
-            cached = [timed_turn(client, session, [{"role": "user", "content": short()}]) for _ in range(args.turns)]
-            uncached = []
-            for _ in range(args.uncached):
-                held = http.get(f"/v1/gaas/sessions/{session}").json()["messages"]
-                held[0]["content"] = f"{uuid.uuid4().hex} " + held[0]["content"]  # nothing of it is cached anywhere
-                uncached.append(timed_turn(client, f"cold-{uuid.uuid4().hex[:8]}",
-                                           held + [{"role": "user", "content": short()}]))
-            row = {
-                "context_tokens": length,
-                "first_turn_ttft_ms": round(start["ttft_ms"], 2),
-                "cached_ttft_ms": [round(t["ttft_ms"], 2) for t in cached],
-                "cached_prompt_tokens": [t["prompt_tokens"] for t in cached],
-                "cached_tokens": [t["cached_tokens"] for t in cached],
-                "uncached_ttft_ms": [round(t["ttft_ms"], 2) for t in uncached],
-                "uncached_prompt_tokens": [t["prompt_tokens"] for t in uncached],
-                "uncached_cached_tokens": [t["cached_tokens"] for t in uncached],
-            }
-            row["cached_p50_ms"] = round(statistics.median(row["cached_ttft_ms"]), 2)
-            row["uncached_p50_ms"] = round(statistics.median(row["uncached_ttft_ms"]), 2)
-            row["ratio"] = round(row["cached_p50_ms"] / row["uncached_p50_ms"], 3)
-            rows.append(row)
-            say(f"{length} tokens: next turn {row['cached_p50_ms']:.1f} ms cached, {row['uncached_p50_ms']:.1f} ms not "
-                f"({row['ratio']:.2f}x)")
-        http.close()
+    say("warming up")
+    timed_turn(client, f"warm-{uuid.uuid4().hex[:8]}", [{"role": "user", "content": short()}])
+    for length in lengths:
+        session = f"len{length}-{uuid.uuid4().hex[:8]}"
+        system = f"Session {session}. Answer from the document."
+        opening = tok.decode(ids[: max(1, length - 64)])
+        say(f"{length} tokens: starting a session with a {length}-token context")
+        start = timed_turn(client, session, [{"role": "system", "content": system},
+                                             {"role": "user", "content": opening}])
+        cached = [timed_turn(client, session, [{"role": "user", "content": short()}]) for _ in range(turns)]
+        cold = []
+        for _ in range(uncached):
+            held = http.get(f"/v1/gaas/sessions/{session}").json()["messages"]
+            held[0]["content"] = f"{uuid.uuid4().hex} " + held[0]["content"]  # nothing of it is cached anywhere
+            cold.append(timed_turn(client, f"cold-{uuid.uuid4().hex[:8]}", held + [{"role": "user", "content": short()}]))
+        row = {
+            "context_tokens": length,
+            "first_turn_ttft_ms": round(start["ttft_ms"], 2),
+            "cached_ttft_ms": [round(t["ttft_ms"], 2) for t in cached],
+            "cached_prompt_tokens": [t["prompt_tokens"] for t in cached],
+            "cached_tokens": [t["cached_tokens"] for t in cached],
+            "uncached_ttft_ms": [round(t["ttft_ms"], 2) for t in cold],
+            "uncached_prompt_tokens": [t["prompt_tokens"] for t in cold],
+            "uncached_cached_tokens": [t["cached_tokens"] for t in cold],
+        }
+        row["cached_p50_ms"] = round(statistics.median(row["cached_ttft_ms"]), 2)
+        row["uncached_p50_ms"] = round(statistics.median(row["uncached_ttft_ms"]), 2)
+        row["ratio"] = round(row["cached_p50_ms"] / row["uncached_p50_ms"], 3)
+        rows.append(row)
+        say(f"{length} tokens: next turn {row['cached_p50_ms']:.1f} ms cached, {row['uncached_p50_ms']:.1f} ms not "
+            f"({row['ratio']:.2f}x)")
+    http.close()
+    return rows
 
+
+def summarize(rows: list[dict]) -> dict:
+    """The rows, the increment per added 1K tokens (cached and not), and the switch from the first
+    length of 4K or more to the longest."""
     xs = [r["context_tokens"] / 1000 for r in rows]
     result = {
         "model": MODEL, "turn_tokens": TURN_TOKENS, "reply_tokens": REPLY_TOKENS, "rows": rows,
@@ -157,7 +145,32 @@ def main(argv: list[str] | None = None) -> int:
             "from_tokens": small, "to_tokens": big,
             "cached_ms": round(by_len[big]["cached_p50_ms"] - by_len[small]["cached_p50_ms"], 2),
             "uncached_ms": round(by_len[big]["uncached_p50_ms"] - by_len[small]["uncached_p50_ms"], 2),
+            # The next turn at the longest context, cached, against the same prompt prefilled cold.
+            "cached_to_cold": by_len[big]["ratio"],
+            "cached_turn_ms": by_len[big]["cached_p50_ms"], "cold_prefill_ms": by_len[big]["uncached_p50_ms"],
         }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,31744",
+                    help="context lengths in tokens (default 1K to 31K of the 32K window)")
+    ap.add_argument("--turns", type=int, default=3, help="timed next turns per length, cached (3)")
+    ap.add_argument("--uncached", type=int, default=2, help="timed turns per length with nothing cached (2)")
+    ap.add_argument("--out", default=str(RESULTS / "sessions.json"))
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+
+    from bench.common.mesh import bench_mesh, demo_key, running
+    from gaas.model.tokenizer import Tokenizer
+
+    mesh = bench_mesh("sessions", 23000, say, serve_model=MODEL)
+    say(f"starting a mesh with one worker serving {MODEL} (logs in {mesh.run_dir / 'logs'})")
+    with running(mesh, 400):
+        tok = Tokenizer.load(mesh.spec.model(MODEL).source)
+        rows = measure(f"http://{mesh.topo.ingress}", demo_key(mesh), tok, lengths, args.turns, args.uncached, say)
+    result = summarize(rows)
     print(f"\nNext turn's TTFT by session context ({MODEL}; one worker; {TURN_TOKENS}-token turns; p50 of "
           f"{args.turns} cached and {args.uncached} uncached turns):\n")
     print(f"{'context':>8} {'prompt':>8} {'cached':>8} {'TTFT cached':>12} {'TTFT not cached':>16} {'ratio':>6}")

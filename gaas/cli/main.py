@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from gaas.cli import (
-    billing, deploy, envoy, generate, k8s, kv, lora, model, models, placement, restart, sessions, status, tenants, top,
+    bench, billing, deploy, envoy, generate, k8s, kv, lora, model, models, placement, restart, sessions, status, tenants, top,
     trace, up,
 )
 from gaas.cli.common import fail
@@ -39,13 +39,14 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
   gaas invoice preview acme    this month's bill so far, line by line
   gaas batch list              tenants' batches (POST /v1/batches); `gaas batch show|cancel ID`
   gaas model build             build the local test/benchmark model
+  gaas bench sits              the SITS2026 scorecard on a live mesh (`gaas bench` lists the benchmarks)
   gaas envoy render            write the Envoy configs the topology produces
   gaas k8s render              the mesh as Kubernetes manifests (Kustomize); `gaas k8s validate` checks them
 """
 
 # The command modules, in the order `gaas --help` lists their commands.
 COMMANDS = (up, trace, generate, sessions, status, top, restart, models, deploy, placement, lora, tenants, billing, kv,
-            model, envoy, k8s)
+            model, bench, envoy, k8s)
 
 
 def build_parser() -> argparse.ArgumentParser:

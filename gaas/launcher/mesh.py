@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -465,6 +465,39 @@ class Mesh:
                 self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
                 last_note = now
             time.sleep(0.5)
+
+    def restart(self, name: str, env: Mapping[str, str | None] | None = None, timeout: float = 90.0) -> None:
+        """Stop one service instance (SIGTERM: it drains its requests) and start it again with env's
+        changes to its environment (a setting a service reads when it starts: a benchmark comparing
+        a router's policies on one mesh; None removes a variable), then wait until it serves through its sidecar again (and,
+        a router, knows every worker). MeshError when it does not within timeout. Call it from the
+        thread that started the mesh (its children get SIGTERM when that thread ends)."""
+        child = next((c for c in self.children if c.name == name and c.kind in SERVICE_MODULES), None)
+        if child is None:
+            services = ", ".join(c.name for c in self.children if c.kind in SERVICE_MODULES)
+            raise MeshError(f"this mesh has no service instance named {name!r} (it has {services})")
+        child.env = {k: v for k, v in {**child.env, **(env or {})}.items() if v is not None}
+        deadline = time.monotonic() + timeout
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=max(1.0, timeout / 2))
+            except subprocess.TimeoutExpired:
+                self.progress(f"{name} did not stop in {timeout / 2:.0f} s; killing it")
+        self._respawn(child)
+        while True:
+            health = probe.probe(self.topo, self.run_dir, timeout=1.0)
+            mine = next((i for i in health.instances if i.name == name), None)
+            if mine is not None and mine.health == "SERVING" and mine.sidecar_ready:
+                serving = [w["address"] for w in health.workers if w["state"] == "SERVING"]
+                if child.kind != "router" or name not in probe.routers_lagging(self.topo, self.run_dir, serving):
+                    return
+            if child.proc.poll() is not None:
+                raise MeshError(f"{name} exited with code {child.proc.returncode} after its restart; its log "
+                                f"{child.log} ends:\n{child.tail()}")
+            if time.monotonic() > deadline:
+                raise MeshError(f"{name} did not serve again within {timeout:.0f} s of its restart; see {child.log}")
+            time.sleep(0.25)
 
     def interrupt(self) -> None:
         """Give up starting: children exiting from now on are expected (stop() follows)."""

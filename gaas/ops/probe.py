@@ -166,6 +166,9 @@ def list_workers(control_address: str, timeout: float = 1.0, run_dir: Path | Non
             "model_version": w.model_version,
             "backend": w.backend,
             "device": w.device,
+            "engine_version": w.engine_version,
+            "block_size": w.block_size,
+            "max_model_len": w.max_model_len,
             "state": control_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
             "load": {
                 "running": w.load.running_requests,
@@ -178,6 +181,11 @@ def list_workers(control_address: str, timeout: float = 1.0, run_dir: Path | Non
                 "reported_unix_ms": w.load.reported_unix_ms,
                 "adapters": list(w.load.adapters),
                 "adapter_slots": w.load.adapter_slots,
+                "preemptions": w.load.preemptions,
+                # What the worker's device reports of itself (NVML's name and NVLink peers on a GPU).
+                "device_kind": w.load.device.kind,
+                "device_name": w.load.device.name,
+                "nvlink_peers": list(w.load.device.nvlink_peers),
             },
         }
         for w in resp.workers

@@ -170,6 +170,8 @@ class EngineLoad:
     kv_cache_usage: float
     # The names of the LoRA adapters it holds loaded.
     adapters: tuple[str, ...] = ()
+    # Requests preempted since the engine started (a KV block it could not allocate).
+    preemptions: int = 0
 
 
 class Engine(ABC):
@@ -581,6 +583,7 @@ class VllmEngine(Engine):
             waiting=waiting,
             kv_cache_usage=self._load.kv_cache_usage,
             adapters=self.adapters(),
+            preemptions=self._load.preemptions,
         )
 
     async def shutdown(self) -> None:
@@ -652,6 +655,7 @@ class _LoadTracker:
     def __init__(self) -> None:
         self.waiting = 0
         self.kv_cache_usage = 0.0
+        self.preemptions = 0
 
     def factory(self, vllm_config, engine_index: int = 0):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -666,6 +670,8 @@ class _LoadTracker:
                 if scheduler_stats is not None:
                     tracker.waiting = scheduler_stats.num_waiting_reqs
                     tracker.kv_cache_usage = scheduler_stats.kv_cache_usage
+                if iteration_stats is not None:
+                    tracker.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
 
             def log_engine_initialized(self) -> None:
                 pass

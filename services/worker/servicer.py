@@ -179,6 +179,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             reported_unix_ms=int(time.time() * 1000),
             adapters=load.adapters,
             adapter_slots=engine.info.adapter_slots,
+            preemptions=load.preemptions,
         )
         sample = self.device_sample
         if self.monitor is not None and sample is not None:

@@ -299,6 +299,20 @@ def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(d
     assert all(x["status"] == 200 for x in retried)
 
 
+def restarted_pid(mesh, name: str, old: int, timeout: float = 30.0) -> int:
+    """The pid of `name` once gaas up has started it again in place of pid old (its state file)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid = json.loads((mesh.run_dir / "mesh.json").read_text())["children"].get(name)
+        except (OSError, ValueError):
+            pid = None
+        if pid and pid != old:
+            return pid
+        assert time.monotonic() < deadline, f"gaas up did not restart {name}"
+        time.sleep(0.05)
+
+
 def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_served_again(direct_mesh):
     """router-0 killed mid-stream: the streams it decided run to their end (the router is out of
     them once it has answered); until `gaas up` has it back, the ingress answers the decision it
@@ -311,6 +325,10 @@ def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_serv
     for s in streams:
         next(s)  # its first chunk: decided, and streaming from its worker
     os.kill(direct_mesh.children["router-0"], signal.SIGKILL)
+    # And again once gaas up has restarted it (1 s later), so that it stays away longer (its next
+    # restart waits 2 s) than the ingress holds a request while retrying its router: a router back
+    # within that serves the request, and no client sees the 503 this test is about.
+    os.kill(restarted_pid(direct_mesh, "router-0", direct_mesh.children["router-0"]), signal.SIGKILL)
     for s in streams:
         chunks = list(s)
         assert chunks[-1].usage.completion_tokens == 96

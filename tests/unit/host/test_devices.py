@@ -437,3 +437,18 @@ def test_the_engine_reads_its_load_from_older_vllms_too():
     for llm, count in ((old, 3), (new, 5)):
         load = VllmEngine(llm, None, _LoadTracker(), None, None).load()
         assert load.running + load.waiting == count
+
+
+def test_the_engines_preemptions_are_counted_into_its_load_report():
+    """Each engine step's preempted requests (vLLM's KV-cache allocation failures) add up in the
+    load report, the scorecard's fragmentation figure reads them there."""
+    from services.worker.engine import VllmEngine, _LoadTracker
+
+    tracker = _LoadTracker()
+    logger = tracker.factory(None)
+    for preempted in (0, 2, 1):
+        logger.record(types.SimpleNamespace(num_waiting_reqs=0, kv_cache_usage=0.9),
+                      types.SimpleNamespace(num_preempted_reqs=preempted))
+    logger.record(None, None)
+    llm = types.SimpleNamespace(get_num_unfinished_requests=lambda: 0)
+    assert VllmEngine(llm, None, tracker, None, None).load().preemptions == 3

@@ -1,0 +1,29 @@
+"""What the dimensions share: percentiles of outcomes, and reading a histogram's change out of the
+routers' metrics between two moments."""
+
+from __future__ import annotations
+
+from bench.common.stats import percentile
+from bench.sits.load import Outcome
+
+
+def ttft_summary(outcomes: list[Outcome]) -> dict:
+    """TTFT p50 / p95 (ms) of the served ones, how many were served and failed."""
+    ok = [o.ttft_ms for o in outcomes if o.ok and o.ttft_ms]
+    return {"requests": len(outcomes), "served": len(ok), "failed": sum(1 for o in outcomes if not o.ok),
+            "ttft_p50_ms": round(percentile(ok, 0.5), 1), "ttft_p95_ms": round(percentile(ok, 0.95), 1)}
+
+
+def histogram_delta(before: dict, after: dict, name: str, label: str | None = None) -> dict[str, tuple[float, float]]:
+    """(sum, count) that histogram `name` gained between two router_metrics() readings, by the value
+    of `label` ("" when not split by one)."""
+    def read(m: dict) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for suffix, i in (("_sum", 0), ("_count", 1)):
+            for labels, value in m.get(name + suffix, ()):
+                key = labels.get(label, "") if label else ""
+                out.setdefault(key, [0.0, 0.0])[i] += value
+        return out
+
+    a, b = read(before), read(after)
+    return {k: (v[0] - a.get(k, [0.0, 0.0])[0], v[1] - a.get(k, [0.0, 0.0])[1]) for k, v in b.items()}
