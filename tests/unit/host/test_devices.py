@@ -412,7 +412,7 @@ async def test_load_reports_read_the_device_sample_without_touching_the_device()
         info = types.SimpleNamespace(kv_cache_blocks=10, adapter_slots=0)
 
         def load(self):
-            return types.SimpleNamespace(running=1, waiting=0, kv_cache_usage=0.1, adapters=())
+            return types.SimpleNamespace(running=1, waiting=0, kv_cache_usage=0.1, adapters=(), preemptions=0)
 
     s = WorkerServicer("worker-0", engine=Engine(), monitor=Monitor())
     assert s.load_report().device_memory_used == 0  # no sample yet: nothing read on the loop
