@@ -8,10 +8,16 @@ from bench.sits.load import Outcome
 
 
 def ttft_summary(outcomes: list[Outcome]) -> dict:
-    """TTFT p50 / p95 (ms) of the served ones, how many were served and failed."""
+    """TTFT p50 / p95 (ms) of the served ones, how many were served and failed; and, where the mesh
+    said where their time went, each part's p50 / p95."""
     ok = [o.ttft_ms for o in outcomes if o.ok and o.ttft_ms]
-    return {"requests": len(outcomes), "served": len(ok), "failed": sum(1 for o in outcomes if not o.ok),
-            "ttft_p50_ms": round(percentile(ok, 0.5), 1), "ttft_p95_ms": round(percentile(ok, 0.95), 1)}
+    out = {"requests": len(outcomes), "served": len(ok), "failed": sum(1 for o in outcomes if not o.ok),
+           "ttft_p50_ms": round(percentile(ok, 0.5), 1), "ttft_p95_ms": round(percentile(ok, 0.95), 1)}
+    parts = [o.parts for o in outcomes if o.ok and o.parts]
+    if parts:
+        out["latency_ms"] = {k: {"p50": round(percentile([p.get(k, 0.0) for p in parts], 0.5), 1),
+                                 "p95": round(percentile([p.get(k, 0.0) for p in parts], 0.95), 1)} for k in parts[0]}
+    return out
 
 
 def histogram_delta(before: dict, after: dict, name: str, label: str | None = None) -> dict[str, tuple[float, float]]:

@@ -39,12 +39,16 @@ class Outcome:
     kind: str = ""
     # What it streamed.
     text: str = ""
+    # Where the mesh says its time went (gaas.contracts.latency's parts, ms), when asked (explain).
+    parts: dict | None = None
 
 
 async def stream(client: httpx.AsyncClient, key: str, body: dict, *, chat: bool = False, headers: Sequence = (),
-                 kind: str = "") -> Outcome:
-    """One streamed completion (chat: a chat completion) with its usage: its TTFT and tokens."""
+                 kind: str = "", explain: bool = False) -> Outcome:
+    """One streamed completion (chat: a chat completion) with its usage: its TTFT and tokens (explain:
+    and where the mesh says its time went, x-gaas-explain)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    headers = [*headers, ("x-gaas-explain", "1")] if explain else headers
     started = time.perf_counter()
     out = Outcome(ok=False, started=started, kind=kind)
     try:
@@ -74,6 +78,7 @@ async def stream(client: httpx.AsyncClient, key: str, body: dict, *, chat: bool 
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
                     out.completion_tokens = usage.get("completion_tokens", 0)
                     out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    out.parts = usage.get("gaas_latency_ms") or out.parts
     except httpx.HTTPError:
         out.status = 0
         out.ms = (time.perf_counter() - started) * 1000

@@ -52,6 +52,7 @@ class Target:
     mesh: object = None
     # Tenants this run made (named so that a second run on the same target makes new ones).
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    _probe_key: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -145,10 +146,34 @@ class Target:
         try:
             for name in routers:
                 self.mesh.restart(name, env)
+            self.wait_served()
             yield
         finally:
             for name in routers:
                 self.mesh.restart(name, before[name])
+            self.wait_served()
+
+    def wait_served(self, timeout: float = 60.0) -> None:
+        """Until a request is served end to end (a router just restarted answers its health check
+        before its first call to control has checked a key: a moment of 503s a client would retry)."""
+        import httpx
+
+        if self._probe_key is None:
+            self._probe_key = self.tenant("probe", "gold")[1]
+        body = {"model": self.models()[0]["name"], "prompt": "ready?", "max_tokens": 1}
+        deadline = time.monotonic() + timeout
+        with httpx.Client(base_url=self.base_url, timeout=30) as c:
+            while True:
+                try:
+                    r = c.post("/v1/completions", json=body, headers={"authorization": f"Bearer {self._probe_key}"})
+                    if r.status_code == 200:
+                        return
+                    why = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the mesh serves no request {timeout:.0f} s after its routers restarted ({why})")
+                time.sleep(0.25)
 
 
 @contextmanager
