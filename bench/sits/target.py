@@ -58,10 +58,6 @@ class Target:
     def base_url(self) -> str:
         return f"http://{self.topo.ingress}"
 
-    @property
-    def gpu_host(self) -> bool:
-        return any(("cuda" in w.get("device", "") or "gpu" in w.get("device", "")) for w in self.workers())
-
     def admin(self):
         from gaas.sdk.admin import Admin
 
@@ -198,10 +194,14 @@ def running_target(run_dir: Path) -> Iterator[Target]:
 
     from gaas.cli.common import DEFAULT_TOPOLOGY, mesh_state, mesh_topology
 
+    run_dir = run_dir.resolve()
     state = mesh_state(run_dir)
     if state is None:
         raise SystemExit(f"sits: no mesh is running from {run_dir} (`gaas status --run-dir {run_dir}`); start one with "
                          f"`gaas up --run-dir {run_dir}`, or leave --target out to measure the scorecard's own mesh")
+    if state.get("ingress_tls_cert"):
+        raise SystemExit(f"sits: the mesh running from {run_dir} serves its ingress over TLS (gaas up --tls-cert); the "
+                         "scorecard's clients speak plain HTTP: measure a mesh started without --tls-cert")
     os.environ["GAAS_HOME"] = str(run_dir)
     topo = mesh_topology(SimpleNamespace(topology=str(DEFAULT_TOPOLOGY)), state)
     yield Target(topo, run_dir, own=False)

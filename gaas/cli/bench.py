@@ -52,7 +52,6 @@ def cmd_bench(args) -> int:
         return 0
     if args.name not in found:
         return fail(f"no benchmark named {args.name!r}; there are: {', '.join(found)}", 2)
-    os.chdir(ROOT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     os.execve(sys.executable, [sys.executable, "-m", f"bench.{args.name}", *args.args], env)
     return 0  # (not reached)
