@@ -74,6 +74,26 @@ def host() -> str:
     return f"{cores} cores ({cpu_model()}), no GPU"
 
 
+def _measure(target, keys: list[str], quick: bool) -> tuple[dict[str, Dimension], str]:
+    """Each dimension of keys measured on the target (a context manager of a Target), in RUN_ORDER;
+    a dimension that fails says why and the others go on."""
+    dims: dict[str, Dimension] = {}
+    with target as t:
+        for key in [k for k in RUN_ORDER if k in keys]:
+            began = time.monotonic()
+            try:
+                d = MODULES[key].measure(t, say, quick)
+            except Exception as exc:  # noqa: BLE001 - one dimension failing must not lose the others'
+                say(f"{key} FAILED: {type(exc).__name__}: {exc}")
+                d = Dimension(key, error=f"{FAILED}: {type(exc).__name__}: {exc}")
+            d.seconds = time.monotonic() - began
+            dims[key] = d
+            say(f"{d.title}: {d.cell or d.error} ({d.seconds:.0f} s)")
+        mesh = ("the scorecard's own mesh (2 workers of gaas-tiny, 1 of gaas-long)" if t.own
+                else f"the mesh running from {t.run_dir}")
+    return dims, mesh
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gaas bench sits", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,24 +106,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the JSON goes (the PNG and HTML beside it, same name; default bench/results/sits.json)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the scorecard's own mesh's run directory")
     args = ap.parse_args(argv)
+    from gaas.launcher.errors import MeshError
+
     keys = chosen(args.only)
     started = time.monotonic()
-    dims: dict[str, Dimension] = {}
     target = (running_target(Path(args.target)) if args.target
               else own_target(say, keep_logs=args.keep_logs))
-    with target as t:
-        for key in [k for k in RUN_ORDER if k in keys]:
-            began = time.monotonic()
-            try:
-                d = MODULES[key].measure(t, say, args.quick)
-            except Exception as exc:  # noqa: BLE001 - one dimension failing must not lose the others'
-                say(f"{key} FAILED: {type(exc).__name__}: {exc}")
-                d = Dimension(key, error=f"{FAILED}: {type(exc).__name__}: {exc}")
-            d.seconds = time.monotonic() - began
-            dims[key] = d
-            say(f"{d.title}: {d.cell or d.error} ({d.seconds:.0f} s)")
-        mesh = ("the scorecard's own mesh (2 workers of gaas-tiny, 1 of gaas-long)" if t.own
-                else f"the mesh running from {t.run_dir}")
+    try:
+        measured = _measure(target, keys, args.quick)
+    except MeshError as exc:
+        say(f"the scorecard's mesh did not start: {exc} (rerun with --keep-logs to keep its logs)")
+        return 1
+    dims, mesh = measured
     setup = {"mesh": mesh, "host": host(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
              "seconds": round(time.monotonic() - started, 1), "quick": args.quick, "target": args.target}
     doc = document([dims[k] for k, _, _ in DIMENSIONS if k in dims], setup)
