@@ -11,7 +11,7 @@ import io
 import json
 from pathlib import Path
 
-from bench.sits.card import SEED_COLUMNS, Dimension
+from bench.sits.card import DIMENSIONS, SEED_COLUMNS, Dimension
 
 STATUS = {"measured": "measured", "partial": "measured, some figures not here", "not_measured": "NOT measured"}
 
@@ -25,8 +25,9 @@ def text(doc: dict) -> str:
     s = doc["setup"]
     lines = [f"SITS2026 scorecard: {s['mesh']}, {s['host']}, {s['when']} ({s['seconds']:.0f} s)", ""]
     width = max(len(c) for c in [*SEED_COLUMNS, "GaaS, measured here"]) + 2
-    for i, d in enumerate(doc["dimensions"], 1):
-        lines.append(f"{i}. {d['title']}  [{STATUS[d['status']]}]")
+    number = {key: i for i, (key, _, _) in enumerate(DIMENSIONS, 1)}
+    for d in doc["dimensions"]:
+        lines.append(f"{number[d['key']]}. {d['title']}  [{STATUS[d['status']]}]")
         lines.append(f"   {'GaaS, measured here':<{width}}{d['cell'] or '-- ' + (d['reason'] or 'no figures')}")
         for col, cell in d["seed"].items():
             lines.append(f"   {col:<{width}}{cell}")

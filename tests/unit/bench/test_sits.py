@@ -86,6 +86,11 @@ def test_the_chart_is_a_png_and_the_page_needs_nothing_from_outside(tmp_path):
     assert json.loads(paths[0].read_text())["dimensions"][0]["key"] == "gpu_aware_routing"
 
 
+def test_a_dimension_keeps_the_seeds_number_when_measured_alone():
+    assert text(document([Dimension("heterogeneous_orchestration", "yes", {"x": 1})], SETUP)).splitlines()[2] \
+        .startswith("6. Heterogeneous orchestration")
+
+
 def test_a_chart_of_some_dimensions_or_none_measured_is_still_drawn():
     assert chart_png(document([Dimension("kv_cache_sharing", error="failed")], SETUP)).startswith(b"\x89PNG")
 
