@@ -85,8 +85,10 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
         "preemptions": preempted,
         "preemptions_per_request": round(preempted / len(served), 4) if served else None,
         "kv_usage_peak": {w: round(v, 3) for w, v in sorted(peak.items())},
-        "directory": {"blocks": int(stats.get("blocks", 0)), "fragmentation": round(float(stats.get("fragmentation", 0.0)), 4),
-                      "unreachable_blocks": sum(int(w.get("unreachable_blocks", 0)) for w in stats.get("per_worker", ()))},
+        "directory": {"blocks": int(stats.get("blocks", 0)),
+                      "fragmentation": round(float(stats.get("fragmentation", 0.0)), 4),
+                      "unreachable_blocks": sum(int(w.get("unreachable_blocks", 0))
+                                                for w in stats.get("per_worker", ()))},
         "kv_blocks_per_worker": {w["worker_id"]: w["load"]["kv_cache_blocks"] for w in after},
         "definition": "seed 003: failed contiguous allocations and re-allocation cost; paged KV has no contiguous "
                       "allocation (no external fragmentation): internal = unused slots of last blocks, failures = "
@@ -94,6 +96,7 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
     }
     f = d.figures
     d.cell = (f"{f['internal_fragmentation']:.1%} internal (paged KV: no external); "
-              f"{f['preemptions']} preemptions in {f['served']} requests; directory {f['directory']['fragmentation']:.1%} "
+              f"{f['preemptions']} preemptions in {f['served']} requests; "
+              f"directory {f['directory']['fragmentation']:.1%} "
               "unreachable")
     return d

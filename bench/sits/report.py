@@ -143,18 +143,21 @@ def chart_png(doc: dict) -> bytes:
     if f.get("loop_on"):
         on = f["loop_on"]["phases"]["step"]["gold"]
         off = (f.get("loop_off") or {}).get("phases", {}).get("step", {}).get("gold")
-        note = (f"gold p95 in the step: {on['ttft_p95_ms']:.0f} ms on" + (f", {off['ttft_p95_ms']:.0f} ms off" if off else "")
+        note = (f"gold p95 in the step: {on['ttft_p95_ms']:.0f} ms on"
+                + (f", {off['ttft_p95_ms']:.0f} ms off" if off else "")
                 + f" (target {on['target_ms']:.0f})")
     _trace(draw, box(2), "3 batching: each worker's window (loop on)", series, note)
     f = figures("memory_fragmentation")
-    seed = [(_two_lines(col), float(cells["memory_fragmentation"].rstrip("%")), "seed") for col, cells in SEED_COLUMNS.items()]
+    seed = [(_two_lines(col), float(cells["memory_fragmentation"].rstrip("%")), "seed")
+            for col, cells in SEED_COLUMNS.items()]
     ours = ([("GaaS\ninternal", 100 * f["internal_fragmentation"], "gaas"),
              ("GaaS\ndirectory", 100 * f["directory"]["fragmentation"], "gaas")] if f else [])
     _bars(draw, box(3), "4 fragmentation (%), seed vs measured", seed + ours, "%")
     f = figures("long_context_switch").get("switch")
     seed = [(_two_lines(col), float(cells["long_context_switch"].split()[0]), "seed")
             for col, cells in SEED_COLUMNS.items()]
-    _bars(draw, box(4), "5 switch 4K -> 32K (ms), cached session", seed + ([("GaaS\ncached", f["cached_ms"], "gaas")] if f else []),
+    ours = [("GaaS\ncached", f["cached_ms"], "gaas")] if f else []
+    _bars(draw, box(4), "5 switch 4K -> 32K (ms), cached session", seed + ours,
           " ms")
     f = figures("heterogeneous_orchestration")
     x0, y0, x1, _ = box(5)

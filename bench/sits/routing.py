@@ -102,7 +102,8 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
     d.figures["policy"] = policy
     d.figures["load"] = {"seconds": seconds, "per_s": rate, "heavy": [HEAVY_TOKENS, HEAVY_OUT],
                          "light": [LIGHT_TOKENS, LIGHT_OUT]}
-    d.figures["signals"] = [{"signal": name, "scorer": scorer or None, "weight": weights.get(scorer) if scorer else None,
+    d.figures["signals"] = [{"signal": name, "scorer": scorer or None,
+                             "weight": weights.get(scorer) if scorer else None,
                              "reported_here": reported[name],
                              **({"note": "a CPU worker reports its RAM and its cores' load"}
                                 if on_cpu and name.startswith("device") and reported[name] else {})}
@@ -121,7 +122,8 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
         lookup_ms = sum(s for s, _ in lookup.values()) / max(1.0, sum(c for _, c in lookup.values())) * 1000
         d.figures["decision"] = {"decisions": int(decisions), "scheduler_ms": round(sum(per_plugin.values()), 4),
                                  "kv_lookup_ms": round(lookup_ms, 4),
-                                 "total_ms": round(sum(per_plugin.values()) + lookup_ms, 4), "per_plugin_ms": per_plugin}
+                                 "total_ms": round(sum(per_plugin.values()) + lookup_ms, 4),
+                                 "per_plugin_ms": per_plugin}
     else:
         d.unmeasured.append(Unmeasured("decision cost", "the routers' metrics had no scheduler timings",
                                        "a mesh whose routers serve /metrics"))

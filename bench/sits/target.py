@@ -168,7 +168,8 @@ class Target:
                 except httpx.HTTPError as exc:
                     why = f"{type(exc).__name__}: {exc}"
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the mesh serves no request {timeout:.0f} s after its routers restarted ({why})")
+                    raise RuntimeError(f"the mesh serves no request {timeout:.0f} s after its routers "
+                                       f"restarted ({why})")
                 time.sleep(0.25)
 
 

@@ -468,10 +468,11 @@ class Mesh:
 
     def restart(self, name: str, env: Mapping[str, str | None] | None = None, timeout: float = 90.0) -> None:
         """Stop one service instance (SIGTERM: it drains its requests) and start it again with env's
-        changes to its environment (a setting a service reads when it starts: a benchmark comparing
-        a router's policies on one mesh; None removes a variable), then wait until it serves through its sidecar again (and,
-        a router, knows every worker). MeshError when it does not within timeout. Call it from the
-        thread that started the mesh (its children get SIGTERM when that thread ends)."""
+        changes to its environment (None removes a variable): a setting a service reads when it
+        starts, as a benchmark comparing a router's policies on one mesh changes it. Then wait until
+        it serves through its sidecar again (and, a router, knows every worker); MeshError when it
+        does not within timeout. Call it from the thread that started the mesh (its children get
+        SIGTERM when that thread ends)."""
         child = next((c for c in self.children if c.name == name and c.kind in SERVICE_MODULES), None)
         if child is None:
             services = ", ".join(c.name for c in self.children if c.kind in SERVICE_MODULES)
