@@ -33,7 +33,7 @@ import httpx
 from bench import footprint
 from bench.common.mesh import admin, bench_mesh, running, tenant_key
 from bench.common.output import RESULTS, ROOT, progress, write_json
-from bench.common.stats import percentile
+from bench.common.stats import parts_p50_p95, percentile
 from gaas.contracts.tenancy import TIERS_BY_PRIORITY
 from gaas.ops.topology import INGRESS_PATHS
 
@@ -80,15 +80,6 @@ async def one(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -
         return {"outcome": f"client_{type(exc).__name__}", "ms": (time.perf_counter() - started) * 1000}
     return {"outcome": "ok", "ttft_ms": ttft or 0.0, "tokens": tokens, "ms": (time.perf_counter() - started) * 1000,
             "parts": parts}
-
-
-def parts_p50_p95(results: list[dict]) -> dict:
-    """Each latency part's p50 / p95 (ms) over the requests that reported them."""
-    reported = [r["parts"] for r in results if r.get("parts")]
-    if not reported:
-        return {}
-    return {part: {"p50": round(percentile([p[part] for p in reported], 0.5), 2),
-                   "p95": round(percentile([p[part] for p in reported], 0.95), 2)} for part in reported[0]}
 
 
 async def closed_loop(base: str, keys: dict, streams: int, seconds: float, max_tokens: int) -> tuple[float, float]:
@@ -173,7 +164,7 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
             "ttft_p99_ms": round(percentile(ttfts, 0.99), 1), "shed": outcomes.get("shed", 0),
             "timed_out": outcomes.get("timed_out", 0),
             "other_failures": sum(v for k, v in outcomes.items() if k not in ("ok", "shed", "timed_out")),
-            "outcomes": outcomes, "latency_ms": parts_p50_p95(ok),
+            "outcomes": outcomes, "latency_ms": parts_p50_p95(r.get("parts") for r in ok),
         }
     return out
 
@@ -232,7 +223,7 @@ def overload(qos_on: bool, args, rate: float | None = None, deploy_file: Path | 
 
         return {"unloaded_gold_ttft_p50_ms": round(percentile(alone, 0.5), 1),
                 "unloaded_gold_ttft_p95_ms": round(percentile(alone, 0.95), 1),
-                "unloaded_gold_latency_ms": parts_p50_p95(alone_results),
+                "unloaded_gold_latency_ms": parts_p50_p95(r.get("parts") for r in alone_results),
                 "capacity_per_s": round(capacity["per_s"], 2) if capacity else None,
                 "capacity_sweep": capacity["sweep"] if capacity else None, "offered_per_s": round(rate, 2),
                 "load_generator_cores": round(client_cpu, 2), "host": host, "tiers": tiers,

@@ -1,4 +1,5 @@
-"""The one percentile every benchmark's figures use."""
+"""The one percentile every benchmark's figures use, and the latency parts' p50 / p95 of requests that
+said where their time went."""
 
 from __future__ import annotations
 
@@ -13,3 +14,13 @@ def percentile(values: Iterable[float], q: float) -> float:
     NaN for no values, so an empty sample never reads as a figure."""
     values = list(values)
     return nearest_rank(values, q) if values else float("nan")
+
+
+def parts_p50_p95(reported: Iterable[dict]) -> dict:
+    """Each latency part's p50 / p95 (ms) over the requests' reports (gaas.contracts.latency's parts,
+    as x-gaas-explain returns them); {} when none reported."""
+    reported = [r for r in reported if r]
+    if not reported:
+        return {}
+    return {part: {"p50": round(percentile([r.get(part, 0.0) for r in reported], 0.5), 2),
+                   "p95": round(percentile([r.get(part, 0.0) for r in reported], 0.95), 2)} for part in reported[0]}

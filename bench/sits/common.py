@@ -3,7 +3,7 @@ routers' metrics between two moments."""
 
 from __future__ import annotations
 
-from bench.common.stats import percentile
+from bench.common.stats import parts_p50_p95, percentile
 from bench.sits.load import Outcome
 
 
@@ -13,10 +13,9 @@ def ttft_summary(outcomes: list[Outcome]) -> dict:
     ok = [o.ttft_ms for o in outcomes if o.ok and o.ttft_ms]
     out = {"requests": len(outcomes), "served": len(ok), "failed": sum(1 for o in outcomes if not o.ok),
            "ttft_p50_ms": round(percentile(ok, 0.5), 1), "ttft_p95_ms": round(percentile(ok, 0.95), 1)}
-    parts = [o.parts for o in outcomes if o.ok and o.parts]
+    parts = parts_p50_p95(o.parts for o in outcomes if o.ok)
     if parts:
-        out["latency_ms"] = {k: {"p50": round(percentile([p.get(k, 0.0) for p in parts], 0.5), 1),
-                                 "p95": round(percentile([p.get(k, 0.0) for p in parts], 0.95), 1)} for k in parts[0]}
+        out["latency_ms"] = parts
     return out
 
 

@@ -84,3 +84,11 @@ def test_tenant_key_makes_an_unlimited_tenant_unless_told_its_quotas():
     assert bench_mesh.tenant_key(Admin(), "b", "silver", rpm=600) == "sk-b"
     assert calls == [("tenant", "a", "gold"), ("limits", "a", {"rpm": 0, "tpm": 0, "concurrency": 0}),
                      ("tenant", "b", "silver"), ("limits", "b", {"rpm": 600, "tpm": 0, "concurrency": 0})]
+
+
+def test_latency_parts_are_summarised_over_the_requests_that_reported_them():
+    from bench.common.stats import parts_p50_p95
+
+    reports = [{"queue": float(i), "engine": 10.0 * i} for i in range(1, 21)] + [None, {}]
+    assert parts_p50_p95(reports) == {"queue": {"p50": 10.0, "p95": 19.0}, "engine": {"p50": 100.0, "p95": 190.0}}
+    assert parts_p50_p95([None]) == {}
