@@ -1,6 +1,6 @@
-"""OpenAI's Files and Batch APIs, translated: an upload's multipart body, a batch input file's
-lines, the create body, and GaaS's files and batches (billing's protobufs) as OpenAI's objects
-and output lines. Pure functions, no I/O; failures are gaas.contracts.errors.InvalidArgument.
+"""OpenAI's Files and Batch APIs, translated: a batch input file's lines, the create body, and
+GaaS's files and batches (billing's protobufs) as OpenAI's objects and output lines (an upload's
+multipart body is gaas.openai.multipart's). Pure functions, no I/O; failures are gaas.contracts.errors.InvalidArgument.
 """
 
 from __future__ import annotations
@@ -8,61 +8,13 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from email.parser import BytesParser
-from email.policy import HTTP
 
-from gaas.contracts import batches as terms
+from gaas.contracts import batches as terms, jsonbody
 from gaas.contracts.errors import InvalidArgument, quote
 from gaas.contracts.jsonbody import Fields
 from gaas.v1 import billing_pb2
 
-# Files are kept for this purpose only.
-PURPOSES = ("batch",)
-MAX_FILENAME = 255
 MAX_METADATA = 16
-
-
-@dataclass(frozen=True, slots=True)
-class Upload:
-    filename: str
-    purpose: str
-    data: bytes
-
-
-def parse_upload(content_type: str, body: bytes, max_bytes: int) -> Upload:
-    """A multipart/form-data upload (the openai client's files.create): its "file" part and its
-    "purpose"."""
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise InvalidArgument("upload the file as multipart/form-data, with a 'file' part and a 'purpose' field "
-                              f"(got content type {quote(content_type or 'none')})", param="file")
-    if "boundary=" not in content_type.lower():
-        raise InvalidArgument("the multipart/form-data content type has no boundary", param="file")
-    message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode("latin-1", "replace")
-                                                  + b"\r\n\r\n" + body)
-    if not message.is_multipart():
-        raise InvalidArgument("the upload's multipart body cannot be read", param="file")
-    file_part, purpose = None, None
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if name == "file":
-            file_part = part
-        elif name == "purpose":
-            purpose = (part.get_payload(decode=True) or b"").decode("utf-8", "replace").strip()
-    if file_part is None:
-        raise InvalidArgument("the upload has no 'file' part", param="file")
-    if purpose is None:
-        raise InvalidArgument("the upload has no 'purpose' field: set it to \"batch\"", param="purpose")
-    if purpose not in PURPOSES:
-        raise InvalidArgument(f"purpose {quote(purpose)} is not kept here: GaaS keeps files for batches "
-                              "(purpose \"batch\")", param="purpose")
-    data = file_part.get_payload(decode=True) or b""
-    if not data:
-        raise InvalidArgument("the uploaded file is empty", param="file")
-    if len(data) > max_bytes:
-        raise InvalidArgument(f"the file is {len(data)} bytes; a batch input file can be at most {max_bytes}",
-                              param="file", reason="file_too_large")
-    filename = (file_part.get_filename() or "upload.jsonl")[:MAX_FILENAME]
-    return Upload("".join(c for c in filename if c.isprintable()) or "upload.jsonl", purpose, data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +43,10 @@ def parse_lines(data: bytes, endpoint: str, max_items: int) -> tuple[list[BatchL
         if not raw.strip():
             continue
         try:
-            doc = json.loads(raw)
-        except ValueError:
-            bad(n, "invalid_json_line", "this line is not a JSON object")
+            # (a line's body is held to a request body's limits: one level deeper, the line's own)
+            doc = jsonbody.loads(raw, "line", jsonbody.MAX_DEPTH + 1)
+        except InvalidArgument as exc:
+            bad(n, "invalid_json_line", f"this line is not a JSON object within the limits of a request: {exc.message}")
             continue
         if not isinstance(doc, dict):
             bad(n, "invalid_json_line", "this line is not a JSON object")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from gaas.contracts import batches as terms, errors
 from gaas.contracts.errors import quote
-from gaas.openai import batches as wire
+from gaas.openai import batches as wire, multipart
 from gaas.runtime.migrations import migrate
 from gaas.runtime.sql import Database
 from gaas.v1 import billing_pb2 as pb
@@ -142,7 +142,7 @@ class BatchStore:
     # ------------------------------------------------------------ files
 
     async def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> pb.BatchFile:
-        if purpose not in wire.PURPOSES:
+        if purpose not in multipart.PURPOSES:
             raise errors.InvalidArgument(f"purpose {quote(purpose)} is not kept here: use \"batch\"", param="purpose")
         if len(data) > self.policy.max_file_bytes:
             raise errors.InvalidArgument(f"the file is {len(data)} bytes; a batch input file can be at most "

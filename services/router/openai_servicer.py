@@ -16,7 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gaas.contracts import errors, jsonbody
 from gaas.contracts import batches as batch_terms
-from gaas.openai import api as openai_api, batches as openai_batches, responses as openai_responses, \
+from gaas.openai import api as openai_api, batches as openai_batches, multipart, responses as openai_responses, \
     stream as openai_stream
 from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
@@ -212,7 +212,9 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def CreateFile(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
-        upload = openai_batches.parse_upload(request.content_type, request.data, batch_terms.MAX_UPLOAD_BYTES)
+        # (off the event loop: its key checks, decisions and streams never wait on a parse)
+        upload = await asyncio.to_thread(multipart.parse_upload, request.content_type, request.data,
+                                         batch_terms.MAX_UPLOAD_BYTES)
         f = await self._front().call("CreateFile", billing_pb2.CreateFileRequest(
             tenant=principal.tenant, filename=upload.filename, purpose=upload.purpose, data=upload.data), "files")
         return openai_stream.json_body(openai_batches.file_object(f))

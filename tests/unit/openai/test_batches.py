@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gaas.contracts import batches as terms
 from gaas.contracts.errors import InvalidArgument
-from gaas.openai import batches as wire
+from gaas.openai import batches as wire, multipart as uploads
 
 CHAT = "/v1/chat/completions"
 
@@ -29,7 +29,7 @@ def multipart(files: dict, data: dict) -> tuple[str, bytes]:
 
 def test_an_upload_as_the_openai_client_sends_it():
     ct, body = multipart({"file": ("in.jsonl", b"{}\n", "application/jsonl")}, {"purpose": "batch"})
-    up = wire.parse_upload(ct, body, 1000)
+    up = uploads.parse_upload(ct, body, 1000)
     assert (up.filename, up.purpose, up.data) == ("in.jsonl", "batch", b"{}\n")
 
 
@@ -43,15 +43,46 @@ def test_an_upload_as_the_openai_client_sends_it():
 def test_an_upload_missing_what_it_needs_names_the_field(files, data, param):
     ct, body = multipart(files, data)
     with pytest.raises(InvalidArgument) as err:
-        wire.parse_upload(ct, body, 10)
+        uploads.parse_upload(ct, body, 10)
     assert err.value.param == param
+
+
+def many_parts(count: int) -> tuple[str, bytes]:
+    """An upload of count tiny fields, then its file: the body that stalled a router's event loop
+    in the standard library's email parser."""
+    part = b'--b\r\nContent-Disposition: form-data; name="x"\r\n\r\ny\r\n'
+    tail = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n{}\r\n--b--\r\n')
+    return "multipart/form-data; boundary=b", part * count + tail
+
+
+def test_an_upload_of_many_parts_is_refused_at_the_cap_naming_it():
+    ct, body = many_parts(82_000)
+    with pytest.raises(InvalidArgument, match=f"more than {uploads.MAX_PARTS} parts") as err:
+        uploads.parse_upload(ct, body, terms.MAX_UPLOAD_BYTES)
+    assert err.value.param == "file"
+    ct, body = many_parts(uploads.MAX_PARTS - 2)
+    assert uploads.parse_upload(ct, body, 100).data == b"{}"
+
+
+def test_an_upload_keeps_only_its_file_and_purpose_and_bounds_each():
+    ct, body = multipart({"file": ("in.jsonl", b"x" * 10)}, {"purpose": "batch", "note": "n" * 10_000})
+    assert uploads.parse_upload(ct, body, 10).data == b"x" * 10
+    ct, body = multipart({"file": ("in.jsonl", b"x")}, {"purpose": "b" * 1000})
+    with pytest.raises(InvalidArgument) as err:
+        uploads.parse_upload(ct, body, 10)
+    assert err.value.param == "purpose"
+    ct, body = multipart({"file": ("in.jsonl", b"x" * 11)}, {"purpose": "batch"})
+    with pytest.raises(InvalidArgument) as err:
+        uploads.parse_upload(ct, body, 10)
+    assert err.value.reason == "file_too_large"
 
 
 def test_a_body_that_is_not_multipart_is_refused():
     with pytest.raises(InvalidArgument, match="multipart/form-data"):
-        wire.parse_upload("application/json", b"{}", 10)
+        uploads.parse_upload("application/json", b"{}", 10)
     with pytest.raises(InvalidArgument, match="boundary"):
-        wire.parse_upload("multipart/form-data", b"{}", 10)
+        uploads.parse_upload("multipart/form-data", b"{}", 10)
 
 
 def test_lines_become_requests_and_bad_lines_errors_naming_them():
@@ -87,10 +118,14 @@ def test_any_file_gives_requests_or_errors_never_an_exception(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(max_size=60), st.binary(max_size=200))
+@given(st.text(max_size=60) | st.just("multipart/form-data; boundary=b"),
+       st.binary(max_size=200) | st.lists(st.sampled_from([
+           b"--b\r\n", b"--b--\r\n", b"\r\n", b'Content-Disposition: form-data; name="file"; filename="a"\r\n',
+           b'Content-Disposition: form-data; name="purpose"\r\n', b"batch", b"{}", b"X: y\r\n"]),
+           max_size=30).map(b"".join))
 def test_any_upload_parses_or_is_invalid_argument(content_type, body):
     try:
-        wire.parse_upload(content_type, body, 100)
+        uploads.parse_upload(content_type, body, 100)
     except InvalidArgument:
         pass
 
