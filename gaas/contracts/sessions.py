@@ -16,6 +16,8 @@ TTL that each turn renews. One definition here for every router replica:
   gaas:responses:{tenant}      sorted set: response id -> when it expires, the oldest dropped past
                                max_responses_per_tenant
   gaas:response:{tenant}:<id>:cancel  a background response's cancel asked for
+  gaas:sessions:{tenant}:held[-until]  the bytes the tenant holds in sessions and stored responses,
+                               against max_bytes_per_tenant (gaas.contracts.tenantbytes)
 
 A turn's life (seed 003's Init -> Extend -> Evict, the version checked before every extend):
 BEGIN takes the turn (ABORTED if another request holds it and its lease has not lapsed) and
@@ -39,7 +41,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from gaas.contracts import errors
+from gaas.contracts import errors, tenantbytes
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 KINDS = ("chat", "text")
@@ -66,6 +68,10 @@ class SessionPolicy:
     # this many (the oldest go first).
     response_ttl_seconds: int = 7 * 86400
     max_responses_per_tenant: int = 10000
+    # The most a tenant may hold in Redis through its sessions and stored responses together, in
+    # bytes (by default under 5% of the Redis `gaas up` starts: gaas.contracts.tenantbytes); a
+    # response stored or a session turn past it is refused with 429 until some are deleted or expire.
+    max_bytes_per_tenant: int = tenantbytes.DEFAULT_MAX_BYTES
 
 
 TRUNCATIONS = ("drop_oldest_turns",)
@@ -76,12 +82,12 @@ def parse_policy(doc: object) -> SessionPolicy:
     if doc is None:
         return SessionPolicy()
     known = {"ttl_seconds", "reply_reserve_tokens", "lease_seconds", "truncation", "max_per_tenant",
-             "response_ttl_seconds", "max_responses_per_tenant"}
+             "response_ttl_seconds", "max_responses_per_tenant", "max_bytes_per_tenant"}
     if not isinstance(doc, dict) or set(doc) - known:
         raise ValueError(f"sessions: expected a mapping with {', '.join(sorted(known))}")
     out = {}
     for name in ("ttl_seconds", "reply_reserve_tokens", "lease_seconds", "max_per_tenant", "response_ttl_seconds",
-                 "max_responses_per_tenant"):
+                 "max_responses_per_tenant", "max_bytes_per_tenant"):
         if name in doc:
             value = doc[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -250,14 +256,21 @@ def dropped_tokens(ctx: Context, keep_from: int) -> int:
 
 # ---------------------------------------------------------------- Redis scripts
 
-# KEYS: session, index. ARGV: request id, now ms, lease ms, ttl ms, session id, the version the
-# caller holds (-1: none), the most sessions the tenant may keep (0: any number).
+# KEYS: session, index, held, held-until. ARGV: request id, now ms, lease ms, ttl ms, session id,
+# the version the caller holds (-1: none), the most sessions the tenant may keep (0: any number),
+# the most bytes it may hold (0: any).
 # -> {-1, holder, ms left}: another turn holds the session; {-3, kept, most}: it would be one
-# session more than the tenant may keep; {0}: no session yet (this turn starts it); {version}: the
-# caller's copy is current; {version, ctx}: it is not, here is the context.
-BEGIN = """
+# session more than the tenant may keep; {-4, held, most}: the tenant holds its most bytes; {0}: no
+# session yet (this turn starts it); {version}: the caller's copy is current; {version, ctx}: it is
+# not, here is the context.
+BEGIN = tenantbytes.LIB + """
 local now = tonumber(ARGV[2])
 local most = tonumber(ARGV[7] or '0')
+local cap = tonumber(ARGV[8] or '0')
+if cap > 0 then
+  local held = prune(KEYS[3], KEYS[4], now)
+  if held >= cap then return {-4, held, cap} end
+end
 if most > 0 and redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   local kept = redis.call('ZCARD', KEYS[2])
@@ -276,6 +289,8 @@ if not v then
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[5])
+local bytes = tonumber(redis.call('HGET', KEYS[3], 's:' .. ARGV[5]) or '0')
+if bytes > 0 then account(KEYS[3], KEYS[4], 's:' .. ARGV[5], bytes, now + tonumber(ARGV[4]), now) end
 if v == ARGV[6] then return {tonumber(v)} end
 return {tonumber(v), redis.call('HGET', KEYS[1], 'ctx')}
 """
@@ -288,11 +303,12 @@ if not redis.call('HGET', KEYS[1], 'v') then redis.call('PEXPIRE', KEYS[1], tonu
 return 1
 """
 
-# KEYS: session, index. ARGV: request id, expected version, ctx JSON, now ms, ttl ms, session id,
-# then summary field/value pairs. -> {version}: committed; {-1, version}: the version moved;
-# {-2}: the turn is no longer this request's (its lease lapsed and another took it, or the session
-# was deleted).
-COMMIT = """
+# KEYS: session, index, held, held-until. ARGV: request id, expected version, ctx JSON, now ms, ttl
+# ms, session id, then summary field/value pairs. -> {version}: committed; {-1, version}: the
+# version moved; {-2}: the turn is no longer this request's (its lease lapsed and another took it,
+# or the session was deleted). The session's bytes are its context and summary (BEGIN let the turn
+# through: it commits whatever it adds).
+COMMIT = tenantbytes.LIB + """
 if redis.call('HGET', KEYS[1], 'turn') ~= ARGV[1] then return {-2} end
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
 if v ~= tonumber(ARGV[2]) then return {-1, v} end
@@ -301,8 +317,11 @@ for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[5]))
 redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[5]), ARGV[6])
+local bytes = ENTRY_OVERHEAD
+for i = 3, #ARGV do if i == 3 or i >= 7 then bytes = bytes + #ARGV[i] end end
+account(KEYS[3], KEYS[4], 's:' .. ARGV[6], bytes, tonumber(ARGV[4]) + tonumber(ARGV[5]), tonumber(ARGV[4]))
 return {v + 1}
-"""
+""".replace("ENTRY_OVERHEAD", str(tenantbytes.ENTRY_OVERHEAD))
 
 # KEYS: session. ARGV: request id. A turn that ends without committing gives the session back
 # (a session its first turn never committed is removed).
@@ -316,9 +335,55 @@ redis.call('HSET', KEYS[1], 'turn', '', 'turn_until', 0)
 return 1
 """
 
+# KEYS: session, index, held, held-until. ARGV: session id, now ms. -> 1: a session was deleted
+# (one whose first turn committed), else 0; its bytes are no longer the tenant's.
+DELETE = tenantbytes.LIB + """
+local existed = redis.call('HEXISTS', KEYS[1], 'v')
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+account(KEYS[3], KEYS[4], 's:' .. ARGV[1], 0, 0, tonumber(ARGV[2]))
+return existed
+"""
+
 # KEYS: index. ARGV: now ms, most ids. -> the live ids, most recently renewed first (expired
 # ones are removed from the index as they are found).
 LIST = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]))
 return redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1, 'WITHSCORES')
+"""
+
+# KEYS: response, responses index, held, held-until. ARGV: now ms, ttl ms, the record's JSON, response
+# id, the most responses the tenant keeps, the most bytes it may hold (0: any), the prefix of its
+# response keys (the oldest are deleted past the most responses).
+# -> {-1, held, most}: refused, it would hold more than its most bytes; {held}: stored.
+RESPONSE_PUT = tenantbytes.LIB + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local total = prune(KEYS[3], KEYS[4], now)
+local entry = 'r:' .. ARGV[4]
+local bytes = #ARGV[3] + ENTRY_OVERHEAD
+local old = tonumber(redis.call('HGET', KEYS[3], entry) or '0')
+local cap = tonumber(ARGV[6])
+if cap > 0 and bytes > old and total - old + bytes > cap then return {-1, total, cap} end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ttl)
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('PEXPIRE', KEYS[2], ttl)
+total = account(KEYS[3], KEYS[4], entry, bytes, now + ttl, now)
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
+if over > 0 then
+  local gone = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #gone, 2 do
+    redis.call('DEL', ARGV[7] .. gone[i])
+    total = account(KEYS[3], KEYS[4], 'r:' .. gone[i], 0, 0, now)
+  end
+end
+return {total}
+""".replace("ENTRY_OVERHEAD", str(tenantbytes.ENTRY_OVERHEAD))
+
+# KEYS: response, responses index, held, held-until. ARGV: response id, now ms. -> 1 deleted, 0 none.
+RESPONSE_DELETE = tenantbytes.LIB + """
+local deleted = redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+account(KEYS[3], KEYS[4], 'r:' .. ARGV[1], 0, 0, tonumber(ARGV[2]))
+return deleted
 """

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas.contracts import errors, latency, sessions, usage as metering
+from gaas.contracts import errors, latency, sessions, tenantbytes, usage as metering
 from gaas.contracts.sessions import Context
 from gaas.runtime.redisconn import Script
 from gaas.v1 import common_pb2
@@ -97,7 +97,8 @@ class TurnEnds:
         the session); RedisError when Redis does not answer."""
         summary = [v for pair in context.summary().items() for v in pair]
         answer = await self._commit(
-            keys=[sessions.session_key(turn.tenant, turn.session_id), sessions.index_key(turn.tenant)],
+            keys=[sessions.session_key(turn.tenant, turn.session_id), sessions.index_key(turn.tenant),
+                  tenantbytes.held_key(turn.tenant), tenantbytes.held_until_key(turn.tenant)],
             args=[turn.request_id, turn.version, context.to_json(), self._clock(), ttl_ms, turn.session_id, *summary],
         )
         version = int(answer[0])

@@ -4,21 +4,28 @@ and what previous_response_id continues. A tenant sees only its own: another's i
 
 A background response is stored at once, in_progress, with a lease its runner renews (every
 LEASE_RENEW_S, for LEASE_S) until it stores the end; one whose lease lapsed (its router stopped)
-reads as failed. Its cancel is a key the runner looks at with each renewal, on whichever router."""
+reads as failed. Its cancel is a key the runner looks at with each renewal, on whichever router.
+
+What a tenant stores is counted in bytes with its sessions (gaas.contracts.tenantbytes): a response
+that would take it past the policy's max_bytes_per_tenant is refused with 429, and room() refuses
+one before its generation when the tenant already holds its most."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas.contracts import errors
+from gaas.contracts import errors, tenantbytes, usage as metering
 from gaas.contracts.sessions import (
-    RESPONSE_ID_RE, SessionPolicy, response_cancel_key, response_key, responses_index_key,
+    RESPONSE_DELETE, RESPONSE_ID_RE, RESPONSE_PUT, SessionPolicy, response_cancel_key, response_key,
+    responses_index_key,
 )
+from gaas.runtime.redisconn import Script
 
 log = logging.getLogger(__name__)
 
@@ -39,31 +46,49 @@ def _unavailable(exc: RedisError) -> errors.Unavailable:
 
 
 class ResponseStore:
-    def __init__(self, redis: Redis, policy: SessionPolicy) -> None:
+    def __init__(self, redis: Redis, policy: SessionPolicy, clock: Callable[[], int] = metering.now_ms) -> None:
         self._redis = redis
         self._policy = policy
+        self._clock = clock
+        self._put = Script(redis, RESPONSE_PUT)
+        self._delete = Script(redis, RESPONSE_DELETE)
+        self._held = Script(redis, tenantbytes.HELD)
 
-    async def put(self, tenant: str, response_id: str, record: dict) -> None:
+    async def put(self, tenant: str, response_id: str, record: dict) -> int:
         """Keep record ({"response", "input_items", "conversation", "v"}) for the policy's TTL;
-        past the tenant's most, its oldest stored responses go."""
-        now = int(time.time() * 1000)
+        past the tenant's most, its oldest stored responses go. The bytes the tenant then holds;
+        errors.ResourceExhausted (nothing written) when it would hold more than its most."""
         ttl = self._policy.response_ttl_seconds * 1000
-        index = responses_index_key(tenant)
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(response_key(tenant, response_id), json.dumps(record, separators=(",", ":")), px=ttl)
-                pipe.zadd(index, {response_id: now + ttl})
-                pipe.zremrangebyscore(index, "-inf", now)
-                pipe.pexpire(index, ttl)
-                pipe.zcard(index)
-                *_, count = await pipe.execute()
-            if count > self._policy.max_responses_per_tenant:
-                gone = await self._redis.zpopmin(index, count - self._policy.max_responses_per_tenant)
-                if gone:
-                    await self._redis.delete(*(response_key(tenant, rid.decode() if isinstance(rid, bytes) else rid)
-                                               for rid, _ in gone))
+            answer = await self._put(
+                keys=[response_key(tenant, response_id), responses_index_key(tenant), tenantbytes.held_key(tenant),
+                      tenantbytes.held_until_key(tenant)],
+                args=[self._clock(), ttl, json.dumps(record, separators=(",", ":")), response_id,
+                      self._policy.max_responses_per_tenant, self._policy.max_bytes_per_tenant,
+                      response_key(tenant, "")])
         except RedisError as exc:
             raise _unavailable(exc) from None
+        if int(answer[0]) < 0:
+            raise tenantbytes.refused(tenant, int(answer[1]), int(answer[2]), "storing this response")
+        return int(answer[0])
+
+    async def held(self, tenant: str) -> int:
+        """The bytes the tenant holds in stored responses and sessions now."""
+        try:
+            return int(await self._held(keys=[tenantbytes.held_key(tenant), tenantbytes.held_until_key(tenant)],
+                                        args=[self._clock()]))
+        except RedisError as exc:
+            raise _unavailable(exc) from None
+
+    async def room(self, tenant: str, record: dict) -> None:
+        """errors.ResourceExhausted when the tenant has no room left for record as it is before its
+        generation (asked first, so a tenant at its cap spends no tokens on a response it cannot keep)."""
+        cap = self._policy.max_bytes_per_tenant
+        if not cap:
+            return
+        need = len(json.dumps(record, separators=(",", ":")).encode()) + tenantbytes.ENTRY_OVERHEAD
+        if (held := await self.held(tenant)) + need > cap:
+            raise tenantbytes.refused(tenant, held, cap, "storing another response")
 
     async def get(self, tenant: str, response_id: str, param: str | None = None) -> dict:
         if not RESPONSE_ID_RE.fullmatch(response_id):
@@ -111,11 +136,11 @@ class ResponseStore:
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found(response_id)
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(response_key(tenant, response_id))
-                pipe.zrem(responses_index_key(tenant), response_id)
-                deleted, _ = await pipe.execute()
+            deleted = await self._delete(
+                keys=[response_key(tenant, response_id), responses_index_key(tenant), tenantbytes.held_key(tenant),
+                      tenantbytes.held_until_key(tenant)],
+                args=[response_id, self._clock()])
         except RedisError as exc:
             raise _unavailable(exc) from None
-        if not deleted:
+        if not int(deleted):
             raise not_found(response_id)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gaas.contracts import errors, genrequest, sessions, usage as metering
+from gaas.contracts import errors, genrequest, sessions, tenantbytes, usage as metering
 from gaas.contracts.sessions import Context, SessionPolicy
 from gaas.model.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
@@ -102,6 +102,7 @@ class SessionStore:
         self._renew = Script(redis, sessions.RENEW)
         self.ends = TurnEnds(redis, clock)
         self._list = Script(redis, sessions.LIST)
+        self._delete = Script(redis, sessions.DELETE)
         self._cache: OrderedDict[tuple[str, str], tuple[int, Context, PromptPrefix]] = OrderedDict()
         self._cache_size = cache_size
         self._tasks: set[asyncio.Task] = set()
@@ -127,15 +128,18 @@ class SessionStore:
         cached = self._cache.get(key)
         try:
             answer = await self._begin(
-                keys=[sessions.session_key(tenant, session_id), sessions.index_key(tenant)],
+                keys=[sessions.session_key(tenant, session_id), sessions.index_key(tenant),
+                      tenantbytes.held_key(tenant), tenantbytes.held_until_key(tenant)],
                 args=[request_id, self._clock(), self.lease_ms, self.ttl_ms, session_id,
-                      cached[0] if cached else -1, self.policy.max_per_tenant],
+                      cached[0] if cached else -1, self.policy.max_per_tenant, self.policy.max_bytes_per_tenant],
             )
         except RedisError as exc:
             log.warning("cannot begin a turn of a session (%s)", exc)
             self.metrics.count("unavailable")
             raise _unavailable() from None
         version = int(answer[0])
+        if version == -4:
+            raise tenantbytes.refused(tenant, int(answer[1]), int(answer[2]), "this session's turn")
         if version == -3:
             kept, most = int(answer[1]), int(answer[2])
             raise errors.ResourceExhausted(
@@ -274,11 +278,10 @@ class SessionStore:
     async def delete(self, tenant: str, session_id: str) -> None:
         sessions.check_id(session_id)
         try:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.hexists(sessions.session_key(tenant, session_id), "v")
-            pipe.delete(sessions.session_key(tenant, session_id))
-            pipe.zrem(sessions.index_key(tenant), session_id)
-            existed, _, _ = await pipe.execute()
+            existed = int(await self._delete(
+                keys=[sessions.session_key(tenant, session_id), sessions.index_key(tenant),
+                      tenantbytes.held_key(tenant), tenantbytes.held_until_key(tenant)],
+                args=[session_id, self._clock()]))
         except RedisError as exc:
             log.warning("cannot delete a session (%s)", exc)
             raise _unavailable() from None
