@@ -87,3 +87,8 @@ FAILED_AUTH_BURST = 20
 FAILED_AUTH_PER_SECOND = 2.0
 # Addresses (and unknown keys) remembered; the oldest are forgotten first.
 FAILED_AUTH_ADDRESSES = 100_000
+# The client's address as the ingress decided it (the connection's, or what a trusted load balancer
+# said: X-Forwarded-For's trusted hops, the proxy protocol), set by the ingress over whatever a
+# client sent; the key check's limiter keys on it.
+CLIENT_ADDRESS_HEADER = "x-gaas-client-address"
+

@@ -41,11 +41,18 @@ AUTHZ_CLUSTER = "router_authz"
 INGRESS_START_VALUE = "%START_TIME(%s.%6f)%"
 
 
+# The client's address as the connection manager decided it (the connection's peer, the proxy
+# protocol's source, or X-Forwarded-For's trusted hop: edge_hcm_options), without its port.
+CLIENT_ADDRESS_VALUE = "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"
+
+
 def internal_headers_dropped() -> dict:
     """Only the router may say who the tenant is, which worker serves, or what GaaS's own request
     id is; never a client: the ingress drops what a client sent of them before anything else
     (so that what the router says at the ingress, on the direct path, reaches the worker), and
-    stamps the request's arrival over whatever a client sent as one."""
+    stamps the request's arrival and the client's address (what the key check's limiter keys on:
+    Envoy's external authorization reports the connection's peer, which behind a load balancer
+    is the balancer) over whatever a client sent as them."""
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -55,6 +62,8 @@ def internal_headers_dropped() -> dict:
                 # The request's arrival, stamped before any filter reads it (a client's own value
                 # overwritten): the router's decision on the direct path reads it here.
                 {"append": {"header": {"key": INGRESS_START_HEADER, "value": INGRESS_START_VALUE},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+                {"append": {"header": {"key": edge.CLIENT_ADDRESS_HEADER, "value": CLIENT_ADDRESS_VALUE},
                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
             ]},
         },
@@ -74,7 +83,8 @@ def ext_authz() -> dict:
             "transport_api_version": "V3",
             "failure_mode_allow": False,
             "status_on_error": {"code": "ServiceUnavailable"},
-            "allowed_headers": {"patterns": [{"exact": "authorization"}, {"exact": "content-type"}]},
+            "allowed_headers": {"patterns": [{"exact": "authorization"}, {"exact": "content-type"},
+                                             {"exact": edge.CLIENT_ADDRESS_HEADER}]},
             "include_peer_certificate": False,
         },
     }
@@ -131,14 +141,17 @@ def transcoder(descriptor_set: Path, max_body: int | None = None) -> dict:
     }
 
 
-def edge_hcm_options() -> dict:
+def edge_hcm_options(xff_trusted_hops: int = 0) -> dict:
     """What the ingress's connection manager adds for clients it cannot trust (Envoy's advice for
     an edge proxy): the client's address is the connection's (x-forwarded-for and x-envoy-* headers
-    from clients are not believed), timeouts for headers, whole requests and idle connections,
-    bounded HTTP/2 streams and windows per connection, paths normalized before any check, and
-    header names with underscores refused (an upstream could read them as dashes)."""
+    from clients are not believed), but for xff_trusted_hops load balancers in front of it that
+    each append the address they saw to X-Forwarded-For (then the client is the address that many
+    from its right end), timeouts for headers, whole requests and idle connections, bounded HTTP/2
+    streams and windows per connection, paths normalized before any check, and header names with
+    underscores refused (an upstream could read them as dashes)."""
     return {
         "use_remote_address": True,
+        "xff_num_trusted_hops": xff_trusted_hops,
         "normalize_path": True,
         "merge_slashes": True,
         "request_headers_timeout": f"{edge.REQUEST_HEADERS_TIMEOUT_S}s",
@@ -155,12 +168,22 @@ def edge_hcm_options() -> dict:
     }
 
 
+def proxy_protocol() -> dict:
+    """A listener filter that takes the client's address from the PROXY protocol header a network
+    load balancer (AWS's NLB, for one) sends first; a connection without it is refused."""
+    return {"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"}}
+
+
 def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
                    tls: tuple[Path, Path] | None = None, sockets: Path | None = None,
-                   trace: TraceTarget | None = None) -> dict:
-    """The edge: gRPC and HTTP/1.1 on one port (TLS with the given certificate and key, when given);
-    JSON transcoded to the router's gRPC APIs (the native one and the OpenAI-compatible one), whose
-    errors get OpenAI's shape. It reaches the routers as the mesh's ingress identity."""
+                   trace: TraceTarget | None = None, *, xff_trusted_hops: int = 0,
+                   proxied: bool = False) -> dict:
+    """The edge: gRPC and HTTP/1.1 on one port (TLS with the given certificate and key, when given,
+    HTTP/2 offered by ALPN); JSON transcoded to the router's gRPC APIs (the native one and the
+    OpenAI-compatible one), whose errors get OpenAI's shape. It reaches the routers as the mesh's
+    ingress identity. The client's address: the connection's, or the one xff_trusted_hops load
+    balancers in front say (edge_hcm_options), or the PROXY protocol's when proxied."""
     direct = topo.ingress_path == "direct"
     routes = [
         *(direct_routes() if direct else []),
@@ -198,12 +221,14 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         preserve_external_request_id=True,
         always_set_request_id_in_response=True,
         local_reply_config=router_unanswered_replies(),
-        **edge_hcm_options(),
+        **edge_hcm_options(xff_trusted_hops),
         **tracing(trace, "ingress-0", edge=True),
     )
     edge_tls = downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
     edge_listener = listener("ingress", topo.bind(), topo.ingress_port, manager, edge_tls)
     edge_listener["per_connection_buffer_limit_bytes"] = edge.CONNECTION_BUFFER_BYTES
+    if proxied:
+        edge_listener["listener_filters"] = [proxy_protocol()]
     ingress_creds = authority.credentials(*pki.INGRESS)
     routers = [(r.host, r.inbound_port) for r in topo.of("router")]
     clusters = [

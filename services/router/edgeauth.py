@@ -6,7 +6,8 @@ mesh its headers and one cached lookup, never a buffered body, a transcoding or 
 What may pass without a key is what vLLM's server serves without one: the probes (gaas.v1.OpenAI's
 methods that take a ProbeRequest, by their HTTP routes and their gRPC paths), gRPC health and
 server reflection. Everything else needs a key the control plane knows; an address that keeps
-sending unknown keys is slowed (services/router/auth.FailedAuthLimiter). A refusal is answered in
+sending unknown keys is slowed (services/router/auth.FailedAuthLimiter): the client's address as
+the ingress decided it (behind load balancers it trusts, the one they say), not the connection's. A refusal is answered in
 the shape the ingress's error filter turns into OpenAI's (gaas.runtime.status.status_json), or as
 a bare message for a gRPC client, whose status Envoy derives from the HTTP one.
 """
@@ -73,9 +74,11 @@ class EdgeAuthorizer(ext_authz_pb2_grpc.AuthorizationServicer):
         http = request.attributes.request.http
         if self.is_open(http.path):
             return ALLOWED
-        client = request.attributes.source.address.socket_address.address
         # (Header values are bytes: a key is ASCII, anything else in one is no key we made.)
         headers = {k: v.decode("latin-1") for k, v in http.headers.items()}
+        # The client's address as the ingress decided it (a trusted load balancer's word for it,
+        # edge.CLIENT_ADDRESS_HEADER, set over a client's own); the connection's peer otherwise.
+        client = headers.get(edge.CLIENT_ADDRESS_HEADER) or request.attributes.source.address.socket_address.address
         try:
             await self._auth.authenticate(headers.get("authorization", ""), client)
         except GaasError as err:

@@ -134,8 +134,10 @@ def test_ingress_strips_trusted_headers_and_transcodes(rendered):
     removed = {m["remove"] for m in mutations if "remove" in m}
     assert removed == {"x-gaas-tenant", "x-gaas-worker", "x-gaas-request-id"}
     # The arrival stamp, set over a client's before any filter (the direct path's decision) reads it.
-    (stamp,) = [m["append"] for m in mutations if "append" in m]
-    assert stamp["header"]["key"] == "x-gaas-ingress-start" and stamp["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
+    # (So is the client's address as the ingress decided it: tests/unit/envoy/test_client_address.py.)
+    stamps = {m["append"]["header"]["key"]: m["append"] for m in mutations if "append" in m}
+    assert set(stamps) == {"x-gaas-ingress-start", edge.CLIENT_ADDRESS_HEADER}
+    assert all(s["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD" for s in stamps.values())
     assert hcm["codec_type"] == "AUTO"
     # The client's x-request-id survives and comes back in the response.
     assert hcm["preserve_external_request_id"] and hcm["always_set_request_id_in_response"]
@@ -397,7 +399,8 @@ def test_the_ingress_checks_the_key_on_the_headers_before_it_reads_a_body(render
     authz = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.ext_authz"]
     assert "with_request_body" not in authz and authz["failure_mode_allow"] is False
     assert authz["status_on_error"] == {"code": "ServiceUnavailable"}, "no router answering is a 503, never a pass"
-    assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {"authorization", "content-type"}
+    assert {p["exact"] for p in authz["allowed_headers"]["patterns"]} == {"authorization", "content-type",
+                                                                          edge.CLIENT_ADDRESS_HEADER}
     # The checks have a budget of their own, apart from the authenticated streams to the routers.
     clusters = _clusters(configs["ingress-0"])
     checks = clusters[authz["grpc_service"]["envoy_grpc"]["cluster_name"]]

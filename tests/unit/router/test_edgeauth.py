@@ -1,7 +1,8 @@
 """The ingress's key check (services/router/edgeauth.py) and what it relies on in the
 Authenticator: the probes pass without a key, every other path needs one, a refusal is in the
-shape the ingress's error filter reads, an address sending unknown keys is slowed, and a flood of
-unknown keys never evicts the verified ones."""
+shape the ingress's error filter reads, an address sending unknown keys is slowed (the client's
+address as the ingress decided it, not its load balancer's), and a flood of unknown keys never
+evicts the verified ones."""
 
 import json
 
@@ -15,8 +16,13 @@ from tests.fakeclock import FakeClock
 from tests.unit.router.test_auth import ACME
 
 
-def check(path: str, key: str = "", client: str = "203.0.113.7", grpc_client: bool = False) -> az.CheckRequest:
+def check(path: str, key: str = "", client: str = "203.0.113.7", grpc_client: bool = False,
+          decided: str = "") -> az.CheckRequest:
+    """A check as the ingress sends it: client, the connection's peer; decided, the client's address
+    as the ingress decided it (edge.CLIENT_ADDRESS_HEADER), when it says."""
     headers = {"content-type": b"application/grpc" if grpc_client else b"application/json"}
+    if decided:
+        headers[edge.CLIENT_ADDRESS_HEADER] = decided.encode()
     if key:
         headers["authorization"] = f"Bearer {key}".encode("latin-1")
     return az.CheckRequest(attributes=az.AttributeContext(
@@ -85,6 +91,17 @@ async def test_an_address_sending_unknown_keys_is_slowed_and_its_keys_no_longer_
     # The bucket refills.
     clock.advance(1 / edge.FAILED_AUTH_PER_SECOND)
     assert (await authz.Check(check("/v1/completions", "made-up-later"), None)).denied_response.status.code == 401
+
+
+async def test_the_limiter_keys_on_the_address_the_ingress_decided_not_the_balancers(setup):
+    authz, calls, _, _ = setup
+    balancer = "10.0.0.5"  # (every client behind it arrives from here)
+    for i in range(edge.FAILED_AUTH_BURST + 1):
+        r = await authz.Check(check("/v1/completions", f"made-up-{i}", client=balancer, decided="203.0.113.9"), None)
+    assert r.denied_response.status.code == 429
+    # Another client behind the same balancer is not slowed by the first one's bad keys.
+    r = await authz.Check(check("/v1/completions", "made-up-x", client=balancer, decided="198.51.100.2"), None)
+    assert r.denied_response.status.code == 401
 
 
 async def test_a_flood_of_unknown_keys_never_evicts_the_verified_ones():
