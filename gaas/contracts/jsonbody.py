@@ -6,6 +6,9 @@ naming the field (OpenAI's "param"), never a server error:
   - nesting at most MAX_DEPTH deep; numbers at most MAX_NUMBER_CHARS characters and finite (no
     NaN / Infinity); strings valid Unicode (a lone surrogate such as "\\ud800" is refused);
   - integers within the range of the field they fill; strings that are echoed capped.
+
+A JSON value sent as text inside a body (a schema as a string, a tool call's arguments, a batch
+file's line) is held to the same limits by loads(), before anything walks it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def type_name(value: Any) -> str:
     )
 
 
-def _check_tree(body: Any) -> None:
+def _check_tree(body: Any, what: str = "the body", max_depth: int = MAX_DEPTH, param: str | None = None) -> None:
     """Depth and string validity of a parsed body, iteratively (no recursion to exhaust)."""
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
@@ -67,19 +70,43 @@ def _check_tree(body: Any) -> None:
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 raise InvalidArgument(
-                    "the body holds a string that is not valid Unicode (a lone surrogate escape such as \\ud800)"
-                ) from None
+                    f"{what} holds a string that is not valid Unicode (a lone surrogate escape such as \\ud800)",
+                    param=param) from None
             continue
         if not isinstance(value, (dict, list)):
             continue
-        if depth > MAX_DEPTH:
-            raise InvalidArgument(f"the body is nested more than {MAX_DEPTH} levels deep")
+        if depth > max_depth:
+            raise InvalidArgument(_too_deep(what, max_depth), param=param)
         if isinstance(value, dict):
             for k, v in value.items():
                 stack.append((k, depth))
                 stack.append((v, depth + 1))
         else:
             stack.extend((v, depth + 1) for v in value)
+
+
+def _too_deep(what: str, max_depth: int) -> str:
+    return f"{what} is nested more than {max_depth} levels deep (the limit of JSON nesting)"
+
+
+def loads(text: str, name: str, max_depth: int = MAX_DEPTH) -> Any:
+    """A JSON value sent as text inside a request, held to a body's limits (nesting at most
+    max_depth deep, numbers, strings), or InvalidArgument(param=name) saying what is wrong. The
+    depth is known before anything walks the value: the decoder's own recursion is caught too."""
+    what = f"'{name}'"
+    try:
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except RecursionError:
+        raise InvalidArgument(_too_deep(what, max_depth), param=name) from None
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{what}: {exc.message}", param=name) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{what} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+                              param=name) from None
+    except ValueError as exc:  # (an integer past the interpreter's digit limit)
+        raise InvalidArgument(f"{what} is not valid JSON: {exc}", param=name) from None
+    _check_tree(value, what, max_depth, name)
+    return value
 
 
 def parse(raw: bytes, max_bytes: int) -> dict:
@@ -95,7 +122,7 @@ def parse(raw: bytes, max_bytes: int) -> dict:
     try:
         body = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except RecursionError:
-        raise InvalidArgument(f"the body is nested more than {MAX_DEPTH} levels deep") from None
+        raise InvalidArgument(_too_deep("the body", MAX_DEPTH)) from None
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(body, dict):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from gaas.contracts import errors
+from gaas.contracts import errors, jsonbody
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,9 @@ class ChatMessage:
 
 def _arguments(text: str):
     try:
-        value = json.loads(text)
-    except ValueError:
+        # (a client's text, held to a body's limits before the template walks it)
+        value = jsonbody.loads(text, "arguments")
+    except errors.InvalidArgument:
         return text
     return value if isinstance(value, dict) else text
 

@@ -13,6 +13,7 @@ import json
 
 from gaas.contracts import tools as tool_contract
 from gaas.contracts.errors import InvalidArgument, quote
+from gaas.contracts import jsonbody
 from gaas.contracts.jsonbody import Fields, type_name
 from gaas.v1 import common_pb2, inference_pb2
 
@@ -23,10 +24,10 @@ def _schema_text(value, name: str, engine: bool = False) -> str:
     """A JSON schema given as an object (or as JSON text, which vLLM's extension accepts); engine:
     as the engine decodes it (gaas.contracts.tools.for_engine)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise InvalidArgument(f"'{name}' is not valid JSON", param=name) from None
+        if len(value) > tool_contract.MAX_SCHEMA_BYTES:
+            raise InvalidArgument(f"'{name}' is {len(value):,} characters; at most {tool_contract.MAX_SCHEMA_BYTES:,} "
+                                  "are accepted", param=name)
+        value = jsonbody.loads(value, name)
     if not isinstance(value, (dict, bool)):
         raise InvalidArgument(f"'{name}' must be a JSON schema (an object), not {type_name(value)}", param=name)
     text = json.dumps(tool_contract.for_engine(value) if engine else value, separators=(",", ":"))

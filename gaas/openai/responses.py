@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gaas.contracts import genrequest
+from gaas.contracts import genrequest, jsonbody
 from gaas.contracts.errors import InvalidArgument, quote
 from gaas.contracts.jsonbody import Fields, type_name
 from gaas.openai.api import dumps
@@ -174,6 +174,8 @@ def _format(f: Fields) -> dict | None:
         return {"type": kind}
     if kind == "json_schema":
         schema = {k: fmt.raw(k) for k in ("name", "schema", "strict", "description") if fmt.raw(k) is not None}
+        if isinstance(schema.get("schema"), str):  # (JSON text, read here to name this field when it is wrong)
+            schema["schema"] = jsonbody.loads(schema["schema"], "text.format.schema")
         fmt.finish()
         return {"type": "json_schema", "json_schema": schema}
     raise fmt.fail("type", f"must be text, json_object or json_schema, got {quote(kind)}")

@@ -98,11 +98,12 @@ class RequiredReader:
         try:
             value = json.loads(item)
             name, params = value["name"], value["parameters"]
-        except (ValueError, KeyError, TypeError):
+            arguments = json.dumps(params, ensure_ascii=False)
+        except (ValueError, KeyError, TypeError, RecursionError):  # (a schema may let output nest past the stack)
             log.warning("a required tool call's item is not {name, parameters}: %.200s", item)
             return None
         call = common_pb2.ToolCall(index=self._calls, id=tool_contract.call_id(), name=str(name),
-                                   arguments=json.dumps(params, ensure_ascii=False))
+                                   arguments=arguments)
         self._calls += 1
         return call
 

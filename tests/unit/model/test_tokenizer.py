@@ -101,3 +101,11 @@ def test_a_sessions_next_prompt_reuses_the_last_ones_tokens_and_gets_exactly_the
         messages.append(ChatMessage("assistant", reply))
     assert ours.continued_chars(ours.render_chat(messages + [ChatMessage("user", "x")], True), prefix) < len(
         ours.render_chat(messages + [ChatMessage("user", "x")], True)), "the next turn tokenizes only its new part"
+
+
+def test_sent_back_arguments_nested_past_the_json_limit_reach_the_template_as_their_text():
+    deep = "[" * 100_000 + "]" * 100_000
+    message = ChatMessage("assistant", "", (("c1", "f", deep), ("c2", "g", '{"a": [1]}')))
+    calls = message.as_template_dict()["tool_calls"]
+    assert calls[0]["function"]["arguments"] == deep
+    assert calls[1]["function"]["arguments"] == {"a": [1]}

@@ -118,3 +118,30 @@ def test_no_tools_or_formats_fail_other_than_invalid_argument(tools_, choice, fm
         assert err.message and len(err.message) <= errors.MAX_MESSAGE_CHARS
         return
     parsed.generate.SerializeToString()
+
+
+def _chat_raw(raw: bytes):
+    return parse_chat(jsonbody.parse(raw, 4 << 20))
+
+
+@pytest.mark.parametrize("depth, says", [
+    (30_000, f"'structured_outputs.json' is nested more than {jsonbody.MAX_DEPTH} levels deep"),
+    (100_000, "'structured_outputs.json' is 200,000 characters; at most 65,536"),
+])
+def test_a_schema_string_nested_deeply_is_refused_naming_the_limit(depth, says):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "structured_outputs": {"json": "[" * depth + "]" * depth}}
+    with pytest.raises(errors.InvalidArgument, match=re.escape(says)) as e:
+        _chat_raw(json.dumps(body).encode())
+    assert e.value.param == "structured_outputs.json"
+
+
+def test_a_response_format_schema_nested_deeply_is_refused_naming_the_limit():
+    deep = '{"type":"object","properties":{"a":' * 1500 + "{}" + "}}" * 1500
+    as_text = {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}
+    with pytest.raises(errors.InvalidArgument, match="'response_format.json_schema.schema' is nested more than 32"):
+        chat(response_format=as_text)
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "HOLE"}}}).replace('"HOLE"', deep)
+    with pytest.raises(errors.InvalidArgument, match="the body is nested more than 32 levels deep"):
+        _chat_raw(raw.encode())

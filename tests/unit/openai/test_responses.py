@@ -111,3 +111,21 @@ def test_no_body_fails_other_than_invalid_argument(body, item):
         parse_chat(req.chat_body([])).generate.SerializeToString()
     except errors.InvalidArgument as err:
         assert err.message and len(err.message) <= errors.MAX_MESSAGE_CHARS
+
+
+def test_a_text_format_schema_nested_deeply_is_refused_naming_the_field_and_the_limit():
+    deep = "[" * 60_000 + "]" * 60_000
+    with pytest.raises(errors.InvalidArgument, match="'text.format.schema' is nested more than 32 levels deep") as e:
+        responses.parse({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                          "schema": deep}}})
+    assert e.value.param == "text.format.schema"
+    raw = json.dumps({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                      "schema": "HOLE"}}}).replace('"HOLE"', deep)
+    with pytest.raises(errors.InvalidArgument, match="the body is nested more than 32 levels deep"):
+        responses.parse(jsonbody.parse(raw.encode(), 1 << 20))
+
+
+def test_a_text_format_schema_given_as_json_text_is_read_as_its_object():
+    req = responses.parse({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                           "schema": '{"type": "object"}'}}})
+    assert req.chat["response_format"]["json_schema"]["schema"] == {"type": "object"}

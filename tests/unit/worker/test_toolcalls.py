@@ -131,3 +131,10 @@ def test_auto_makes_one_parser_per_choice():
     assert len(made) == 1  # the first choice reads with the parser made to check the model has one
     _run(readers, ["b"], index=1)
     assert len(made) == 2
+
+
+def test_a_required_call_nested_past_the_stack_is_no_call_and_no_crash():
+    deep = "[" * 5000 + "]" * 5000
+    content, pieces = _run(toolcalls.readers(inference_pb2.ToolCalling(mode=Mode.MODE_REQUIRED), None),
+                           ['[{"name":"f","parameters":{"a":' + deep + '}},', '{"name":"g","parameters":{}}]'])
+    assert [c.name for c in pieces] == ["g"]
