@@ -1,7 +1,9 @@
 """`gaas top`: a live terminal view of a running mesh. Each frame reads what `gaas status` reads
 (the workers' load from the control plane's registry, each router's flow control and tenant
-activity) and draws workers, queues and tenants; frame() is pure, so tests and --once print it.
-cmd_top is the command: it reads (gaas.ops.probe, status.router_flows) and run() draws."""
+activity) and draws workers, queues and tenants, and the Redis memory each tenant holds through
+stored responses and sessions against its cap (gaas.ops.tenantstorage); frame() is pure, so tests
+and --once print it. cmd_top is the command: it reads (gaas.ops.probe, status.router_flows,
+stored_by_tenant) and run() draws."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def _bar(share: float, width: int = 10) -> str:
 
 def frame(health: dict, flows: Sequence[dict], *, now: float | None = None, tenants_shown: int = 10) -> str:
     """One screen: health is probe.MeshHealth.to_dict() (with "autoscaled": the autoscaled pools, as
-    gaas status reads them), flows admin.router_flow() of each router."""
+    gaas status reads them, and "stored": tenantstorage.held_by_tenant(), None when Redis could not
+    be read), flows admin.router_flow() of each router."""
     when = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     instances = health.get("instances", [])
     serving = sum(1 for i in instances if i["health"] == "SERVING" and i["sidecar_ready"])
@@ -92,7 +95,52 @@ def frame(health: dict, flows: Sequence[dict], *, now: float | None = None, tena
         lines.append(f"... and {len(ranked) - tenants_shown} more")
     if not ranked:
         lines.append("(no tenant active in the last minute)")
+    if "stored" in health:
+        lines += _stored(health["stored"], tenants_shown)
     return "\n".join(lines)
+
+
+def _stored(stored: list[dict] | None, shown: int) -> list[str]:
+    """The tenants holding the most Redis memory in stored responses and sessions, against their cap."""
+    lines = ["", f"{'REDIS HELD BY':<24}{'':<12}{'HELD':>10}{'CAP':>10}   (stored responses and sessions)"]
+    if stored is None:
+        return lines + ["(Redis could not be read)"]
+    for s in stored[:shown]:
+        share = s["bytes"] / s["cap"] if s["cap"] else 0.0
+        cap = _mib(s["cap"]) if s["cap"] else "-"
+        lines.append(f"{s['tenant'][:23]:<24}{_bar(share)} {share:>4.0%}{_mib(s['bytes']):>10}{cap:>10}")
+    if len(stored) > shown:
+        lines.append(f"... and {len(stored) - shown} more")
+    if not stored:
+        lines.append("(no tenant holds stored responses or sessions)")
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def stored_by_tenant(topo, state: dict | None) -> list[dict] | None:
+    """What each tenant holds in Redis (the tenants control lists), None when it cannot be read."""
+    import redis
+
+    from gaas.contracts.errors import GaasError
+    from gaas.ops.tenantstorage import held_by_tenant
+    from gaas.sdk.admin import Admin
+
+    if not state or not state.get("redis_url"):
+        return None
+    try:
+        with Admin(topo.of("control")[0].inbound) as admin:
+            tenants = [t["name"] for t in admin.list_tenants()]
+        client = redis.Redis.from_url(state["redis_url"], socket_timeout=1.0, socket_connect_timeout=1.0,
+                                      decode_responses=True)
+        try:
+            return held_by_tenant(client, tenants, int(time.time() * 1000))
+        finally:
+            client.close()
+    except (GaasError, OSError, redis.RedisError):
+        return None
 
 
 def run(read: Callable[[], tuple[dict, list[dict]]], interval: float, once: bool, out=None) -> None:
@@ -122,6 +170,7 @@ def cmd_top(args) -> int:
     def read() -> tuple[dict, list[dict]]:
         health = probe.probe(topo, Path(args.run_dir).resolve(), timeout=args.timeout).to_dict()
         health["autoscaled"] = autoscaled_pools(topo)
+        health["stored"] = stored_by_tenant(topo, state)
         return health, router_flows(topo)
 
     try:
@@ -135,8 +184,9 @@ def register(sub) -> None:
     """`gaas top`."""
     tp = sub.add_parser("top", help="a live view of workers, queues, KV cache use and tenants",
                         description="Redraw, every few seconds, each worker's load (running, waiting, KV cache use, "
-                        "its batching window and breaker, memory), the routers' queues by priority band, and the "
-                        "busiest tenants of the last minute. Ctrl-C quits.")
+                        "its batching window and breaker, memory), the routers' queues by priority band, the "
+                        "busiest tenants of the last minute, and the Redis memory each tenant holds in stored "
+                        "responses and sessions against its cap. Ctrl-C quits.")
     add_mesh_args(tp)
     tp.add_argument("--interval", type=float, default=2.0, help="seconds between frames (2)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")

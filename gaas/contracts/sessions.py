@@ -270,6 +270,7 @@ local cap = tonumber(ARGV[8] or '0')
 if cap > 0 then
   local held = prune(KEYS[3], KEYS[4], now)
   if held >= cap then return {-4, held, cap} end
+  if held > 0 then redis.call('HSET', KEYS[3], 'cap', cap) end
 end
 if most > 0 and redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -377,6 +378,7 @@ if over > 0 then
     total = account(KEYS[3], KEYS[4], 'r:' .. gone[i], 0, 0, now)
   end
 end
+if total > 0 then redis.call('HSET', KEYS[3], 'cap', ARGV[6]) end
 return {total}
 """.replace("ENTRY_OVERHEAD", str(tenantbytes.ENTRY_OVERHEAD))
 

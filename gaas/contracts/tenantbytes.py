@@ -8,7 +8,8 @@ accounting; not Redis's exact MEMORY USAGE, but proportional to it and cheap. Tw
 in the tenant's hash slot, beside its sessions' index (so the router's and worker's Redis users
 already reach them):
 
-  gaas:sessions:{tenant}:held        hash: entry -> bytes, and "total" -> the sum of the entries
+  gaas:sessions:{tenant}:held        hash: entry -> bytes, "total" -> the sum of the entries, and
+                                     "cap" -> the cap the router that last checked one applied
   gaas:sessions:{tenant}:held-until  sorted set: entry -> when it expires (Unix ms)
 
 Every script that writes or deletes an entry updates both in the same script (atomic, O(1) per

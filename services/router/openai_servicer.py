@@ -97,6 +97,9 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             stored = await self._store().get(principal.tenant, req.previous_response_id, param="previous_response_id")
             before, version = stored["conversation"], stored.get("v", 1) + 1
         parsed = openai_api.parse_chat(req.chat_body(before))
+        if req.store:  # (a tenant whose stored responses fill its room spends no tokens on one more)
+            await self._store().room(principal.tenant,
+                                     {"input_items": req.items, "conversation": before + req.messages})
         g = await self._pipeline.start(principal, [parsed.generate], timing, check=answer_check(parsed))
         builder = openai_responses.ResponseBuilder(req, "resp_" + g.request_id.removeprefix("req-"),
                                                    g.prepared[0].model.served_name)
@@ -130,7 +133,13 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         last = builder.finish(final or common_pb2.GenerateChunk(), usage.final())
         if req.store:
             record.update(response=builder.response(), conversation=record["conversation"] + builder.conversation())
-            await self._store().put(principal.tenant, builder.id, record)
+            try:
+                await self._store().put(principal.tenant, builder.id, record)
+            except errors.ResourceExhausted as err:  # (the tenant's room filled while it was generated)
+                if not started:
+                    raise
+                yield openai_stream.sse_body(builder.failed(errors.openai_error(err)["error"]))
+                return
         if req.stream:
             for event in last:
                 yield openai_stream.sse_body(event)
@@ -174,7 +183,14 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
             return
         record.update(response=builder.response(), conversation=conversation + builder.conversation())
         record.pop("lease_until_ms", None)
-        await store.put(tenant, builder.id, record)
+        try:
+            await store.put(tenant, builder.id, record)
+        except errors.ResourceExhausted as err:  # its output outgrew the tenant's room: stored failed, without it
+            builder.failed(errors.openai_error(err)["error"])
+            record.update(response={**builder.response(), "output": [], "error": {"code": err.openai_code,
+                                                                                  "message": err.message}},
+                          conversation=conversation)
+            await store.put(tenant, builder.id, record)
 
     async def GetResponse(self, request: openai_pb2.ResponseRef, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
