@@ -1,7 +1,8 @@
 """Admission in Redis, shared by every router replica (one figure per tenant whichever replica a
 request reaches): a tenant's quotas (requests and tokens per minute, sequences at once) and its
-monthly budget, checked and reserved in one atomic script before a request starts (ADMIT), and
-settled in the same script that appends the request's usage event when it ends (RECORD).
+monthly budget, checked and reserved in one atomic script before a request starts (ADMIT; refusal()
+is the error of a refused answer), and settled in the same script that appends the request's usage
+event when it ends (RECORD).
 
 Keys (a tenant's share a Redis Cluster hash slot, {tenant}):
   gaas:inflight:{t}        request id -> "cost tokens second sequences": what a request in flight
@@ -28,7 +29,7 @@ ledger.
 
 from __future__ import annotations
 
-from gaas.contracts import usage as metering
+from gaas.contracts import errors, pricing, usage as metering
 from gaas.contracts.usage import UsageEvent
 
 # Spend counters outlive their month by this much (billing reads last month's at the turn).
@@ -263,3 +264,44 @@ def progress_worker(value: str | None) -> str:
 
 def release_keys(tenant: str) -> list[str]:
     return [inflight_key(tenant), inflight_exp_key(tenant), tpm_key(tenant)]
+
+
+def refusal(
+    tenant: str, answer: int, a: int, b: int, c: int, retry_ms: int, estimate: int, tokens: int, now: int,
+) -> errors.ResourceExhausted:
+    """The error of an ADMIT answer that refused a request (its figures as the script returned them)."""
+    retry = max(1.0, retry_ms / 1000)
+    subject = f"tenant:{tenant}"
+    if answer == OVER_CONCURRENCY:
+        return errors.ResourceExhausted(
+            f"tenant {tenant} has {a} sequences in flight (each choice of each prompt counts), its limit is {b} at "
+            "once: retry when one has finished", reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"concurrent sequences: {b}"))
+    if answer == TOO_MANY_SEQUENCES:
+        return errors.ResourceExhausted(
+            f"this request runs {a} sequences at once (n choices of each prompt), more than tenant {tenant}'s "
+            f"limit of {b}: ask for fewer choices or send fewer prompts", param="n", reason="rate_limit_exceeded",
+            quota=errors.QuotaViolation(subject, f"concurrent sequences: {b}"))
+    if answer == OVER_RPM:
+        return errors.ResourceExhausted(
+            f"tenant {tenant} has made {a} requests in the last minute, its quota is {b} requests per minute: "
+            f"retry in {retry:.0f} s", reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"requests per minute: {b}"))
+    if answer == OVER_TPM:
+        return errors.ResourceExhausted(
+            f"tenant {tenant} has used {a} tokens in the last minute (prompts plus the most each request may "
+            f"generate), its quota is {b} tokens per minute and this request needs up to {tokens}: retry in "
+            f"{retry:.0f} s, or ask for fewer max_tokens", reason="rate_limit_exceeded", retry_after=retry,
+            quota=errors.QuotaViolation(subject, f"tokens per minute: {b}"))
+    if answer == TOO_LARGE_FOR_TPM:
+        return errors.ResourceExhausted(
+            f"this request needs up to {a} tokens (its prompt plus max_tokens), more than tenant {tenant}'s quota "
+            f"of {b} tokens per minute: ask for fewer max_tokens or a shorter prompt", param="max_tokens",
+            reason="rate_limit_exceeded", quota=errors.QuotaViolation(subject, f"tokens per minute: {b}"))
+    _, month_end = metering.month_bounds(metering.month_of(now))
+    return errors.ResourceExhausted(
+        f"tenant {tenant} has used its monthly budget of {pricing.format_usd(a)} ({pricing.format_usd(b)} spent "
+        f"this month, {pricing.format_usd(c)} held by requests in flight; this request could cost up to "
+        f"{pricing.format_usd(estimate)}); requests are served again when the budget is raised or the month turns",
+        reason="insufficient_quota", retry_after=max(1.0, (month_end - now) / 1000),
+        quota=errors.QuotaViolation(subject, f"monthly budget: {pricing.format_usd(a)}"))

@@ -6,9 +6,11 @@ finished, cancelled by the client, or failed after tokens were produced. A reque
 second worker before its first token is one event.
 
 Beside Redis, the process that admits (a router) keeps its own count of what it admitted for each
-tenant (LocalQuotas): a request its tenant cannot be admitted for by this process's count alone is
-refused before its body is parsed or tokenized (cheap refusals first), and while Redis does not
-answer, that count is what admits, bounded (never unlimited for everyone).
+tenant (gaas.metering.local.LocalQuotas): a request its tenant cannot be admitted for by this
+process's count alone is refused before its body is parsed or tokenized (cheap refusals first), and
+while Redis does not answer, that count admits by the tenant's own quotas shared among the routers.
+After a failure Redis is not asked again for a moment (gaas.metering.circuit: the fallback costs
+no wait), then one request tries it, and Redis admits again from the first answer.
 
 Never losing a record: when Redis does not answer, the event goes to a local spool file (an
 append-only JSON-lines file, flushed and fsynced) and a background task appends it once Redis is
@@ -22,20 +24,24 @@ import json
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from gaas.contracts import errors, latency, pricing, usage as metering
 from gaas.metering import admission
+from gaas.metering.circuit import RedisCircuit
 from gaas.contracts.usage import UsageEvent
 from gaas.runtime.redisconn import Script
 from gaas.v1 import common_pb2
 from gaas.contracts.principal import Principal
+
+if TYPE_CHECKING:
+    from gaas.metering.local import LocalQuotas
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +116,15 @@ class Metered:
 
 class Meter:
     def __init__(self, redis: Redis, spool_dir: Path, clock: Callable[[], int] = metering.now_ms,
-                 local: "LocalQuotas | None" = None, streams_direct: bool = False) -> None:
+                 local: LocalQuotas | None = None, streams_direct: bool = False,
+                 circuit: RedisCircuit | None = None) -> None:
         # Unix ms (tests move it).
         self._clock = clock
         self._redis = redis
         # This process's own count of what it admitted (a router's; None: it admits nothing).
         self.local = local
+        # Whether Redis is asked right now (not for a moment after it failed).
+        self._circuit = circuit or RedisCircuit()
         self._admit = Script(redis, admission.ADMIT)
         self._record = Script(redis, admission.RECORD)
         self._release = Script(redis, admission.RELEASE)
@@ -151,6 +160,8 @@ class Meter:
         tokens = prompt_tokens + max_completion_tokens
         now = self._clock()
         limits = principal.limits
+        if not self._circuit.allows():  # Redis failed a moment ago: not asked until it is tried again
+            return self._admit_without_redis(m, tokens, estimate)
         try:
             answer, a, b, c, retry_ms = await self._admit(
                 keys=admission.admit_keys(principal.tenant, metering.month_of(now), request_id if direct else None),
@@ -158,20 +169,21 @@ class Meter:
                       limits.concurrency, m.sequences],
             )
         except RedisError as exc:
-            if self.local is None:
-                raise errors.Unavailable("quotas cannot be checked right now; retry shortly") from None
-            # While Redis is away this process's own count admits, within bounds (LocalQuotas).
+            self._circuit.failed()
             if not self._unchecked:
-                log.warning("cannot check quotas and budgets in Redis (%s); admitting by this router's own count "
-                            "until it answers", exc)
+                log.warning("cannot check quotas and budgets in Redis (%s); %s until it answers", exc,
+                            "refusing" if self.local is None else "admitting by this router's own count")
             self._unchecked = True
-            self.local.admit_degraded(m, tokens, estimate, now)
-            return m
+            return self._admit_without_redis(m, tokens, estimate)
+        except BaseException:
+            self._circuit.abandoned()
+            raise
+        self._circuit.succeeded()
         if self._unchecked:
             log.info("Redis answers again; quotas and budgets are checked")
             self._unchecked = False
         if answer != admission.ADMITTED:
-            err = refusal(principal.tenant, answer, a, b, c, retry_ms, estimate, tokens, now)
+            err = admission.refusal(principal.tenant, answer, a, b, c, retry_ms, estimate, tokens, now)
             if self.local is not None:
                 self.local.refused(principal.tenant, answer, err)
             raise err
@@ -180,10 +192,18 @@ class Meter:
             self.local.admitted(m, tokens, None if a < 0 else a - b - c - estimate)
         return m
 
-    def ended(self, m: Metered) -> None:
-        """A request this process admitted is over, whoever metered it (a worker, on the direct path)."""
+    def _admit_without_redis(self, m: Metered, tokens: int, estimate: int) -> Metered:
+        """While Redis does not answer: this process's own count admits (LocalQuotas.admit_degraded)."""
+        if self.local is None:
+            raise errors.Unavailable("quotas cannot be checked right now; retry shortly")
+        self.local.admit_degraded(m, tokens, estimate)
+        return m
+
+    def ended(self, m: Metered, used_tokens: int | None = None) -> None:
+        """A request this process admitted is over, whoever metered it (a worker, on the direct
+        path); used_tokens: its prompt and completion tokens, when known."""
         if self.local is not None:
-            self.local.ended(m)
+            self.local.ended(m, used_tokens)
 
     async def commit(self, m: Metered, outcome: str) -> None:
         """Append the request's usage event (spooled when Redis does not answer). Once per request.
@@ -195,17 +215,29 @@ class Meter:
         for first in await asyncio.gather(*m.abandoned, return_exceptions=True):
             if isinstance(first, common_pb2.GenerateChunk):
                 m.add(first)
-        self.ended(m)
         if not m.finals and not m.relayed:  # ended before producing anything: nothing to bill
             await self.release(m)
             return
-        await self._commit_event(m.event(outcome), self._mode)
+        event = m.event(outcome)
+        self.ended(m, event.prompt_tokens + event.completion_tokens)
+        await self._commit_event(event, self._mode)
 
     async def _commit_event(self, event: UsageEvent, mode: str) -> None:
+        """Append a usage event; spooled when Redis does not answer, or failed a moment ago (the
+        client's last chunk does not wait for it: the spool appends it once Redis is back)."""
+        if mode != "claim" and not self._circuit.allows():
+            log.debug("usage of %s spooled: Redis failed a moment ago", event.request_id)
+            await self._write_spool(event)
+            return
         try:
             keys, args = admission.record_args(event, mode)
             await self._record(keys=keys, args=args)
+            self._circuit.succeeded()
+        except asyncio.CancelledError:
+            self._circuit.abandoned()
+            raise
         except RedisError as exc:
+            self._circuit.failed()
             if mode == "claim":  # (the worker's own record, or its progress, is what there is)
                 log.warning("cannot bill %s for what its worker sent before it went silent (%s)", event.request_id, exc)
                 return
@@ -229,8 +261,9 @@ class Meter:
             return
         m.done = True
         m.relayed, m.cached_prompts = progress
-        self.ended(m)
-        await self._commit_event(m.event("failed"), "claim")
+        event = m.event("failed")
+        self.ended(m, event.prompt_tokens + event.completion_tokens)
+        await self._commit_event(event, "claim")
 
     def claim_later(self, m: Metered) -> None:
         """claim() from a request being given up: runs to its end regardless."""
@@ -277,7 +310,7 @@ class Meter:
     async def release(self, m: Metered, used_tokens: int = 0) -> None:
         """A request ends without a usage event: its place and reserved tokens go back, less
         used_tokens (the tokens of a /tokenize, which count against the minute's quota)."""
-        self.ended(m)
+        self.ended(m, used_tokens)
         if not m.admitted:
             return
         try:
@@ -311,6 +344,7 @@ class Meter:
                 self._spool.write_text("".join(x + "\n" for x in rest))
                 return sent
             self._spool.unlink()
+            self._circuit.succeeded()
             if sent:
                 log.info("appended %d spooled usage events to Redis", sent)
             return sent
@@ -355,165 +389,6 @@ async def metered(meter: Meter | None, m: Metered | None, items, chunk_of=lambda
     finally:
         if not m.done:
             meter.commit_later(m, outcome)
-
-
-def refusal(
-    tenant: str, answer: int, a: int, b: int, c: int, retry_ms: int, estimate: int, tokens: int, now: int,
-) -> errors.ResourceExhausted:
-    """The error of an ADMIT answer that refused a request (its figures as the script returned them)."""
-    retry = max(1.0, retry_ms / 1000)
-    subject = f"tenant:{tenant}"
-    if answer == admission.OVER_CONCURRENCY:
-        return errors.ResourceExhausted(
-            f"tenant {tenant} has {a} sequences in flight (each choice of each prompt counts), its limit is {b} at "
-            "once: retry when one has finished", reason="rate_limit_exceeded", retry_after=retry,
-            quota=errors.QuotaViolation(subject, f"concurrent sequences: {b}"))
-    if answer == admission.TOO_MANY_SEQUENCES:
-        return errors.ResourceExhausted(
-            f"this request runs {a} sequences at once (n choices of each prompt), more than tenant {tenant}'s "
-            f"limit of {b}: ask for fewer choices or send fewer prompts", param="n", reason="rate_limit_exceeded",
-            quota=errors.QuotaViolation(subject, f"concurrent sequences: {b}"))
-    if answer == admission.OVER_RPM:
-        return errors.ResourceExhausted(
-            f"tenant {tenant} has made {a} requests in the last minute, its quota is {b} requests per minute: "
-            f"retry in {retry:.0f} s", reason="rate_limit_exceeded", retry_after=retry,
-            quota=errors.QuotaViolation(subject, f"requests per minute: {b}"))
-    if answer == admission.OVER_TPM:
-        return errors.ResourceExhausted(
-            f"tenant {tenant} has used {a} tokens in the last minute (prompts plus the most each request may "
-            f"generate), its quota is {b} tokens per minute and this request needs up to {tokens}: retry in "
-            f"{retry:.0f} s, or ask for fewer max_tokens", reason="rate_limit_exceeded", retry_after=retry,
-            quota=errors.QuotaViolation(subject, f"tokens per minute: {b}"))
-    if answer == admission.TOO_LARGE_FOR_TPM:
-        return errors.ResourceExhausted(
-            f"this request needs up to {a} tokens (its prompt plus max_tokens), more than tenant {tenant}'s quota "
-            f"of {b} tokens per minute: ask for fewer max_tokens or a shorter prompt", param="max_tokens",
-            reason="rate_limit_exceeded", quota=errors.QuotaViolation(subject, f"tokens per minute: {b}"))
-    _, month_end = metering.month_bounds(metering.month_of(now))
-    return errors.ResourceExhausted(
-        f"tenant {tenant} has used its monthly budget of {pricing.format_usd(a)} ({pricing.format_usd(b)} spent "
-        f"this month, {pricing.format_usd(c)} held by requests in flight; this request could cost up to "
-        f"{pricing.format_usd(estimate)}); requests are served again when the budget is raised or the month turns",
-        reason="insufficient_quota", retry_after=max(1.0, (month_end - now) / 1000),
-        quota=errors.QuotaViolation(subject, f"monthly budget: {pricing.format_usd(a)}"))
-
-
-# While Redis is away, a tenant whose own quota is unlimited (0) is admitted by each router up to
-# these (sequences at once, requests a minute): bounded, never unlimited for everyone.
-DEGRADED_CONCURRENCY = 16
-DEGRADED_RPM = 600
-
-
-@dataclass(slots=True)
-class _Seen:
-    """What one process admitted for one tenant."""
-
-    # Sequences in flight, by request id.
-    in_flight: dict = field(default_factory=dict)
-    # (when, tokens) of each request admitted within the last minute (monotonic seconds).
-    admitted: deque = field(default_factory=deque)
-    # Refused by the requests-per-minute quota until then (monotonic), and the refusal.
-    refused_until: float = 0.0
-    refusal: errors.ResourceExhausted | None = None
-    # Its monthly budget's room when Redis last admitted one of its requests (micro-dollars; None:
-    # no budget, or not known), less what was admitted without Redis since.
-    headroom: int | None = None
-
-
-class LocalQuotas:
-    """One process's own count of what it admitted, per tenant: the sequences it has in flight and
-    the requests and tokens it admitted in the last minute. Every router draws from the tenant's
-    quotas in Redis, so its own count is a lower bound of the whole: a request its tenant is over
-    by this count alone (or that Redis refused on the requests-per-minute quota, until the refusal's
-    retry time) is refused before its body is parsed, sessions are read or its prompt is tokenized.
-
-    While Redis does not answer, this count admits: the tenant's own quotas (or DEGRADED_* where
-    they are unlimited), counted per router, and its budget's room as Redis last reported it, less
-    what was admitted since (a tenant not seen since the router started is admitted within the
-    quotas; what it uses is metered, spooled, and billed once Redis is back)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic, window: float = 60.0,
-                 degraded_concurrency: int = DEGRADED_CONCURRENCY, degraded_rpm: int = DEGRADED_RPM) -> None:
-        self._clock = clock
-        self._window = window
-        self._degraded = (degraded_concurrency, degraded_rpm)
-        self._tenants: dict[str, _Seen] = {}
-
-    def _seen(self, tenant: str) -> _Seen:
-        s = self._tenants.get(tenant)
-        if s is None:
-            s = self._tenants[tenant] = _Seen()
-        return s
-
-    def _recent(self, s: _Seen) -> deque:
-        horizon = self._clock() - self._window
-        while s.admitted and s.admitted[0][0] <= horizon:
-            s.admitted.popleft()
-        return s.admitted
-
-    def check(self, principal: Principal, sequences: int = 1, degraded: tuple[int, int, int] | None = None) -> None:
-        """Refuse (ResourceExhausted) what this count alone says cannot be admitted: sequences more
-        at once, one request more this minute. degraded: (concurrency, rpm, tpm) to admit by while
-        Redis is away, tokens included (this count reserves each request's most, which Redis
-        settles to what it used: a lower bound of the whole only then)."""
-        s = self._tenants.get(principal.tenant)
-        if s is None:
-            if degraded is None:
-                return
-            s = _Seen()
-        now = self._clock()
-        if s.refusal is not None and now < s.refused_until:
-            raise errors.ResourceExhausted(s.refusal.message, reason=s.refusal.reason,
-                                           retry_after=max(1.0, s.refused_until - now), quota=s.refusal.quota)
-        concurrency, rpm, tpm = degraded or (principal.limits.concurrency, principal.limits.rpm, 0)
-        running = sum(s.in_flight.values())
-        if concurrency and running + sequences > concurrency:
-            raise refusal(principal.tenant, admission.OVER_CONCURRENCY, running, concurrency, 0, 1000, 0, 0, 0)
-        recent = self._recent(s)
-        if rpm and len(recent) >= rpm:
-            retry_ms = int((recent[-rpm][0] + self._window - now) * 1000)
-            raise refusal(principal.tenant, admission.OVER_RPM, len(recent), rpm, 0, retry_ms, 0, 0, 0)
-        if tpm and (used := sum(t for _, t in recent)) >= tpm:
-            retry_ms = int((recent[0][0] + self._window - now) * 1000)
-            raise refusal(principal.tenant, admission.OVER_TPM, used, tpm, 0, retry_ms, 0, 0, 0)
-
-    def admitted(self, m: Metered, tokens: int, headroom: int | None) -> None:
-        s = self._seen(m.principal.tenant)
-        s.in_flight[m.request_id] = m.sequences
-        s.admitted.append((self._clock(), tokens))
-        s.headroom = headroom
-        s.refusal = None
-
-    def refused(self, tenant: str, answer: int, err: errors.ResourceExhausted) -> None:
-        """Redis refused a request: on the requests-per-minute quota the refusal holds until its
-        retry time (only more requests can come before then); the others depend on the request."""
-        if answer == admission.OVER_RPM and err.retry_after:
-            s = self._seen(tenant)
-            s.refusal, s.refused_until = err, self._clock() + err.retry_after
-
-    def ended(self, m: Metered) -> None:
-        s = self._tenants.get(m.principal.tenant)
-        if s is None:
-            return
-        s.in_flight.pop(m.request_id, None)
-        if not s.in_flight and not self._recent(s) and s.headroom is None and s.refusal is None:
-            del self._tenants[m.principal.tenant]
-
-    def admit_degraded(self, m: Metered, tokens: int, estimate: int, now_ms: int) -> None:
-        """Admit without Redis, by this process's count (ResourceExhausted when over)."""
-        limits = m.principal.limits
-        d_concurrency, d_rpm = self._degraded
-        self.check(m.principal, m.sequences, (limits.concurrency or d_concurrency, limits.rpm or d_rpm, limits.tpm))
-        s = self._seen(m.principal.tenant)
-        if s.headroom is not None:
-            if estimate > s.headroom:
-                raise errors.ResourceExhausted(
-                    f"tenant {m.principal.tenant}'s monthly budget has no room left for this request as last "
-                    f"counted, and it cannot be counted again right now: retry shortly", reason="insufficient_quota",
-                    retry_after=5.0, quota=errors.QuotaViolation(f"tenant:{m.principal.tenant}", "monthly budget"))
-            s.headroom -= estimate
-        s.in_flight[m.request_id] = m.sequences
-        s.admitted.append((self._clock(), tokens))
 
 
 def _append_synced(path: Path, data: bytes) -> None:

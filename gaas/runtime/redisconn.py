@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 
@@ -13,14 +15,20 @@ class RedisUnavailable(RuntimeError):
     """Redis did not answer; the message names the URL and what to do."""
 
 
-def connect(url: str, *, timeout: float | None = 2.0, connect_timeout: float = 2.0) -> aioredis.Redis:
-    """timeout: for each call (None: none, for a subscription that waits as long as it must)."""
+def connect(url: str, *, timeout: float | None = 2.0, connect_timeout: float = 2.0,
+            retries: int | None = None) -> aioredis.Redis:
+    """timeout: for each call (None: none, for a subscription that waits as long as it must).
+    retries: how often a call that failed on its connection is tried again, at once, on a new one
+    (a connection a restarted Redis closed); None: redis-py's default (10 times, backing off up to
+    1 s each: seconds before a call fails while Redis is away), for callers with no fallback."""
+    extra = {} if retries is None else {"retry": Retry(NoBackoff(), retries)}
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout,
         socket_connect_timeout=connect_timeout if timeout is None else timeout,
         health_check_interval=30,
         decode_responses=True,
+        **extra,
     )
 
 

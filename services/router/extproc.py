@@ -188,7 +188,8 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         else:
             p.ended(grpc.StatusCode.OK, "", final)
         # The worker settled the request's usage (its record, or its reservation given back).
-        self._end(entry.metered, release=False)
+        self._end(entry.metered, release=False,
+                  used_tokens=None if report.code else final.usage.prompt_tokens + final.usage.completion_tokens)
         if entry.turn is not None:
             if not report.code and final.HasField("session") and report.session_committed_ms:
                 # The worker committed the reply: this router's copy becomes what the session holds.
@@ -199,15 +200,16 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             else:
                 self._pipeline.sessions.release_later(entry.turn)
 
-    def _end(self, metered: Metered | None, release: bool) -> None:
-        """A request of this router's is over at its worker: out of this router's own count, and
-        its reservation given back when the worker recorded nothing for it (release)."""
+    def _end(self, metered: Metered | None, release: bool, used_tokens: int | None = None) -> None:
+        """A request of this router's is over at its worker: out of this router's own count (with
+        the tokens it used, when its report says), and its reservation given back when the worker
+        recorded nothing for it (release)."""
         if metered is None or self._meter is None:
             return
         if release:
             self._meter.release_later(metered)  # (out of the count too)
         else:
-            self._meter.ended(metered)
+            self._meter.ended(metered, used_tokens)
 
     def _unheard(self, metered: Metered | None) -> None:
         """While this router cannot hear the workers' reports (Redis away), it cannot tell when its

@@ -14,7 +14,9 @@ from pathlib import Path
 from gaas.contracts import qos
 from gaas.settings import deployspec
 from gaas.contracts import edge as edge_limits
-from gaas.metering.meter import LocalQuotas, Meter
+from gaas.metering.local import LocalQuotas
+from gaas.metering.meter import Meter
+from gaas.metering.peers import Peers
 from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
@@ -137,8 +139,13 @@ async def serve(cfg: RouterSettings) -> None:
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,
              ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
     auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
-    # Its own count of what it admitted: cheap refusals before parsing, and admission while Redis is away.
-    meter = Meter(redis, Path(cfg.spool_dir) / cfg.instance, local=LocalQuotas())
+    # Its own count of what it admitted: cheap refusals before parsing, and admission while Redis is
+    # away (each tenant's quotas shared among the live routers). Its own client, whose calls fail at
+    # once while Redis is away (a connection a restarted Redis closed is tried again once): the
+    # fallback admits instead of waiting.
+    meter_redis = redisconn.connect(cfg.redis_url, timeout=1.0, retries=1)
+    peers = Peers(meter_redis, cfg.instance)
+    meter = Meter(meter_redis, Path(cfg.spool_dir) / cfg.instance, local=LocalQuotas(routers=peers.routers))
     sessions = SessionStore(redis, session_policy, metrics=SessionMetrics(
         turns=rt.metrics.counter("session_turns_total", "Session turns by outcome: committed, busy (another turn held "
                                  "the session), changed (its version moved), released (no reply), unavailable",
@@ -179,18 +186,21 @@ async def serve(cfg: RouterSettings) -> None:
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
+    membership = asyncio.create_task(peers.run(), name="router-peers")
     reports = asyncio.create_task(extproc.run_reports(cfg.redis_url), name="direct-reports")
     sweep = asyncio.create_task(extproc.sweep(redis), name="direct-sweep")
     reporting = asyncio.create_task(reporter.run(), name="rollout-outcomes")
     changes = asyncio.create_task(registry_changes.follow(cfg.redis_url, directory.refresh), name="registry-changes")
     # Batch items, while this router has room for them (none while an interactive request waits).
     runner = BatchRunner(pipeline, billing, cfg.instance, cfg.batch_concurrency, cfg.max_body_bytes,
-                         busy=lambda: flow.queue.ahead(qos.band(qos.BATCH) - 1))
+                         busy=lambda: flow.queue.ahead(qos.band(qos.BATCH) - 1),
+                         owners=Authenticator(key_lookup(control, by="key_id"), cfg.auth_cache_seconds,
+                                              stale_seconds=cfg.max_stale_seconds))
     batches = asyncio.create_task(runner.run(), name="batch-runner") if cfg.batch_concurrency else None
 
     async def stop_refreshing() -> None:
         await runner.drain(cfg.grace_seconds / 2)
-        tasks = (refresher, spool, reports, sweep, reporting, changes, *([batches] if batches else []))
+        tasks = (refresher, spool, membership, reports, sweep, reporting, changes, *([batches] if batches else []))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -199,6 +209,8 @@ async def serve(cfg: RouterSettings) -> None:
         await sessions.close()
         await meter.close()
         await meter.drain_spool()
+        await peers.leave()
+        await meter_redis.aclose()
         await redis.aclose()
 
     rt.on_stop(stop_refreshing)

@@ -1,6 +1,13 @@
+import os
+import signal
+import subprocess
+import time
+
 import pytest
 
+from gaas.launcher.secrets import redis_answers, redis_server_command
 from gaas.runtime import redisconn
+from tests.conftest import free_port
 
 
 @pytest.fixture
@@ -9,3 +16,39 @@ async def redis(redis_url):
     client = redisconn.connect(redis_url)
     yield client
     await client.aclose()
+
+
+class RedisProcess:
+    """A Redis of one test's own, that the test kills (-9, as an operator's soak does) and starts
+    again on the same port, empty (nothing is saved)."""
+
+    def __init__(self, data_dir) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._data_dir = data_dir
+        self._proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._proc = subprocess.Popen(redis_server_command("127.0.0.1", self.port, self._data_dir),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while not redis_answers(self.url, timeout=0.2):  # the fact waited for: it answers
+            if time.monotonic() > deadline or self._proc.poll() is not None:
+                self.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.02)  # (between polls of that fact)
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+
+@pytest.fixture
+def redis_process(tmp_path):
+    """A Redis of the test's own (RedisProcess), started."""
+    process = RedisProcess(tmp_path / "redis")
+    process.start()
+    yield process
+    process.kill()

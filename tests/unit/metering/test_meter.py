@@ -14,7 +14,8 @@ from gaas.metering import admission
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
 from gaas.contracts.principal import Principal
-from gaas.metering.meter import LocalQuotas, Meter
+from gaas.metering.local import LocalQuotas
+from gaas.metering.meter import Meter
 from gaas.metering.meter import metered
 
 PRICE = pricing.Price(input=1.0, cached_input=0.1, output=2.0)  # micro-dollars per token

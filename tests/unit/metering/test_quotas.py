@@ -14,6 +14,7 @@ from gaas.contracts.qos import Limits
 from gaas.runtime import redisconn
 from gaas.v1 import common_pb2
 from gaas.contracts.principal import Principal
+from gaas.metering.local import LocalQuotas
 from gaas.metering.meter import Meter
 from gaas.metering.meter import metered
 from tests.fakeclock import FakeClock
@@ -163,8 +164,6 @@ async def test_an_older_routers_entries_count_one_sequence_each(redis, tmp_path)
 async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_before_anything_else(redis, tmp_path):
     """Meter.precheck, before the body is parsed: over its sequences at once by this router's own
     count, or refused by Redis on its requests a minute until the refusal's retry time."""
-    from gaas.metering.meter import LocalQuotas
-
     clock = FakeClock(T0)
     local_clock = FakeClock()
     meter = Meter(redis, tmp_path, clock=clock.millis, local=LocalQuotas(clock=local_clock))
@@ -190,25 +189,3 @@ async def test_a_tenant_over_its_quota_by_this_routers_own_count_is_refused_befo
     clock.advance(61)
     meter.precheck(limited)
     other.precheck(limited)
-
-
-async def test_while_redis_is_away_admission_is_bounded_by_the_routers_own_count(tmp_path):
-    """Never unlimited for everyone: a tenant's own quotas, or the degraded defaults where its own
-    are unlimited, counted by this router; the spend Redis last reported bounds a budget."""
-    from gaas.metering.meter import DEGRADED_CONCURRENCY, LocalQuotas
-
-    down = redisconn.connect("redis://127.0.0.1:1/0", timeout=0.2)
-    meter = Meter(down, tmp_path, local=LocalQuotas())
-    try:
-        limited = who(tenant(), concurrency=2)
-        assert not isinstance(await admit(meter, limited), Exception)
-        assert not isinstance(await admit(meter, limited), Exception)
-        assert isinstance(await admit(meter, limited), errors.ResourceExhausted)
-        unlimited = who(tenant())
-        held = [await admit(meter, unlimited) for _ in range(DEGRADED_CONCURRENCY)]
-        assert not any(isinstance(h, Exception) for h in held)
-        assert isinstance(await admit(meter, unlimited), errors.ResourceExhausted), "bounded even when unlimited"
-        await meter.release(held[0])
-        assert not isinstance(await admit(meter, unlimited), Exception)
-    finally:
-        await down.aclose()

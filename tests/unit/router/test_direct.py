@@ -94,7 +94,7 @@ class FakeMeter:
     def claim_later(self, m):
         self.claimed.append(m)
 
-    def ended(self, m):
+    def ended(self, m, used_tokens=None):
         self.done.append(m)
 
 
