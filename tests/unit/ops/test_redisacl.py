@@ -81,6 +81,10 @@ def test_each_user_does_its_job_and_nothing_beside_it(acl):
     answer = router.eval(admission.ADMIT, 6, *admission.admit_keys(TENANT, "202612"),
                          "r1", 1, 10, 1_800_000_000_000, 1_800_000_900_000, 0, 0, 0, 1)
     assert int(answer[0]) == admission.ADMITTED
+    # It counts the live routers (gaas.metering.peers), in a transaction.
+    pipe = router.pipeline(transaction=True)
+    pipe.zadd(peers.ROUTERS_KEY, {"router-0": 1}).zremrangebyscore(peers.ROUTERS_KEY, "-inf", 0)
+    assert pipe.zcard(peers.ROUTERS_KEY).execute()[-1] == 1
     # Billing reads the stream and sets budgets; it cannot touch sessions or leases.
     router.xadd(metering.STREAM, {"event": json.dumps({"x": 1})})
     assert billing.xrange(metering.STREAM)
