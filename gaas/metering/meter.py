@@ -226,7 +226,8 @@ class Meter:
         """Append a usage event; spooled when Redis does not answer, or failed a moment ago (the
         client's last chunk does not wait for it: the spool appends it once Redis is back)."""
         if mode != "claim" and not self._circuit.allows():
-            log.debug("usage of %s spooled: Redis failed a moment ago", event.request_id)
+            log.warning("cannot append usage of %s to Redis (it failed a moment ago); spooled until it answers",
+                        event.request_id)
             await self._write_spool(event)
             return
         try:
