@@ -25,6 +25,16 @@ MAX_UPLOAD_BYTES = 4 * MIB - 64 * KIB
 # stopped loses it within LEASE_SECONDS, and the item is claimed again.
 LEASE_SECONDS = 30.0
 LEASE_RENEW_S = 5.0
+# The largest answer one item may have (its JSON body, as POST {endpoint} would answer it): what
+# one gRPC message carries to billing. A larger one is the item's error (answer_too_large).
+MAX_ANSWER_BYTES = 4 * MIB - 64 * KIB
+# An item that cannot run for want of something its tenant lacks or the mesh lacks for it (a
+# quota, its budget, a worker for its model, session room) is given back and claimed again after
+# ITEM_BACKOFF_S, doubling each time up to ITEM_BACKOFF_MAX_S; after ITEM_ATTEMPTS runs it fails
+# with the reason (about 14 minutes of trying).
+ITEM_ATTEMPTS = 10
+ITEM_BACKOFF_S = 2.0
+ITEM_BACKOFF_MAX_S = 300.0
 # Tokens per message of a batch item's stream (the worker's most): nobody reads it as it comes.
 STREAM_INTERVAL = 64
 # Batch and file ids.
@@ -41,16 +51,21 @@ class BatchPolicy:
     # Per file: its size and request lines.
     max_file_bytes: int = MAX_UPLOAD_BYTES
     max_items: int = 50_000
-    # Per tenant: batches not finished yet, and files kept.
+    # Per batch: the bytes of its answers (its output and error files together).
+    max_output_bytes: int = 256 * MIB
+    # Per tenant: batches not finished yet; files kept (output files included); the bytes of its
+    # files and of its running batches' answers together.
     max_active_batches: int = 16
     max_files: int = 1_000
+    max_tenant_bytes: int = 1024 * MIB
 
     def factor(self, tier: str) -> float:
         return self.price_factor.get(tier, 1.0)
 
 
 DEFAULT_POLICY = BatchPolicy()
-_KEYS = ("price_factor", "max_file_bytes", "max_items", "max_active_batches", "max_files")
+_KEYS = ("price_factor", "max_file_bytes", "max_items", "max_output_bytes", "max_active_batches", "max_files",
+         "max_tenant_bytes")
 
 
 def parse_policy(doc: object, where: str = "batches") -> BatchPolicy:
@@ -80,3 +95,8 @@ def parse_policy(doc: object, where: str = "batches") -> BatchPolicy:
         raise ValueError(f"{where}.max_file_bytes can be at most {MAX_UPLOAD_BYTES} (what one upload carries "
                          "through the ingress)")
     return replace(DEFAULT_POLICY, **values)
+
+
+def item_backoff_s(attempts: int) -> float:
+    """How long an item given back after its attempts-th run waits before it is claimed again."""
+    return min(ITEM_BACKOFF_MAX_S, ITEM_BACKOFF_S * 2 ** max(0, attempts - 1))

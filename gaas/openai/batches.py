@@ -160,20 +160,34 @@ def _line(doc: dict) -> bytes:
     return json.dumps({"id": "batch_req_" + uuid.uuid4().hex, **doc}, separators=(",", ":")).encode() + b"\n"
 
 
-def output_line(custom_id: str, request_id: str, status_code: int, body: object) -> bytes:
-    """One line of a batch's output (status 200) or error file: OpenAI's shape."""
-    return _line({"custom_id": custom_id,
-                  "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None})
+def answer_line(custom_id: str, request_id: str, status_code: int, body: bytes) -> bytes:
+    """One line of a batch's output (status 200) or error file, OpenAI's shape, for an answer
+    already written as JSON (the router's body): spliced in as it is rather than parsed and
+    written again, so a line costs one copy of its answer. A JSON document's raw newlines are
+    whitespace, so they become spaces (one line per answer)."""
+    if b"\n" in body:
+        body = body.replace(b"\n", b" ")
+    head = json.dumps({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id}, separators=(",", ":"))
+    response = json.dumps({"status_code": status_code, "request_id": request_id}, separators=(",", ":"))
+    return b"".join((head[:-1].encode(), b',"response":', response[:-1].encode(), b',"body":', body or b"null",
+                     b'},"error":null}\n'))
+
+
+def error_line(custom_id: str, code: str, message: str) -> bytes:
+    """The error line of a request that has no answer (it never ran, or could not)."""
+    return _line({"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}})
 
 
 # Why a request of a batch that stopped never ran: the batch's ending -> (code, message).
 UNRUN = {
     "expired": ("batch_expired", "this request was not run before the batch's 24 h window closed"),
     "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+    "output_limit": ("batch_output_limit", "this request was not run: the batch's answers reached the most it, or "
+                     "its tenant, may keep (batches.max_output_bytes, batches.max_tenant_bytes)"),
 }
 
 
 def unrun_line(custom_id: str, ending: str) -> bytes:
-    """The error line of a request its batch's end (expired or cancelled) stopped before it ran."""
-    code, message = UNRUN[ending]
-    return _line({"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}})
+    """The error line of a request its batch's end (expired, cancelled, its output full) stopped
+    before it ran."""
+    return error_line(custom_id, *UNRUN[ending])

@@ -7,7 +7,6 @@ from gaas.contracts.jsonbody import is_digits
 from gaas.v1 import billing_pb2 as pb
 from gaas.v1 import billing_pb2_grpc
 from gaas.contracts import batches as batch_terms
-from gaas.contracts.edge import KIB
 from services.billing.batches import BatchStore
 from services.billing.budgets import Budgets
 from services.billing.consumer import UsageConsumer
@@ -111,26 +110,30 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
         return self._batches
 
     async def CreateFile(self, request: pb.CreateFileRequest, context) -> pb.BatchFile:
-        return await self._store().create_file(self._tenant(request.tenant), request.filename, request.purpose,
-                                               request.data)
+        return await self._store().files.create(self._tenant(request.tenant), request.filename, request.purpose,
+                                                request.data)
 
     async def GetFile(self, request: pb.FileRef, context) -> pb.BatchFile:
-        return await self._store().get_file(self._tenant(request.tenant), request.file_id)
+        return await self._store().files.get(self._tenant(request.tenant), request.file_id)
 
     async def ListFiles(self, request: pb.ListFilesRequest, context) -> pb.BatchFileList:
         if request.limit > 10_000:
             raise errors.InvalidArgument("limit must be between 1 and 10000", param="limit")
-        files, more = await self._store().list_files(self._tenant(request.tenant), request.purpose,
+        files, more = await self._store().files.list(self._tenant(request.tenant), request.purpose,
                                                      request.limit or 10_000, request.after, request.order)
         return pb.BatchFileList(files=files, has_more=more)
 
     async def DeleteFile(self, request: pb.FileRef, context) -> pb.BatchFile:
-        return await self._store().delete_file(self._tenant(request.tenant), request.file_id)
+        return await self._store().files.delete(self._tenant(request.tenant), request.file_id)
 
     async def ReadFile(self, request: pb.FileRef, context):
-        data = await self._store().read_file(self._tenant(request.tenant), request.file_id)
-        for at in range(0, max(len(data), 1), PIECE_BYTES):
-            yield pb.FileChunk(data=data[at:at + PIECE_BYTES])
+        pieces = await self._store().files.read(self._tenant(request.tenant), request.file_id)
+        sent = False
+        async for piece in pieces:
+            yield pb.FileChunk(data=piece)
+            sent = True
+        if not sent:
+            yield pb.FileChunk()
 
     async def CreateBatch(self, request: pb.CreateBatchRequest, context) -> pb.Batch:
         self._tenant(request.owner.tenant)
@@ -162,7 +165,7 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
         return pb.RenewBatchItemsResponse(items=kept)
 
     async def ReleaseBatchItems(self, request: pb.RenewBatchItemsRequest, context) -> pb.RenewBatchItemsResponse:
-        await self._store().release(request.runner, request.items)
+        await self._store().release(request.runner, request.items, request.reason)
         return pb.RenewBatchItemsResponse()
 
     async def CompleteBatchItem(self, request: pb.CompleteBatchItemRequest, context) -> pb.CompleteBatchItemResponse:
@@ -170,6 +173,3 @@ class BillingServicer(billing_pb2_grpc.BillingServicer):
                                                 request.body, request.request_id)
         return pb.CompleteBatchItemResponse(recorded=recorded)
 
-
-# A file's bytes go back in pieces of this size.
-PIECE_BYTES = 256 * KIB

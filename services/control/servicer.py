@@ -231,7 +231,8 @@ class ControlServicer(DeploymentRpcs, control_pb2_grpc.ControlServicer):
         return key_to_pb(key)
 
     async def Authenticate(self, request: pb.AuthenticateRequest, context) -> pb.AuthenticateResponse:
-        found = await self._tenants.authenticate(request.api_key) if request.api_key else None
+        found = (await self._tenants.authenticate(request.api_key, request.key_id)
+                 if request.api_key or request.key_id else None)
         if found is None:
             raise errors.Unauthenticated("unknown or revoked API key")
         tenant, key = found

@@ -205,12 +205,14 @@ class TenantStore:
         await self._db.execute("UPDATE api_keys SET revoked_ms = ? WHERE key_id = ?", (now, key_id))
         return ApiKey(key.key_id, key.tenant, key.prefix, key.created_ms, now)
 
-    async def authenticate(self, secret: str) -> tuple[Tenant, ApiKey] | None:
-        """The tenant and key of a live secret; None for an unknown or revoked one."""
+    async def authenticate(self, secret: str = "", key_id: str = "") -> tuple[Tenant, ApiKey] | None:
+        """The tenant and key of a live secret (or of a key's public id); None for an unknown or
+        revoked one, or one whose tenant is gone."""
+        column, value = ("k.key_hash", hash_key(secret)) if secret else ("k.key_id", key_id)
         rows = await self._db.execute(
             "SELECT k.key_id, k.prefix, k.created_ms, t.name, t.tier, t.cache_salt, t.created_ms"
-            " FROM api_keys k JOIN tenants t ON t.name = k.tenant WHERE k.key_hash = ? AND k.revoked_ms = 0",
-            (hash_key(secret),),
+            f" FROM api_keys k JOIN tenants t ON t.name = k.tenant WHERE {column} = ? AND k.revoked_ms = 0",
+            (value,),
         )
         if not rows:
             return None

@@ -8,8 +8,16 @@ item goes through the request pipeline like an OpenAI request of its tenant, as 
 windows and in vLLM's priority scheduling, so interactive requests are served first and a busy
 router sheds items first; billed at the batch's price. Its request id is the item's, the same
 on every run, so the ledger bills an item once even when it ran twice (a router that stopped
-mid-item, its lease lapsed, another ran it). An item refused for capacity (shed, no worker, a
-quota) is given back and claimed again later; any other refusal is its answer (the error file).
+mid-item, its lease lapsed, another ran it).
+
+An item runs as its batch's key's tenant now: the key (by its public id) is checked with control
+before each item, as a request's key is (cached alike), and the item is admitted against the
+tenant's current quotas and budget. A revoked key (or a removed tenant) fails the item and cancels
+its batch. An item shed for the mesh's load is given back uncounted and the runner pauses; one that
+lacks something of its own (its tenant's quota or budget, a worker for its model, session room) is
+given back with the reason, backs off in billing and fails after ITEM_ATTEMPTS runs, while the
+runner goes on with other tenants' items. Any other refusal is its answer (the error file); an
+answer over MAX_ANSWER_BYTES is stopped as soon as it passes it.
 """
 
 from __future__ import annotations
@@ -22,13 +30,13 @@ from collections.abc import Callable
 import grpc
 
 from gaas.contracts import batches as terms, errors, jsonbody
-from gaas.contracts.ids import TenantId
 from gaas.contracts.principal import Principal
 from gaas.openai import api as openai_api, stream as openai_stream
 from gaas.runtime import status
 from gaas.runtime.context import client_request_id_var, request_id_var, sanitize_client_id, tenant_var
 from gaas.runtime.status import translate
 from gaas.v1 import billing_pb2 as pb, billing_pb2_grpc
+from services.router.auth import Authenticator
 from services.router.openai_servicer import answer_check, engine_requests
 from services.router.pipeline import Pipeline, Timing
 
@@ -37,8 +45,12 @@ log = logging.getLogger(__name__)
 BILLING_TIMEOUT = 10.0
 # With nothing to run, billing is asked again this often.
 IDLE_POLL_S = 1.0
-# After an item was given back for want of room, no new ones are claimed for this long.
+# After an item was shed for the mesh's load, no new ones are claimed for this long.
 BACKOFF_S = 2.0
+# An engine chunk's protobuf is smaller than its JSON in the answer: an answer is stopped once its
+# chunks pass MAX_ANSWER_BYTES, and refused whole once its JSON does.
+_ANSWER_TOO_LARGE = (f"the answer passed {terms.MAX_ANSWER_BYTES} bytes, the most a batch answer may be: ask for "
+                     "fewer choices (n), tokens (max_tokens) or top_logprobs")
 
 
 def billing_error(exc: grpc.aio.AioRpcError, what: str) -> errors.GaasError:
@@ -80,10 +92,14 @@ def item_request_id(item: pb.BatchItem) -> str:
 
 
 class BatchRunner:
+    """owners: an Authenticator whose keys are API keys' public ids (controlclient.key_lookup by
+    key_id): whose each item is, now."""
+
     def __init__(self, pipeline: Pipeline, stub: billing_pb2_grpc.BillingStub, runner: str, concurrency: int,
-                 max_body_bytes: int, busy: Callable[[], bool]) -> None:
+                 max_body_bytes: int, busy: Callable[[], bool], owners: Authenticator) -> None:
         self._pipeline = pipeline
         self._stub = stub
+        self._owners = owners
         self._runner = runner
         self._concurrency = concurrency
         self._max_body = max_body_bytes
@@ -142,10 +158,10 @@ class BatchRunner:
         if tasks:
             await self._release([k for k, _ in tasks])
 
-    async def _release(self, keys: list[tuple[str, int]]) -> None:
+    async def _release(self, keys: list[tuple[str, int]], reason: str = "") -> None:
         try:
             await self._stub.ReleaseBatchItems(pb.RenewBatchItemsRequest(
-                runner=self._runner, items=[self._ref(k) for k in keys]), timeout=BILLING_TIMEOUT)
+                runner=self._runner, items=[self._ref(k) for k in keys], reason=reason), timeout=BILLING_TIMEOUT)
         except grpc.aio.AioRpcError as exc:  # (their leases lapse instead)
             log.info("batches: cannot give back %d items (%s)", len(keys), exc.code().name)
 
@@ -175,19 +191,37 @@ class BatchRunner:
         request_id_var.set(request_id)
         tenant_var.set(item.owner.tenant)
         client_request_id_var.set(sanitize_client_id(item.custom_id))
+        key = (item.batch_id, item.index)
         try:
             code, body = 200, await self._answer(item)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the item's answer, or given back
             err = translate(exc) or errors.Internal(errors.internal_message(request_id))
+            if isinstance(err, errors.Unavailable) and err.reason == "overloaded":
+                log.info("batch %s item %d given back (shed): %s", item.batch_id, item.index, err.message)
+                self._backoff_until = time.monotonic() + BACKOFF_S
+                await self._release([key])
+                return
             if err.retryable or isinstance(err, (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)):
                 log.info("batch %s item %d given back: %s", item.batch_id, item.index, err.message)
-                self._backoff_until = time.monotonic() + BACKOFF_S
-                await self._release([(item.batch_id, item.index)])
+                await self._release([key], err.message)
                 return
             code, body = err.info.http_status, openai_api.dumps(errors.openai_error(err))
+            if isinstance(err, errors.Unauthenticated):
+                await self._complete(item, code, body, request_id)
+                await self._cancel(item, err.message)
+                return
         await self._complete(item, code, body, request_id)
+
+    async def _cancel(self, item: pb.BatchItem, why: str) -> None:
+        """The item's batch cancelled: its key was revoked (or its tenant removed)."""
+        log.warning("batch %s of %s cancelled: %s", item.batch_id, item.owner.tenant, why)
+        try:
+            await self._stub.CancelBatch(pb.BatchRef(tenant=item.owner.tenant, batch_id=item.batch_id),
+                                         timeout=BILLING_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:  # (each of its items is refused alike until it is)
+            log.info("batches: cannot cancel batch %s (%s)", item.batch_id, exc.code().name)
 
     async def _answer(self, item: pb.BatchItem) -> bytes:
         """The item's answer, as POST {endpoint} answers it without streaming."""
@@ -196,13 +230,25 @@ class BatchRunner:
         if parsed.stream:
             raise errors.InvalidArgument("a batch request cannot be streamed", param="stream")
         o = item.owner
-        principal = Principal(TenantId(o.tenant), o.tier, o.key_id, o.cache_salt, batch=True)
+        now = await self._owners.authenticate(f"Bearer {o.key_id}")
+        if now.tenant != o.tenant:
+            raise errors.Unauthenticated(f"the batch's API key is no longer tenant {o.tenant}'s")
+        principal = Principal(now.tenant, now.tier, o.key_id, o.cache_salt, limits=now.limits, batch=True)
         g = await self._pipeline.start(principal, engine_requests(parsed), Timing(), check=answer_check(parsed),
                                        price_factor=item.price_factor)
         fmt = openai_api.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
         usage = openai_stream.Usage(prompt=sum(p.prompt_tokens for p in g.prepared))
-        chunks = self._pipeline.stream(g, None, {})
-        return b"".join([b.data async for b in openai_stream.respond(parsed, fmt, usage, chunks)])
+        chunks = bounded(self._pipeline.stream(g, None, {}))
+        try:
+            pieces, size = [], 0
+            async for b in openai_stream.respond(parsed, fmt, usage, chunks):
+                size += len(b.data)
+                if size > terms.MAX_ANSWER_BYTES:
+                    raise errors.InvalidArgument(_ANSWER_TOO_LARGE, reason="answer_too_large")
+                pieces.append(b.data)
+            return b"".join(pieces)
+        finally:
+            await chunks.aclose()
 
     async def _complete(self, item: pb.BatchItem, code: int, body: bytes, request_id: str) -> None:
         """The answer kept in billing; while billing does not answer, tried again (until the
@@ -221,3 +267,17 @@ class BatchRunner:
                                 item.batch_id, item.index, exc.code().name)
                     return
                 await asyncio.sleep(1.0)
+
+
+async def bounded(chunks):
+    """The engine's chunks, stopped (InvalidArgument answer_too_large) once they pass
+    MAX_ANSWER_BYTES: the engine stops generating what no answer could hold."""
+    size = 0
+    try:
+        async for which, c in chunks:
+            size += c.ByteSize()
+            if size > terms.MAX_ANSWER_BYTES:
+                raise errors.InvalidArgument(_ANSWER_TOO_LARGE, reason="answer_too_large")
+            yield which, c
+    finally:
+        await chunks.aclose()

@@ -96,13 +96,14 @@ def _adapter(a: control_pb2.Adapter) -> Adapter:
                    a.created_unix_ms)
 
 
-def key_lookup(stub: control_pb2_grpc.ControlStub):
-    """lookup(key) for Authenticator: the key's Principal, None when control does not know it.
-    Other control failures are errors.Unavailable."""
+def key_lookup(stub: control_pb2_grpc.ControlStub, by: str = "api_key"):
+    """lookup(key) for Authenticator: the key's Principal, None when control does not know it (or
+    it was revoked). by: what the key is, the secret ("api_key") or its public id ("key_id": a
+    batch's, whose secret the router never holds). Other control failures are errors.Unavailable."""
 
-    async def lookup(api_key: str) -> Principal | None:
+    async def lookup(key: str) -> Principal | None:
         try:
-            resp = await stub.Authenticate(control_pb2.AuthenticateRequest(api_key=api_key), timeout=CONTROL_TIMEOUT)
+            resp = await stub.Authenticate(control_pb2.AuthenticateRequest(**{by: key}), timeout=CONTROL_TIMEOUT)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 return None
