@@ -18,12 +18,23 @@ def _topology(args):
 
 
 def cmd_render(args) -> int:
-    from gaas.k8s import manifests, render
+    from gaas.k8s import edge, manifests, render
     from gaas.ops.topology import TopologyError
     from gaas.settings.deployspec import SpecError
 
     out = Path(args.out)
-    opts = manifests.Options(replicas=args.replicas, postgres=not args.postgres_url, prometheus=args.prometheus)
+    ingress = edge.Edge(tls_secret=args.tls_secret, issuer=args.cert_manager_issuer, hosts=tuple(args.ingress_host),
+                        plaintext=args.plaintext_ingress, xff_trusted_hops=args.xff_trusted_hops,
+                        proxy_protocol=args.proxy_protocol)
+    if ingress.issuer:
+        try:
+            ingress.issuer_ref()
+        except ValueError as exc:
+            return fail(str(exc), 2)
+    if args.xff_trusted_hops < 0:
+        return fail("--xff-trusted-hops is a count of load balancers: 0 or more", 2)
+    opts = manifests.Options(replicas=args.replicas, postgres=not args.postgres_url, prometheus=args.prometheus,
+                             edge=ingress, files_size=args.files_size, files_storage_class=args.files_storage_class)
     try:
         written = render.write(out, _topology(args), Path(args.file), opts, with_secrets=not args.no_secrets,
                                postgres_url=args.postgres_url)
@@ -79,6 +90,27 @@ def register(sub) -> None:
                              "Operator's address, %(default)s)")
     render.add_argument("--no-secrets", action="store_true",
                         help="write no secrets (what the checked-in example is)")
+    tls = render.add_argument_group("the ingress (docs/kubernetes.md: TLS at the ingress, the client's address)")
+    tls.add_argument("--tls-secret", default=manifests_default("edge").tls_secret,
+                     help="the kubernetes.io/tls Secret the ingress serves HTTPS with on 443 (default %(default)s; "
+                          "the secrets hold a trial certificate under this name: replace its files with yours)")
+    tls.add_argument("--cert-manager-issuer", default="", metavar="KIND/NAME",
+                     help="let cert-manager issue and renew that Secret: ClusterIssuer/NAME or Issuer/NAME "
+                          "(the certificate names every --ingress-host)")
+    tls.add_argument("--ingress-host", action="append", default=[], metavar="HOST",
+                     help="a name clients reach the ingress by, for its certificate (repeatable)")
+    tls.add_argument("--plaintext-ingress", action="store_true",
+                     help="plain HTTP on port 80 instead of HTTPS: only behind something of yours that terminates TLS")
+    tls.add_argument("--xff-trusted-hops", type=int, default=0, metavar="N",
+                     help="load balancers in front of the ingress that append the client's address to "
+                          "X-Forwarded-For, trusted to (a cloud's HTTP load balancer: 1); default 0")
+    tls.add_argument("--proxy-protocol", action="store_true",
+                     help="the load balancer sends the PROXY protocol (a network load balancer set to)")
+    files = render.add_argument_group("batch files")
+    files.add_argument("--files-size", default=manifests_default("files_size"),
+                       help="the ReadWriteMany volume billing's replicas share for batch files (default %(default)s)")
+    files.add_argument("--files-storage-class", default="",
+                       help="its storage class, one that offers ReadWriteMany (default: the cluster's default class)")
     render.set_defaults(func=cmd_render)
     val = ksub.add_parser("validate", help="build each overlay and check it against Kubernetes' schemas and our rules")
     val.add_argument("--dir", default=str(DEFAULT_OUT), help="what `gaas k8s render --out` wrote")

@@ -8,10 +8,13 @@ Deployment's alone), a ConfigMap with its Envoy sidecar's config, a Deployment w
 service and its Envoy as a native sidecar (an init container that keeps running), a headless
 Service (the Envoys of other pods resolve it to every ready pod), a PodDisruptionBudget, and an
 autoscaler: a HorizontalPodAutoscaler on CPU for the services, a KEDA ScaledObject on the
-workers' own queue and KV-cache use for the pools. The ingress is an Envoy alone behind a
-LoadBalancer Service. NetworkPolicies let only the mesh's pods reach an inbound listener, anyone
-reach the ingress, and only Redis's clients reach Redis (and the databases' clients PostgreSQL).
-Redis (and for a trial PostgreSQL) are StatefulSets; a managed PostgreSQL is named by URL instead.
+workers' own queue and KV-cache use for the pools. Billing's replicas share one ReadWriteMany
+claim for batch files. The ingress (gaas/k8s/edge.py) is an Envoy alone behind a LoadBalancer
+Service, serving HTTPS. Every container asks for and is limited in CPU, memory and ephemeral
+storage (and every emptyDir has a size limit), so no pod fills its node's disk. NetworkPolicies
+let only the mesh's pods reach an inbound listener, anyone reach the ingress, and only Redis's clients reach Redis (and the databases' clients PostgreSQL).
+Redis (and for a trial PostgreSQL) are StatefulSets (gaas/k8s/stores.py); a managed PostgreSQL is
+named by URL instead.
 
 The objects name Secrets they do not hold (certificates, passwords, database URLs): gaas/k8s/secrets.py
 writes those files, outside the checked-in example, and the kustomization makes Secrets of them.
@@ -19,15 +22,16 @@ writes those files, outside the checked-in example, and the kustomization makes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gaas.contracts.device import DeviceRequirement
 from gaas.envoy import config as envoyconf
 from gaas.envoy.binary import ENVOY_ARGS
 from gaas.k8s import pods
-# (The module each service's container runs, and the ingress's drain, are what `gaas up` uses.)
-from gaas.launcher.mesh import INGRESS_DRAIN_SECONDS, SERVICE_MODULES
+# (The module each service's container runs is what `gaas up` uses.)
+from gaas.launcher.mesh import SERVICE_MODULES
 from gaas.launcher.secrets import REDIS_CLIENTS, SECRETS
 from gaas.ops import protogen
 from gaas.ops.serviceenv import service_env
@@ -36,29 +40,52 @@ from gaas.settings import worker as worker_settings
 from gaas.settings.env import default_of, variables
 from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 
+if TYPE_CHECKING:
+    from gaas.k8s.edge import Edge
+
 SERVICE_IMAGE = "gaas-services"
 WORKER_IMAGE = "gaas-worker"
 REDIS_IMAGE = "redis:7.4"
 POSTGRES_IMAGE = "postgres:17"
 
 # What each container asks for and may use. A worker's memory is its KV cache's plus this.
+# Ephemeral storage: its emptyDirs (EMPTY_DIRS) and what it writes outside volumes.
 RESOURCES = {
-    "control": ({"cpu": "250m", "memory": "512Mi"}, {"cpu": "1", "memory": "1Gi"}),
-    "kvcache": ({"cpu": "250m", "memory": "512Mi"}, {"cpu": "1", "memory": "1Gi"}),
-    "billing": ({"cpu": "250m", "memory": "512Mi"}, {"cpu": "1", "memory": "1Gi"}),
-    "router": ({"cpu": "500m", "memory": "768Mi"}, {"cpu": "2", "memory": "2Gi"}),
-    "envoy": ({"cpu": "100m", "memory": "128Mi"}, {"cpu": "1", "memory": "512Mi"}),
-    "ingress": ({"cpu": "500m", "memory": "256Mi"}, {"cpu": "2", "memory": "1Gi"}),
-    "redis": ({"cpu": "100m", "memory": "256Mi"}, {"cpu": "1", "memory": "1536Mi"}),
-    "postgres": ({"cpu": "250m", "memory": "512Mi"}, {"cpu": "2", "memory": "2Gi"}),
+    "control": ({"cpu": "250m", "memory": "512Mi", "ephemeral-storage": "256Mi"},
+                {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "4Gi"}),
+    "kvcache": ({"cpu": "250m", "memory": "512Mi", "ephemeral-storage": "256Mi"},
+                {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "4Gi"}),
+    "billing": ({"cpu": "250m", "memory": "512Mi", "ephemeral-storage": "256Mi"},
+                {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "4Gi"}),
+    "router": ({"cpu": "500m", "memory": "768Mi", "ephemeral-storage": "256Mi"},
+               {"cpu": "2", "memory": "2Gi", "ephemeral-storage": "4Gi"}),
+    "envoy": ({"cpu": "100m", "memory": "128Mi", "ephemeral-storage": "64Mi"},
+              {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "1Gi"}),
+    "ingress": ({"cpu": "500m", "memory": "256Mi", "ephemeral-storage": "128Mi"},
+                {"cpu": "2", "memory": "1Gi", "ephemeral-storage": "2Gi"}),
+    "redis": ({"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"},
+              {"cpu": "1", "memory": "1536Mi", "ephemeral-storage": "256Mi"}),
+    "postgres": ({"cpu": "250m", "memory": "512Mi", "ephemeral-storage": "256Mi"},
+                 {"cpu": "2", "memory": "2Gi", "ephemeral-storage": "2Gi"}),
 }
 WORKER_CPU = "2"
 WORKER_MEMORY_EXTRA_GIB = 3
+# A worker's ephemeral storage (its /tmp holds the engine's compile caches), asked for and at most.
+WORKER_EPHEMERAL = ("2Gi", "16Gi")
+# Each emptyDir's size limit (a worker's tmp: WORKER_TMP); sockets are in memory.
+EMPTY_DIRS = {"sockets": "16Mi", "tmp": "1Gi", "spool": "1Gi", "logs": "1Gi"}
+WORKER_TMP = "12Gi"
 # How long a worker's pod may take to start serving (its model loads, its engine warms up).
 WORKER_STARTUP_SECONDS = 600
 SERVICE_STARTUP_SECONDS = 120
 # The user every GaaS container runs as (the images create it).
 UID = 10001
+
+
+def _default_edge() -> Edge:
+    from gaas.k8s.edge import Edge  # (gaas/k8s/edge.py builds on this module)
+
+    return Edge()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +103,14 @@ class Options:
     max_workers: int = 4
     # Where KEDA reads the workers' metrics.
     prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
+    # How clients reach the ingress: its certificate, plaintext, the load balancers it trusts.
+    edge: Edge = field(default_factory=_default_edge)
+    # Billing's batch files: one ReadWriteMany claim of this size, of this storage class ("": the
+    # cluster's default class, which must then offer ReadWriteMany).
+    files_size: str = "50Gi"
+    files_storage_class: str = ""
+
+
 
 
 def labels(name: str, component: str) -> dict:
@@ -197,24 +232,38 @@ def keeps_files(kind: str) -> bool:
     return any(v.field == "files_dir" for v in variables(SERVICE_SETTINGS[kind]))
 
 
-def pod_volumes(name: str, *, deploy: bool, files: bool = False) -> list[dict]:
-    """A pod's volumes. files: batch files (billing's), an emptyDir here: they last as long as the
-    pod; for files that outlive it, patch the volume to a PersistentVolumeClaim (the batches and
-    items themselves are in PostgreSQL)."""
-    memory = {"medium": "Memory"}
+def pod_volumes(name: str, *, deploy: bool, files: bool = False, tmp: str = EMPTY_DIRS["tmp"]) -> list[dict]:
+    """A pod's volumes, each emptyDir of a bounded size (tmp: its /tmp's). files: batch files
+    (billing's), the claim every replica shares (files_claim)."""
     vols = [
-        {"name": "sockets", "emptyDir": memory},
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "spool", "emptyDir": {}},
-        {"name": "logs", "emptyDir": {}},
+        {"name": "sockets", "emptyDir": {"medium": "Memory", "sizeLimit": EMPTY_DIRS["sockets"]}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": tmp}},
+        {"name": "spool", "emptyDir": {"sizeLimit": EMPTY_DIRS["spool"]}},
+        {"name": "logs", "emptyDir": {"sizeLimit": EMPTY_DIRS["logs"]}},
         {"name": "envoy", "configMap": {"name": f"{name}-envoy"}},
         {"name": "pki", "secret": {"secretName": f"{name}-tls", "defaultMode": 0o440}},
     ]
     if deploy:
         vols.append({"name": "deploy", "configMap": {"name": f"{pods.PREFIX}-deploy"}})
     if files:
-        vols.append({"name": "files", "emptyDir": {}})
+        vols.append({"name": "files", "persistentVolumeClaim": {"claimName": files_claim_name(name)}})
     return vols
+
+
+def files_claim_name(name: str) -> str:
+    return f"{name}-files"
+
+
+def files_claim(name: str, component: str, opts: Options) -> dict:
+    """The volume of batch files that every replica of name mounts at once (ReadWriteMany: NFS, a
+    cloud's file service, CephFS) and that outlives any pod. The file store on it writes each
+    file under a temporary name, fsyncs and renames it (services/billing/filestore.py), so every
+    replica sees whole files only; docs/kubernetes.md says why a volume rather than the ledger."""
+    spec: dict = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": opts.files_size}}}
+    if opts.files_storage_class:
+        spec["storageClassName"] = opts.files_storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": files_claim_name(name), "labels": labels(name, component)}, "spec": spec}
 
 
 def deployment(name: str, component: str, containers: list[dict], init: list[dict], *, replicas: int,
@@ -288,6 +337,7 @@ def service_objects(topo: Topology, inst: Instance, opts: Options) -> list[dict]
     return [
         service_account(name, kind),
         envoy_configmap(name, kind, config),
+        *([files_claim(name, kind, opts)] if keeps_files(kind) else []),
         dep,
         headless_service(name, kind, [("mtls", pods.INBOUND_PORT), ("metrics", pods.METRICS_PORT),
                                       ("envoy-stats", pods.ENVOY_STATS_PORT)]),
@@ -366,13 +416,13 @@ def worker_objects(topo: Topology, inst: Instance, opts: Options) -> list[dict]:
     memory = f"{int(inst.options['kv_cache_gib']) + WORKER_MEMORY_EXTRA_GIB}Gi"
     need = DeviceRequirement.parse(dict(inst.options.get("device_needs") or {}) or inst.options.get("device", "any"))
     cpu = str(need.cpu_cores) if need.cpu_cores else WORKER_CPU
-    container = service_container(inst, WORKER_STARTUP_SECONDS, ({"cpu": cpu, "memory": memory},
-                                                                 {"cpu": cpu, "memory": memory}))
+    asks, most = ({"cpu": cpu, "memory": memory, "ephemeral-storage": disk} for disk in WORKER_EPHEMERAL)
+    container = service_container(inst, WORKER_STARTUP_SECONDS, (asks, most))
     container["env"].append({"name": "GAAS_DEVICE", "value": "cpu"})
     replicas, low, high = worker_replicas(inst, opts)
     dep = deployment(
         name, "worker", [container], [envoy_container(f"sidecar-{name}", name, RESOURCES["envoy"], sidecar=True)],
-        replicas=replicas, grace=worker_grace_seconds(), volumes=pod_volumes(name, deploy=False),
+        replicas=replicas, grace=worker_grace_seconds(), volumes=pod_volumes(name, deploy=False, tmp=WORKER_TMP),
         # A new worker serves before an old one drains; never fewer than the pool's.
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
         extra_labels={f"{pods.PREFIX}.dev/redis-client": "true", f"{pods.PREFIX}.dev/model": _label(inst)},
@@ -395,88 +445,6 @@ def _label(inst: Instance) -> str:
     return pods.dns_label(str(inst.options["model"]))[:63]
 
 
-def ingress_objects(topo: Topology, descriptor: str) -> list[dict]:
-    name = pods.INGRESS
-    config = envoyconf.ingress_config(topo, Path(descriptor), Path(pods.LOG_DIR), pods.authority(), None,
-                                      Path(pods.SOCKETS_DIR))
-    envoy = envoy_container("ingress-0", "ingress-0", RESOURCES["ingress"], sidecar=False)
-    envoy["ports"].insert(0, {"name": "http", "containerPort": pods.INGRESS_PORT})
-    envoy["readinessProbe"] = http_probe(pods.ENVOY_STATS_PORT, "/metrics", period=2, failures=2)
-    dep = deployment(name, "ingress", [envoy], [], replicas=2, grace=int(INGRESS_DRAIN_SECONDS) + 5,
-                     volumes=[v for v in pod_volumes(name, deploy=False)
-                              if v["name"] in ("envoy", "pki", "sockets", "logs")])
-    svc = {"apiVersion": "v1", "kind": "Service", "metadata": meta(name, "ingress"),
-           "spec": {"type": "LoadBalancer", "selector": selector(name),
-                    "ports": [{"name": "http", "port": 80, "targetPort": pods.INGRESS_PORT}]}}
-    stats = headless_service(f"{name}-stats", "ingress", [("envoy-stats", pods.ENVOY_STATS_PORT)])
-    stats["spec"]["selector"] = selector(name)
-    return [service_account(name, "ingress"), envoy_configmap(name, "ingress", config), dep, svc, stats,
-            pdb(name, "ingress", {"minAvailable": 1}), hpa(name, "ingress", 2, 8)]
-
-
-def stateful_set(name: str, container: dict, volumes: list[dict], storage: str) -> dict:
-    """One replica of a third party's server (its image's user, 999) with a volume of its own
-    (data), for a trial: Redis, PostgreSQL."""
-    return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(name, container["name"]),
-        "spec": {
-            "serviceName": name, "replicas": 1, "selector": {"matchLabels": selector(name)},
-            "template": {"metadata": {"labels": labels(name, container["name"])}, "spec": {
-                "automountServiceAccountToken": False,
-                "enableServiceLinks": False,
-                "securityContext": {"fsGroup": 999, "seccompProfile": {"type": "RuntimeDefault"}},
-                "containers": [container],
-                "volumes": volumes,
-            }},
-            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
-                "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage}}}}],
-        },
-    }
-
-
-def redis_objects() -> list[dict]:
-    """Redis for the mesh (a trial's; point GAAS_REDIS_URL in the services' Secrets at a managed
-    one instead): its config, with a password and a user per service, in a Secret."""
-    name = pods.REDIS
-    requests, limits = RESOURCES["redis"]
-    sts = stateful_set(name, {
-        "name": "redis", "image": REDIS_IMAGE,
-        "command": ["redis-server", "/run/gaas/redis/redis.conf"],
-        "ports": [{"name": "redis", "containerPort": pods.REDIS_PORT}],
-        "readinessProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 2},
-        "livenessProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 10},
-        "startupProbe": {"tcpSocket": {"port": pods.REDIS_PORT}, "periodSeconds": 1, "failureThreshold": 30},
-        "resources": {"requests": requests, "limits": limits},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
-                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [mount("config", "/run/gaas/redis", True), mount("data", "/data")],
-    }, [{"name": "config", "secret": {"secretName": f"{name}-config", "defaultMode": 0o440}}], "2Gi")
-    return [sts, headless_service(name, "redis", [("redis", pods.REDIS_PORT)])]
-
-
-def postgres_objects() -> list[dict]:
-    """PostgreSQL for a trial (the official image; its first start runs the init script that makes
-    each service's database and user, from a Secret)."""
-    name = pods.POSTGRES
-    requests, limits = RESOURCES["postgres"]
-    sts = stateful_set(name, {
-        "name": "postgres", "image": POSTGRES_IMAGE,
-        "envFrom": [{"secretRef": {"name": f"{name}-env"}}],
-        "env": [{"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"}],
-        "ports": [{"name": "postgres", "containerPort": pods.POSTGRES_PORT}],
-        "readinessProbe": {"exec": {"command": ["pg_isready", "-U", "postgres"]}, "periodSeconds": 5},
-        "livenessProbe": {"tcpSocket": {"port": pods.POSTGRES_PORT}, "periodSeconds": 10},
-        "startupProbe": {"tcpSocket": {"port": pods.POSTGRES_PORT}, "periodSeconds": 2, "failureThreshold": 60},
-        "resources": {"requests": requests, "limits": limits},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
-                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [mount("data", "/var/lib/postgresql/data"),
-                         mount("init", "/docker-entrypoint-initdb.d", True)],
-    }, [{"name": "init", "secret": {"secretName": f"{name}-init", "defaultMode": 0o444}}], "10Gi")
-    return [sts, headless_service(name, "postgres", [("postgres", pods.POSTGRES_PORT)])]
-
-
 def network_policies(opts: Options) -> list[dict]:
     """Nothing reaches a pod unless allowed: the mesh's pods reach each other's inbound listeners
     (mutual TLS there decides who may call what), Prometheus in any namespace the metrics ports,
@@ -495,7 +463,7 @@ def network_policies(opts: Options) -> list[dict]:
             {"from": [{"namespaceSelector": {}}], "ports": metrics},
         ]),
         policy(pods.INGRESS, {"matchLabels": selector(pods.INGRESS)}, [
-            {"ports": [{"port": pods.INGRESS_PORT, "protocol": "TCP"}]},
+            {"ports": [{"port": opts.edge.port, "protocol": "TCP"}]},
         ]),
         policy(pods.REDIS, {"matchLabels": selector(pods.REDIS)}, [
             {"from": [{"podSelector": {"matchLabels": {f"{pods.PREFIX}.dev/redis-client": "true"}}}],
@@ -516,9 +484,11 @@ def objects(topo: Topology, opts: Options, descriptor: str | None = None) -> lis
     out: list[dict] = []
     for inst in topo.instances:
         out += worker_objects(topo, inst, opts) if inst.service == "worker" else service_objects(topo, inst, opts)
-    out += ingress_objects(topo, descriptor)
-    out += redis_objects()
+    from gaas.k8s import edge, stores
+
+    out += edge.ingress_objects(topo, descriptor, opts.edge, pods.NAMESPACE)
+    out += stores.redis_objects()
     if opts.postgres:
-        out += postgres_objects()
+        out += stores.postgres_objects()
     out += network_policies(opts)
     return out

@@ -31,8 +31,10 @@ ENVOY_DIR = RUN_DIR / "envoy"
 DEPLOY_DIR = RUN_DIR / "deploy"
 LOG_DIR = RUN_DIR / "logs"
 SPOOL_DIR = RUN_DIR / "spool"
-# Billing's batch files (uploads and outputs).
+# Billing's batch files (uploads and outputs): a volume every billing replica shares.
 FILES_DIR = RUN_DIR / "files"
+# The ingress's own certificate (its kubernetes.io/tls Secret: tls.crt, tls.key).
+EDGE_TLS_DIR = RUN_DIR / "edge-tls"
 # pki.Authority(RUN_DIR) keeps its certificates in RUN_DIR/pki: the Secret is mounted there.
 PKI_DIR = RUN_DIR / pki.PKI_DIR
 TMP_DIR = PurePosixPath("/tmp")
@@ -46,12 +48,16 @@ PORT_BASE = 9000
 INBOUND_PORT = PORT_BASE + INBOUND_OFFSET
 METRICS_PORT = PORT_BASE + METRICS_OFFSET
 ENVOY_STATS_PORT = PORT_BASE + ENVOY_STATS_OFFSET
+# The ingress's port: HTTPS (its Service's 443), or plain HTTP (80) when the render is told so.
+INGRESS_TLS_PORT = 8443
 INGRESS_PORT = 8080
 # (The ingress's statistics are on its own pod's PORT_BASE + 5, like every sidecar's.)
 REDIS_PORT = 6379
 POSTGRES_PORT = 5432
 
 PREFIX = "gaas"
+# The namespace the overlays put the mesh in.
+NAMESPACE = "gaas"
 # The ingress's Deployment; the identity it presents is pki.INGRESS.
 INGRESS = f"{PREFIX}-ingress"
 REDIS = f"{PREFIX}-redis"

@@ -13,7 +13,12 @@ from gaas.k8s import pods
 WORKLOADS = ("Deployment", "StatefulSet")
 # The ports a mesh pod may open on the pod network: the sidecar's mutual-TLS inbound listener,
 # the service's /metrics, the sidecar's statistics (and readiness); the ingress's own port.
-POD_NETWORK_PORTS = {pods.INBOUND_PORT, pods.METRICS_PORT, pods.ENVOY_STATS_PORT, pods.INGRESS_PORT}
+POD_NETWORK_PORTS = {pods.INBOUND_PORT, pods.METRICS_PORT, pods.ENVOY_STATS_PORT, pods.INGRESS_PORT,
+                     pods.INGRESS_TLS_PORT}
+# What every container asks for and is limited to.
+RESOURCES = ("cpu", "memory", "ephemeral-storage")
+# Says on the ingress Deployment that its plaintext listener was asked for (gaas.k8s.edge).
+PLAINTEXT_ANNOTATION = f"{pods.PREFIX}.dev/plaintext-ingress"
 
 
 def _name(obj: dict) -> str:
@@ -57,15 +62,19 @@ def targets_exist(objs: list[dict]) -> Iterable[str]:
 
 
 def containers_have_probes_and_limits(objs: list[dict]) -> Iterable[str]:
+    """Every container asks for CPU, memory and ephemeral storage and is limited in them (else one
+    can starve its node, or fill its disk until the kubelet evicts every pod there), and has its
+    probes (an init container that runs to completion needs none)."""
     for w in _workloads(objs):
         for c in _containers(w):
-            if c.get("restartPolicy") != "Always" and c in w["spec"]["template"]["spec"].get("initContainers", []):
-                continue  # (an init container that runs to completion needs neither)
             where = f"{_name(w)} container {c['name']}"
-            limits = (c.get("resources") or {}).get("limits") or {}
-            for r in ("cpu", "memory"):
-                if r not in limits:
-                    yield f"{where}: no {r} limit"
+            resources = c.get("resources") or {}
+            for bound in ("requests", "limits"):
+                for r in RESOURCES:
+                    if r not in (resources.get(bound) or {}):
+                        yield f"{where}: no {r} {bound.removesuffix('s')}"
+            if c.get("restartPolicy") != "Always" and c in w["spec"]["template"]["spec"].get("initContainers", []):
+                continue
             if "livenessProbe" not in c:
                 yield f"{where}: no liveness probe"
             if "readinessProbe" not in c and c.get("restartPolicy") != "Always":
@@ -89,8 +98,8 @@ def service_ports_are_opened(objs: list[dict]) -> Iterable[str]:
 
 def no_plaintext_service_port(objs: list[dict]) -> Iterable[str]:
     """A mesh pod opens only POD_NETWORK_PORTS; its service listens on a Unix socket; every
-    listener of its Envoy on the network is mutual TLS, but the statistics one (and the ingress's
-    edge, which is the mesh's front door)."""
+    listener of its Envoy on the network is TLS, but the statistics one (and the ingress's edge
+    where its Deployment says plaintext was asked for: PLAINTEXT_ANNOTATION)."""
     configs = {o["metadata"]["name"]: o["data"] for o in objs if o["kind"] == "ConfigMap"}
     for w in _workloads(objs):
         if _template_labels(w).get(pods.MESH_LABEL) != "true":
@@ -110,7 +119,8 @@ def no_plaintext_service_port(objs: list[dict]) -> Iterable[str]:
         config = yaml.safe_load(configs[cm][pods.ENVOY_FILE.name])
         for lst in config["static_resources"]["listeners"]:
             addr = lst["address"].get("socket_address")
-            if addr is None or lst["name"] in ("stats", "ingress"):
+            plaintext_asked = (w["metadata"].get("annotations") or {}).get(PLAINTEXT_ANNOTATION) == "true"
+            if addr is None or lst["name"] == "stats" or (lst["name"] == "ingress" and plaintext_asked):
                 continue
             if not all("transport_socket" in chain for chain in lst["filter_chains"]):
                 yield f"{_name(w)}: Envoy listener {lst['name']} on port {addr['port_value']} is not TLS"
@@ -118,6 +128,8 @@ def no_plaintext_service_port(objs: list[dict]) -> Iterable[str]:
 
 def references_exist(objs: list[dict]) -> Iterable[str]:
     have = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    # (A Secret cert-manager writes from a Certificate.)
+    have |= {("Secret", o["spec"]["secretName"]) for o in objs if o["kind"] == "Certificate"}
     for w in _workloads(objs):
         spec = w["spec"]["template"]["spec"]
         for v in spec.get("volumes", []):
@@ -125,6 +137,9 @@ def references_exist(objs: list[dict]) -> Iterable[str]:
                 yield f"{_name(w)}: volume {v['name']} names ConfigMap {v['configMap']['name']}, not rendered"
             if "secret" in v and ("Secret", v["secret"]["secretName"]) not in have:
                 yield f"{_name(w)}: volume {v['name']} names Secret {v['secret']['secretName']}, not rendered"
+            claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim and ("PersistentVolumeClaim", claim) not in have:
+                yield f"{_name(w)}: volume {v['name']} names PersistentVolumeClaim {claim}, not rendered"
         for c in _containers(w):
             for ref in c.get("envFrom", []):
                 if "secretRef" in ref and ("Secret", ref["secretRef"]["name"]) not in have:

@@ -2,7 +2,9 @@
 certificate per Deployment (each pod mounts only its own), Redis's config with a password and a
 user per service, each service's environment Secret (its Redis URL, its database URL, Stripe's
 key for billing) and, for a trial PostgreSQL, its password and the script that makes each
-service's database. A kustomization there turns them into Secrets.
+service's database, and the ingress's certificate (a trial one with a CA of its own, ingress-ca.crt,
+for clients to trust: replace ingress-tls.crt and ingress-tls.key with yours, or let cert-manager
+issue it). A kustomization there turns them into Secrets.
 
 Made once and kept: rendering again reuses what is there (the CA and its certificates, the
 passwords), so a cluster's running pods keep trusting each other. Edit a service's .env file to
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from gaas.k8s import edge as edgemod
 from gaas.k8s import manifests, pods
 from gaas.launcher.secrets import REDIS_CLIENTS, SECRETS
 from gaas.ops import pki, redisacl
@@ -53,11 +56,13 @@ def _env_file(path: Path, values: dict[str, str]) -> None:
     _write(path, "".join(f"{k}={v}\n" for k, v in merged.items()))
 
 
-def write(out: Path, topo: Topology, *, postgres: bool | str = True) -> Path:
+def write(out: Path, topo: Topology, *, postgres: bool | str = True, edge: edgemod.Edge | None = None) -> Path:
     """Make (or keep) every secret file of topo's Deployments under out/secrets and its
     kustomization; returns that directory. postgres: True for the trial StatefulSet, else the
     URL of a managed server (postgresql://user:password@host:port) whose databases control and
-    billing are given (their names "control" and "billing")."""
+    billing are given (their names "control" and "billing"). edge: how the ingress serves (its
+    certificate's Secret is made here unless it serves plaintext or cert-manager issues it)."""
+    edge = edge or edgemod.Edge()
     d = out / SECRETS_DIR
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
@@ -76,6 +81,11 @@ def write(out: Path, topo: Topology, *, postgres: bool | str = True) -> Path:
         generators.append({"name": f"{name}-tls", "files": [
             f"ca.crt={pki.PKI_DIR}/ca.crt", f"{creds.cert.name}={pki.PKI_DIR}/{creds.cert.name}",
             f"{creds.key.name}={pki.PKI_DIR}/{creds.key.name}"]})
+
+    if not edge.plaintext and not edge.issuer:
+        edgemod.trial_certificate(d, edge.dns_names(pods.NAMESPACE))
+        generators.append({"name": edge.tls_secret, "type": "kubernetes.io/tls",
+                           "files": [f"tls.crt={edgemod.TRIAL_CERT}", f"tls.key={edgemod.TRIAL_KEY}"]})
 
     # Redis: the default user's password is the operator's; each service kind has a user.
     password = _kept(d / "redis-password", lambda: pysecrets.token_urlsafe(24))

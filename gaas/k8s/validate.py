@@ -17,7 +17,7 @@ from gaas.k8s import rules
 # by default that a managed cluster still runs, the current, the newest schemas shipped.
 VERSIONS = ("1.30.0", "1.33.0", "1.37.0")
 # Kinds of custom resources (no official schema; the project's rules check them).
-CUSTOM_KINDS = {"ScaledObject"}
+CUSTOM_KINDS = {"ScaledObject", "Certificate"}
 
 
 class ValidationFailed(Exception):

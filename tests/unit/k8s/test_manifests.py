@@ -1,7 +1,9 @@
 """The Kubernetes manifests (gaas/k8s): the checked-in example (deploy/k8s/) is what the code
 renders from deploy/topology.yaml and deploy/gaas.yaml; both overlays build with Kustomize and
 validate strictly against Kubernetes 1.30, 1.33 and 1.37 and the project's rules; each rule
-catches the fault it names."""
+catches the fault it names; the ingress serves HTTPS (plaintext only when asked) and keeps the
+client's address; billing's replicas share one volume of batch files; every container is bounded
+in ephemeral storage."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gaas.k8s import manifests, pods, render, rules, validate
+from gaas.k8s import edge, manifests, pods, render, rules, validate
 from gaas.ops import topology
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,6 +31,12 @@ def clean_env(monkeypatch):
 
 def _topo():
     return topology.load(ROOT / "deploy" / "topology.yaml", env={})
+
+
+def _spec():
+    from gaas.settings import deployspec
+
+    return deployspec.load(ROOT / "deploy" / "gaas.yaml")
 
 
 def test_the_checked_in_example_is_what_the_code_renders(clean_env):
@@ -165,6 +173,118 @@ def test_a_container_without_limits_or_probes_is_a_fault(cpu_objects):
         c.pop("readinessProbe")
     faults = _broken(cpu_objects, "Deployment", "gaas-control", strip)
     assert any("no cpu limit" in f for f in faults) and any("no readiness probe" in f for f in faults)
+
+
+def test_a_container_without_ephemeral_storage_bounds_is_a_fault(cpu_objects):
+    def strip(d):
+        sidecar = d["spec"]["template"]["spec"]["initContainers"][0]
+        sidecar["resources"]["requests"].pop("ephemeral-storage")
+        sidecar["resources"]["limits"].pop("ephemeral-storage")
+    faults = _broken(cpu_objects, "Deployment", "gaas-router", strip)
+    assert "Deployment/gaas-router container envoy: no ephemeral-storage request" in faults
+    assert "Deployment/gaas-router container envoy: no ephemeral-storage limit" in faults
+
+
+def test_every_container_and_empty_dir_is_bounded_in_ephemeral_storage(cpu_objects):
+    for w in (o for o in cpu_objects if o["kind"] in rules.WORKLOADS):
+        spec = w["spec"]["template"]["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            assert {"ephemeral-storage"} <= set(c["resources"]["requests"]) & set(c["resources"]["limits"]), c["name"]
+        for v in spec.get("volumes", []):
+            if "emptyDir" in v:
+                assert v["emptyDir"].get("sizeLimit"), f"{w['metadata']['name']} volume {v['name']}"
+
+
+# --- the ingress: TLS, and the client's address ----------------------------------------------------
+
+
+def _ingress_listener(objs) -> dict:
+    cm = _find(objs, "ConfigMap", "gaas-ingress-envoy")
+    config = yaml.safe_load(cm["data"]["envoy.yaml"])
+    return next(lst for lst in config["static_resources"]["listeners"] if lst["name"] == "ingress")
+
+
+def test_the_ingress_serves_https_on_443_with_the_certificate_secret_and_alpn_h2(rendered_dir, cpu_objects):
+    svc = _find(cpu_objects, "Service", pods.INGRESS)
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": pods.INGRESS_TLS_PORT}]
+    dep = _find(cpu_objects, "Deployment", pods.INGRESS)["spec"]["template"]["spec"]
+    volume = next(v for v in dep["volumes"] if v["name"] == "edge-tls")
+    secret = _find(cpu_objects, "Secret", volume["secret"]["secretName"])
+    assert secret["type"] == "kubernetes.io/tls" and {"tls.crt", "tls.key"} <= set(secret["data"])
+    listener = _ingress_listener(cpu_objects)
+    assert listener["address"]["socket_address"]["port_value"] == pods.INGRESS_TLS_PORT
+    tls = listener["filter_chains"][0]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["tls_certificates"][0]["certificate_chain"]["filename"] == f"{pods.EDGE_TLS_DIR}/tls.crt"
+    assert tls["alpn_protocols"] == ["h2", "http/1.1"]
+    # The trial certificate names the Service and is signed by the CA a client is told to trust.
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((rendered_dir / "secrets" / edge.TRIAL_CERT).read_bytes())
+    ca = x509.load_pem_x509_certificate((rendered_dir / "secrets" / edge.TRIAL_CA).read_bytes())
+    assert cert.issuer == ca.subject
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert "gaas-ingress.gaas.svc.cluster.local" in names
+
+
+def test_the_ingress_is_plaintext_only_when_asked_and_the_rules_catch_it_otherwise(cpu_objects):
+    plain = manifests.objects(pods.pod_topology(_topo(), _spec()), manifests.Options(edge=edge.Edge(plaintext=True)))
+    svc = _find(plain, "Service", pods.INGRESS)
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": pods.INGRESS_PORT}]
+    assert "transport_socket" not in _ingress_listener(plain)["filter_chains"][0]
+    assert not [f for f in rules.check(plain) if "not TLS" in f]
+
+    def plaintext(cm):
+        config = yaml.safe_load(cm["data"]["envoy.yaml"])
+        next(lst for lst in config["static_resources"]["listeners"] if lst["name"] == "ingress")[
+            "filter_chains"][0].pop("transport_socket")
+        cm["data"]["envoy.yaml"] = yaml.safe_dump(config)
+    faults = _broken(cpu_objects, "ConfigMap", "gaas-ingress-envoy", plaintext)
+    assert any("Deployment/gaas-ingress: Envoy listener ingress" in f and "not TLS" in f for f in faults)
+
+
+def test_cert_manager_issues_the_ingress_certificate_when_asked(tmp_path):
+    opts = manifests.Options(edge=edge.Edge(issuer="ClusterIssuer/letsencrypt", hosts=("api.example.com",)))
+    render.write(tmp_path, _topo(), ROOT / "deploy" / "gaas.yaml", opts)
+    objs = validate.validate(tmp_path / "overlays" / "cpu")
+    cert = _find(objs, "Certificate", pods.INGRESS)
+    assert cert["spec"]["secretName"] == opts.edge.tls_secret
+    assert cert["spec"]["issuerRef"] == {"group": "cert-manager.io", "kind": "ClusterIssuer", "name": "letsencrypt"}
+    assert cert["spec"]["dnsNames"][0] == "api.example.com"
+    assert not any(o["kind"] == "Secret" and o["metadata"]["name"] == opts.edge.tls_secret for o in objs)
+
+
+def test_the_ingress_keeps_client_addresses_and_trusts_the_hops_it_is_told(cpu_objects):
+    assert _find(cpu_objects, "Service", pods.INGRESS)["spec"]["externalTrafficPolicy"] == "Local"
+    hcm = _ingress_listener(cpu_objects)["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["xff_num_trusted_hops"] == 0
+    behind = manifests.objects(pods.pod_topology(_topo(), _spec()),
+                               manifests.Options(edge=edge.Edge(xff_trusted_hops=1, proxy_protocol=True)))
+    listener = _ingress_listener(behind)
+    assert listener["filter_chains"][0]["filters"][0]["typed_config"]["xff_num_trusted_hops"] == 1
+    assert listener["listener_filters"][0]["name"] == "envoy.filters.listener.proxy_protocol"
+
+
+# --- billing's batch files -------------------------------------------------------------------------
+
+
+def test_every_billing_replica_mounts_one_shared_read_write_many_claim_for_batch_files(cpu_objects):
+    dep = _find(cpu_objects, "Deployment", "gaas-billing")
+    assert dep["spec"]["replicas"] >= 2
+    spec = dep["spec"]["template"]["spec"]
+    files = next(v for v in spec["volumes"] if v["name"] == "files")
+    assert "emptyDir" not in files
+    claim = _find(cpu_objects, "PersistentVolumeClaim", files["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == manifests.Options().files_size
+    (billing,) = spec["containers"]
+    assert {"name": "files", "mountPath": str(pods.FILES_DIR)} in billing["volumeMounts"]
+    classed = manifests.objects(pods.pod_topology(_topo(), _spec()), manifests.Options(files_storage_class="efs"))
+    assert _find(classed, "PersistentVolumeClaim", "gaas-billing-files")["spec"]["storageClassName"] == "efs"
+
+
+def test_a_missing_claim_is_a_fault(cpu_objects):
+    objs = [o for o in cpu_objects if o["kind"] != "PersistentVolumeClaim"]
+    assert any("names PersistentVolumeClaim gaas-billing-files" in f for f in rules.check(objs))
 
 
 def test_a_service_port_no_container_opens_is_a_fault(cpu_objects):
