@@ -254,8 +254,10 @@ def check_source(name: str, version: str, source: str, preset: str) -> str | Non
 
 def check_model(m) -> str | None:
     """check_source of a deployment's model (gaas.settings.deployspec.ModelSpec); only one that is
-    to have workers needs its weights."""
-    return check_source(m.name, m.version, m.source, m.preset) if m.serves else None
+    to have workers needs its weights, but a preset gaas cannot build is wrong in any entry."""
+    if m.serves:
+        return check_source(m.name, m.version, m.source, m.preset)
+    return check_source(m.name, m.version, "", m.preset) if m.preset else None
 
 
 def check_sources(spec) -> None:

@@ -23,7 +23,7 @@ from gaas.contracts.autoscale import AutoscalePolicy
 from gaas.contracts.device import DeviceError, DeviceRequirement
 from gaas.contracts.rollout import GuardPolicy, RolloutPolicy, Strategy
 from gaas.contracts.tenancy import TENANT_NAME_RE, TIERS
-from gaas.settings import located
+from gaas.settings import located, modelsource
 from gaas.settings.located import Located
 
 NAME_RE = MODEL_NAME_RE
@@ -37,8 +37,8 @@ AUTO = "auto"
 # The device a pool's workers need: any (the host's), or a CPU or a GPU host's.
 DEVICES = ("any", "cpu", "gpu")
 
-MODEL_FIELDS = ("name", "version", "source", "preset", "seed", "max_model_len", "default", "replicas", "engine",
-                "device", "tenants", "pins", "rollout", "autoscale")
+MODEL_FIELDS = ("name", "version", "source", "hub", "preset", "seed", "max_model_len", "default", "replicas",
+                "engine", "device", "tenants", "pins", "rollout", "autoscale")
 # autoscale's fields: the file's name -> AutoscalePolicy's.
 AUTOSCALE_FIELDS = {"min": "min", "max": "max", "target_requests": "target_requests",
                     "target_kv_usage": "target_kv_usage", "up_after_seconds": "up_after_s",
@@ -63,7 +63,7 @@ class ModelSpec:
     name: str
     # Version string shown in usage records and chunks; a new one rolls out (rollout below).
     version: str
-    # Local directory (absolute after loading) or a hub id.
+    # Local directory (absolute after loading) or a hub id (gaas.settings.modelsource).
     source: str
     # `gaas model build` preset that produces source when it is missing; "" for none. seed: the
     # random weights' seed it builds with (another seed, another model of the same shape).
@@ -251,15 +251,13 @@ class _Checker:
         version = str(entry.get("version", "0"))
         if not VERSION_RE.fullmatch(version):
             self.fail((*path, "version"), f"version {version!r} must be letters, digits, '.', '_', '+' or '-'")
-        source = str(entry.get("source", "") or "")
-        if not source:
-            self.fail((*path, "source"), f"source is required ({name}: a model directory or a hub id)")
-        # (Whether the source exists, or the preset can build it, is gaas.model.build.check_source's:
-        # what runs the workers checks it.)
         preset = str(entry.get("preset", "") or "")
-        # A relative source is a project directory when it exists or gaas can build it; else a hub id.
-        if not source.startswith("/") and (preset or (self.root / source).exists()):
-            source = str((self.root / source).resolve())
+        # (Whether an absolute source exists, or the preset is one gaas builds, is
+        # gaas.model.build.check_source's: what runs the workers checks it.)
+        try:
+            source = modelsource.resolve(entry.get("source"), entry.get("hub"), preset, self.root, name)
+        except modelsource.SourceError as exc:
+            self.fail((*path, exc.field), str(exc))
         seed = self.integer(entry.get("seed", 0), (*path, "seed"), "seed", 0)
         max_len = self.integer(entry.get("max_model_len", 2048), (*path, "max_model_len"), "max_model_len")
         if max_len <= 0:
@@ -452,6 +450,8 @@ def parse_text(text: str, root: Path, name: str = "", check=None) -> DeploySpec:
         doc = located.parse(text, name)
     except yaml.YAMLError as exc:
         raise SpecError(f"{name or 'the deployment file'} is not valid YAML: {exc}") from exc
+    except RecursionError:  # (YAML's reader recurses: a file of nested brackets runs out of stack)
+        raise SpecError(f"{name or 'the deployment file'} is nested too deeply to read") from None
 
     def parse_and_check() -> DeploySpec:
         spec = parse(doc.doc, root, text)

@@ -17,12 +17,12 @@ async def catalog(database_url):
 
 
 async def test_apply_is_declarative(catalog, tmp_path):
-    first = parse({"models": [{"name": "a", "source": "x"}, {"name": "b", "source": "y", "default": True}]}, tmp_path)
+    first = parse({"models": [{"name": "a", "source": "/x"}, {"name": "b", "source": "/y", "default": True}]}, tmp_path)
     await catalog.apply(first)
     models = await catalog.list()
     assert [(m.name, m.is_default) for m in models] == [("a", False), ("b", True)]
 
-    second = parse({"models": [{"name": "c", "source": "z", "version": "2.0", "max_model_len": 512}]}, tmp_path)
+    second = parse({"models": [{"name": "c", "source": "/z", "version": "2.0", "max_model_len": 512}]}, tmp_path)
     await catalog.apply(second)
     (only,) = await catalog.list()
     assert (only.name, only.version, only.max_model_len, only.is_default) == ("c", "2.0", 512, True)

@@ -14,9 +14,11 @@ def test_shipped_deployment_parses():
     assert spec.model("gaas-tiny").source == str(ROOT / "models" / "gaas-tiny")
 
 
-def test_hub_ids_stay_as_given(tmp_path):
-    spec = deployspec.parse({"models": [{"name": "llama", "source": "meta-llama/Llama-3.2-1B"}]}, tmp_path)
+def test_hub_ids_written_as_hub_ids_are_kept(tmp_path):
+    spec = deployspec.parse({"models": [{"name": "llama", "source": "hub:meta-llama/Llama-3.2-1B"},
+                                        {"name": "qwen", "hub": "Qwen/Qwen3-0.6B"}]}, tmp_path)
     assert spec.model("llama").source == "meta-llama/Llama-3.2-1B"
+    assert spec.model("qwen").source == "Qwen/Qwen3-0.6B"
     assert spec.default_model.name == "llama"  # the first when none is marked
 
 
@@ -25,13 +27,13 @@ def test_hub_ids_stay_as_given(tmp_path):
     [
         ({}, "non-empty list"),
         ([], "must be a mapping"),
-        ({"models": [{"name": "Bad Name", "source": "x"}]}, "name 'Bad Name'"),
+        ({"models": [{"name": "Bad Name", "source": "/x"}]}, "name 'Bad Name'"),
         ({"models": [{"name": "a"}]}, "source is required"),
-        ({"models": [{"name": "a", "source": "x", "max_model_len": "long"}]}, "max_model_len must be an integer"),
-        ({"models": [{"name": "a", "source": "x", "colour": "red"}]}, "unknown field"),
-        ({"models": [{"name": "a", "source": "x"}, {"name": "a", "source": "y"}]}, "listed twice"),
+        ({"models": [{"name": "a", "source": "/x", "max_model_len": "long"}]}, "max_model_len must be an integer"),
+        ({"models": [{"name": "a", "source": "/x", "colour": "red"}]}, "unknown field"),
+        ({"models": [{"name": "a", "source": "/x"}, {"name": "a", "source": "/y"}]}, "listed twice"),
         (
-            {"models": [{"name": "a", "source": "x", "default": True}, {"name": "b", "source": "y", "default": True}]},
+            {"models": [{"name": "a", "source": "/x", "default": True}, {"name": "b", "source": "/y", "default": True}]},
             "only one model",
         ),
     ],
@@ -124,7 +126,7 @@ def test_an_error_names_the_file_the_line_and_the_field(tmp_path, change, line, 
 
 
 def test_a_second_model_of_the_same_name_is_placed_at_its_own_entry(tmp_path):
-    doc = GOOD.replace("qos:", "  - name: chat\n    source: x\nqos:")
+    doc = GOOD.replace("qos:", "  - name: chat\n    source: /x\nqos:")
     with pytest.raises(SpecError, match=r"d.yaml:14: models\[1\].name: model name\(s\) listed twice: chat"):
         deployspec.parse_text(doc, tmp_path, "d.yaml")
 
@@ -161,3 +163,53 @@ def test_a_device_requirement_is_kept_with_its_pool(tmp_path):
     assert deployspec.ModelSpec.from_dict(m.as_dict()) == m and m.at(m.pool()).requirement == m.requirement
     plain = deployspec.parse_text(GOOD, tmp_path, "d.yaml").model("chat")
     assert plain.device_needs == {} and plain.requirement.kind == "any"
+
+
+SOURCED = "models:\n  - name: chat\n    version: '1'\n{source}    max_model_len: 512\n"
+
+
+@pytest.mark.parametrize("lines, field, says", [
+    ("    source: models/typo\n", "source", "chat: source 'models/typo' is neither a directory of the project"),
+    ("    source: meta-llama/Llama-3.2-1B\n", "source", "write a hub model as hub:meta-llama/Llama-3.2-1B"),
+    ("    source: hub:org/../x\n", "source", "'org/../x' is not a hub id"),
+    ("    hub: org/a b\n", "hub", "'org/a b' is not a hub id"),
+    ("    hub: [org]\n", "hub", "hub must be a hub id"),
+    ("    source: /m\n    hub: org/m\n", "hub", "give source (a directory, or hub:ORG/NAME) or hub (ORG/NAME), not both"),
+    ("    source: hub:org/m\n    preset: tiny\n", "preset", "a hub model is downloaded, not built"),
+    ("    source: 12\n", "source", "source must be a directory or hub:ORG/NAME"),
+])
+def test_a_source_that_is_no_directory_buildable_or_hub_id_is_refused_at_its_line(tmp_path, lines, field, says):
+    with pytest.raises(SpecError) as err:
+        deployspec.parse_text(SOURCED.format(source=lines), tmp_path, "d.yaml")
+    line = 4 + lines.count("\n") - 1 if field != "source" else 4
+    assert str(err.value).startswith(f"d.yaml:{line}: models[0].{field}: "), str(err.value)
+    assert says in str(err.value)
+
+
+def test_a_relative_source_is_the_projects_directory_when_it_exists_or_a_preset_builds_it(tmp_path):
+    (tmp_path / "models" / "here").mkdir(parents=True)
+    here = deployspec.parse_text(SOURCED.format(source="    source: models/here\n"), tmp_path, "d.yaml")
+    assert here.model("chat").source == str(tmp_path / "models" / "here")
+    built = deployspec.parse_text(SOURCED.format(source="    source: models/new\n    preset: tiny\n"), tmp_path, "d.yaml")
+    assert built.model("chat").source == str(tmp_path / "models" / "new")
+
+
+def test_an_unknown_preset_is_refused_in_an_entry_that_serves_nothing_too(tmp_path):
+    from gaas.model.build import check_sources
+
+    text = SOURCED.format(source="    source: models/new\n    preset: huge\n")
+    with pytest.raises(SpecError, match=r"d.yaml:4: models\[0\].source: chat 1: unknown preset 'huge'"):
+        deployspec.parse_text(text, tmp_path, "d.yaml", check=check_sources)
+
+
+@pytest.mark.parametrize("path", ["deploy/gaas.yaml", "deploy/k8s/base/gaas.yaml"])
+def test_every_shipped_deployment_file_keeps_its_sources(path):
+    from gaas.model.build import check_sources
+
+    spec = deployspec.load(ROOT / path, check=check_sources)
+    assert all(m.source.startswith(str(ROOT / "models")) and m.preset for m in spec.models)
+
+
+def test_a_file_nested_past_what_yaml_reads_is_a_spec_error():
+    with pytest.raises(SpecError, match="d.yaml is nested too deeply to read"):
+        deployspec.parse_text("models: " + "[" * 5000 + "]" * 5000, ROOT, "d.yaml")
