@@ -1,5 +1,6 @@
 """The LoRA adapter catalogue, in SQL (`gaas lora add|remove|list`). An adapter is checked before it
-is added: its name clashes with no model or adapter, its base model is deployed with workers whose
+is added: its name clashes with no model or adapter (and a deployment file is refused when one of
+its models would take an adapter's name: names_apart), its base model is deployed with workers whose
 engine serves adapters (a pool's engine: {max_loras: N}), its files are a PEFT LoRA adapter whose
 matrices fit the base model's layers, its rank is within every such pool's max_lora_rank, and its
 owner is a tenant. Nothing changes when a check fails; the error says what to change.
@@ -79,6 +80,35 @@ def still_served(adapters: Iterable[Adapter]):
         if gone:
             raise SpecError(f"{', '.join(gone)} serve(s) LoRA adapters ({', '.join(a.name for g in gone for a in by_model[g])}): "
                             "keep the model, or `gaas lora remove` them first", ("models",))
+
+    return check
+
+
+def names_apart(adapters: Iterable[Adapter]):
+    """check(spec) for a deployment file about to be applied: SpecError, placed at the entry's name,
+    when a model would take a catalogued adapter's name (adapters and models share one namespace: a
+    request names either, and one name must mean one set of weights and one price)."""
+    by_name = {a.name: a for a in adapters}
+
+    def check(spec) -> None:
+        for i, m in enumerate(spec.models):
+            if (a := by_name.get(m.name)) is not None:
+                owner = f"tenant {a.owner}'s" if a.owner else "public"
+                raise SpecError(f"model {m.name} would take the name of LoRA adapter {a.name} (on {a.base_model}, "
+                                f"{owner}): models and adapters share one namespace; rename the model, or `gaas lora "
+                                f"remove {a.name}` first", ("models", i, "name"))
+
+    return check
+
+
+def apply_checks(adapters: Iterable[Adapter]):
+    """Every check of a deployment file against the catalogued adapters (names_apart, still_served)."""
+    adapters = list(adapters)
+    checks = (names_apart(adapters), still_served(adapters))
+
+    def check(spec) -> None:
+        for c in checks:
+            c(spec)
 
     return check
 

@@ -14,7 +14,7 @@ from gaas.contracts.tenancy import TIER_TO_PB
 from gaas.runtime.context import current_caller
 from gaas.settings.deployspec import SpecError
 from gaas.v1 import control_pb2 as pb
-from services.control.adapters import AdapterStore, still_served
+from services.control.adapters import AdapterStore, apply_checks
 from services.control.catalog import ModelCatalog
 from services.control.deployment import Deployment, Pool
 from services.control.rollout.driver import Driver
@@ -135,10 +135,10 @@ class DeploymentRpcs:
                                          "relative to)", param="file")
         origin = request.origin[:200] or "ApplyDeployment"
         try:
-            # (a file that would leave a catalogued LoRA adapter unservable is refused)
+            # (a file that would take a catalogued LoRA adapter's name, or leave one unservable, is refused)
             adapters = await self._adapters.list() if self._adapters is not None else []
             number, changes = await self._deployment.apply_file(request.text, request.file, origin, request.dry_run,
-                                                                check=still_served(adapters))
+                                                                check=apply_checks(adapters))
         except SpecError as exc:
             raise errors.InvalidArgument(str(exc), param="text") from None
         if number:

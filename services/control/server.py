@@ -27,7 +27,7 @@ from services.control.rollout.driver import Driver
 from services.control.scaling import Autoscalers
 from services.control.membership import Membership
 from services.control.prefixes import PrefixStore
-from services.control.adapters import AdapterStore
+from services.control.adapters import AdapterStore, apply_checks
 from services.control.registry import WorkerRegistry
 from services.control.servicer import ControlServicer
 from services.control.tenants import TenantStore
@@ -47,21 +47,28 @@ async def serve(cfg: ControlSettings) -> None:
     deployment = Deployment(db, catalog, check_source=check_model)
     await deployment.init_schema()
     policies = dict(qos.DEFAULT_POLICIES)
+    adapters = AdapterStore(db)
+    await adapters.init_schema()
     if cfg.deploy_file:
         # Applied when it changed since the last start applied it; what `gaas apply` did since stays.
         path = str(Path(cfg.deploy_file).resolve())
         spec = deployspec.load(Path(path))
-        number = await deployment.startup(spec, path)
-        log.info("%s %s: models %s", "applied" if number else "kept what was applied; unchanged:", cfg.deploy_file,
-                 ", ".join(spec.names()))
+        try:
+            # (held to the catalogued LoRA adapters as `gaas apply` is: no model takes an adapter's name)
+            deployspec.load(Path(path), check=apply_checks(await adapters.list()))
+        except deployspec.SpecError as exc:
+            log.warning("the deployment file %s was not applied: %s; the mesh runs what was applied before", path, exc)
+            await deployment.startup_without_file()
+        else:
+            number = await deployment.startup(spec, path)
+            log.info("%s %s: models %s", "applied" if number else "kept what was applied; unchanged:",
+                     cfg.deploy_file, ", ".join(spec.names()))
     else:
         await deployment.startup_without_file()
     tenants = TenantStore(db)
     await tenants.init_schema()
     prefixes = PrefixStore(db)
     await prefixes.init_schema()
-    adapters = AdapterStore(db)
-    await adapters.init_schema()
     registry = WorkerRegistry(redis, cfg.lease_ttl_seconds)
     heartbeat = asyncio.create_task(_heartbeat(registry), name="registry-heartbeat")
     # The workers' endpoints every Envoy of the mesh takes from here (xDS), following the registry.

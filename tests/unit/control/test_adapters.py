@@ -118,7 +118,7 @@ def test_a_file_that_would_leave_an_adapter_unservable_is_refused_where_it_says_
     from gaas.settings.deployspec import SpecError, parse_text
     from services.control.adapters import still_served
 
-    text = f"models:\n  - name: tiny\n    version: '1'\n    source: models/t\n    engine: {engine}\n"
+    text = f"models:\n  - name: tiny\n    version: '1'\n    source: /m/t\n    engine: {engine}\n"
     check = still_served([Adapter("bot", "tiny", "/a", 16)])
     with pytest.raises(SpecError, match=re.escape(says)) as e:
         parse_text(text, tmp_path, "gaas.yaml", check)
@@ -126,3 +126,34 @@ def test_a_file_that_would_leave_an_adapter_unservable_is_refused_where_it_says_
     parse_text(text.replace(engine, "{max_loras: 1, max_lora_rank: 16}"), tmp_path, "gaas.yaml", check)
     with pytest.raises(SpecError, match="tiny serve.*bot.*gaas lora remove"):
         parse_text(text.replace("name: tiny", "name: other"), tmp_path, "gaas.yaml", check)
+
+
+CLASH = ("models:\n  - name: tiny\n    version: '1'\n    source: /m/t\n    engine: {max_loras: 1, max_lora_rank: 16}\n"
+         "  - name: bot\n    version: '1'\n    source: /m/b\n")
+
+
+def test_a_file_whose_model_takes_an_adapters_name_is_refused_naming_both_and_the_entry(tmp_path):
+    from gaas.settings.deployspec import SpecError, parse_text
+    from services.control.adapters import apply_checks
+
+    check = apply_checks([Adapter("bot", "tiny", "/a", 16, owner="acme")])
+    with pytest.raises(SpecError) as e:
+        parse_text(CLASH, tmp_path, "gaas.yaml", check)
+    assert str(e.value).startswith("gaas.yaml:6: models[1].name: model bot would take the name of LoRA adapter bot "
+                                   "(on tiny, tenant acme's)"), str(e.value)
+    assert "gaas lora remove bot" in str(e.value)
+    parse_text(CLASH.replace("name: bot", "name: other"), tmp_path, "gaas.yaml", check)
+
+
+async def test_applying_a_model_named_as_an_adapter_changes_nothing(sql_deployment):
+    from gaas.settings.deployspec import SpecError
+    from services.control.adapters import apply_checks
+
+    deployment, _ = sql_deployment
+    check = apply_checks([Adapter("bot", "tiny", "/a", 16)])
+    with pytest.raises(SpecError, match=r"models\[1\]\.name: model bot would take the name of LoRA adapter bot"):
+        await deployment.apply_file(CLASH, "/d/gaas.yaml", "test", check=check)
+    assert (await deployment.view()).revision == 0
+    number, _ = await deployment.apply_file(CLASH.replace("name: bot", "name: other"), "/d/gaas.yaml", "test",
+                                            check=check)
+    assert number == 1
