@@ -108,7 +108,8 @@ def cmd_up(args) -> int:
 
     started = time.monotonic()
     services = len(mesh.topo.instances)
-    say(f"starting {services} service instances and {services + 1} Envoys, then the deployment's workers "
+    envoys = services + len(mesh.topo.ingresses)
+    say(f"starting {services} service instances and {envoys} Envoys, then the deployment's workers "
         f"(logs in {run_dir / 'logs'})")
     try:
         mesh.start()
@@ -147,7 +148,7 @@ def cmd_up(args) -> int:
     else:
         workers = ", ".join(f"{w['worker_id']} ({w['device']})" for w in health.workers)
         print(
-            f"\nGaaS is up in {elapsed:.1f} s: {services} services, {services + 1} Envoys, workers: {workers}\n"
+            f"\nGaaS is up in {elapsed:.1f} s: {services} services, {envoys} Envoys, workers: {workers}\n"
             f"  ingress (gRPC and HTTP, OpenAI-compatible under /v1): {ingress}\n"
             f"  API key of tenant '{DEMO_TENANT}' ({'new' if created else 'kept'}, saved in {run_dir / DEMO_KEY_FILE}):\n"
             f"          {demo_key}\n"

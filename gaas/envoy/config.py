@@ -55,9 +55,11 @@ __all__ = ["OTLP_CLUSTER", "config_text", "envoy_binary", "inbound_hcm", "ingres
 def render_configs(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
                    ingress_tls: tuple[Path, Path] | None = None, sockets: Path | None = None,
                    trace: TraceTarget | None = None) -> dict[str, dict]:
-    """Every Envoy's config, by name: ingress-0 and sidecar-<instance>. Writes nothing and reads
-    no certificate (the paths are taken as given)."""
-    configs = {"ingress-0": ingress_config(topo, descriptor_set, log_dir, authority, ingress_tls, sockets, trace)}
+    """Every Envoy's config, by name: ingress-N and sidecar-<instance>. Writes nothing and reads
+    no certificate (the paths are taken as given). Without sockets (configs to read, not to run
+    here) one ingress: its replicas differ only in their admin and statistics."""
+    configs = {name: ingress_config(topo, descriptor_set, log_dir, authority, ingress_tls, sockets, trace, replica=i)
+               for i, name in enumerate(topo.ingresses if sockets else ["ingress-0"])}
     for inst in topo.instances:
         configs[f"sidecar-{inst.name}"] = sidecar_config(topo, inst, log_dir, authority, sockets, trace)
     return configs

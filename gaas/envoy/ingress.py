@@ -178,12 +178,15 @@ def proxy_protocol() -> dict:
 def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authority: pki.Authority,
                    tls: tuple[Path, Path] | None = None, sockets: Path | None = None,
                    trace: TraceTarget | None = None, *, xff_trusted_hops: int = 0,
-                   proxied: bool = False) -> dict:
+                   proxied: bool = False, replica: int = 0) -> dict:
     """The edge: gRPC and HTTP/1.1 on one port (TLS with the given certificate and key, when given,
     HTTP/2 offered by ALPN); JSON transcoded to the router's gRPC APIs (the native one and the
     OpenAI-compatible one), whose errors get OpenAI's shape. It reaches the routers as the mesh's
     ingress identity. The client's address: the connection's, or the one xff_trusted_hops load
-    balancers in front say (edge_hcm_options), or the PROXY protocol's when proxied."""
+    balancers in front say (edge_hcm_options), or the PROXY protocol's when proxied. replica: which
+    of the ingress's Envoys on this host (ingress-N: its admin and statistics are its own, its
+    listener shares the port with the others', SO_REUSEPORT)."""
+    name = f"ingress-{replica}"
     direct = topo.ingress_path == "direct"
     routes = [
         *(direct_routes() if direct else []),
@@ -222,11 +225,13 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         always_set_request_id_in_response=True,
         local_reply_config=router_unanswered_replies(),
         **edge_hcm_options(xff_trusted_hops),
-        **tracing(trace, "ingress-0", edge=True),
+        **tracing(trace, "ingress", edge=True),
     )
     edge_tls = downstream_tls(*tls, ["h2", "http/1.1"]) if tls is not None else None
     edge_listener = listener("ingress", topo.bind(), topo.ingress_port, manager, edge_tls)
     edge_listener["per_connection_buffer_limit_bytes"] = edge.CONNECTION_BUFFER_BYTES
+    # (Envoy's default on Linux, said here: the ingress's Envoys all bind the one port.)
+    edge_listener["enable_reuse_port"] = True
     if proxied:
         edge_listener["listener_filters"] = [proxy_protocol()]
     ingress_creds = authority.credentials(*pki.INGRESS)
@@ -239,7 +244,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
     ]
     if direct:
         clusters.append(workers_cluster(ingress_creds))
-    admin = (pipe_address(LocalSockets.of(sockets, "ingress-0").admin) if sockets
+    admin = (pipe_address(LocalSockets.of(sockets, name).admin) if sockets
              else socket_address(topo.host, topo.ingress_admin_port))
-    return bootstrap("ingress-0", admin, [edge_listener], clusters, stats=(topo.bind(), topo.ingress_stats_port),
+    return bootstrap(name, admin, [edge_listener], clusters, stats=(topo.bind(), topo.ingress_stats_port_of(replica)),
                      trace=trace, edge_proxy=True, xds=xds_cluster(topo, ingress_creds) if direct else None)

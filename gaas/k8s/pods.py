@@ -116,7 +116,7 @@ def pod_topology(topo: Topology, spec: deployspec.DeploySpec) -> Topology:
         options = topo.worker(0, pool).options
         instances.append(Instance("worker", pool_name(pool), index, pool_name(pool), PORT_BASE, options))
     return replace(topo, host=INGRESS, port_base=PORT_BASE, ingress_port=INGRESS_PORT, instances=tuple(instances),
-                   pod=True)
+                   pod=True, ingress_replicas=1)
 
 
 def sockets_dir(inst_name: str) -> PurePosixPath:

@@ -141,7 +141,7 @@ class Mesh:
         if self.serve_model:
             self.deploy_file = self._serving_only(self.serve_model)
         self._ensure_redis()
-        for name in ("ingress-0", *(i.name for i in self.topo.instances)):
+        for name in (*self.topo.ingresses, *(i.name for i in self.topo.instances)):
             d = LocalSockets.of(self.sockets, name).dir
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
@@ -447,7 +447,7 @@ class Mesh:
             waiting = [i.name for i in health.instances if i.health != "SERVING" or not i.sidecar_ready]
             waiting += [f"{name}'s view of the workers" for name in lagging]
             if not health.ingress_ready:
-                waiting.append("ingress-0")
+                waiting.append(" and ".join(self.topo.ingresses))
             if pools is None and "control-0" not in waiting:
                 waiting.append("the deployment's pools from control")
             if not waiting and len(registered) < want_workers:
@@ -719,10 +719,11 @@ class Mesh:
         deadline = time.monotonic() + timeout
         self._close_control()
         self._drain_ingress(min(timeout / 2, INGRESS_DRAIN_SECONDS))
+        ingresses = set(self.topo.ingresses)
         order = [
-            [c for c in self.children if c.name == "ingress-0"],
+            [c for c in self.children if c.name in ingresses],
             [c for c in self.children if c.kind in SERVICE_MODULES],
-            [c for c in self.children if c.kind == "envoy" and c.name != "ingress-0"],
+            [c for c in self.children if c.kind == "envoy" and c.name not in ingresses],
             [c for c in self.children if c.kind in ("redis", "tracesink")],
         ]
         for group in order:
@@ -750,24 +751,25 @@ class Mesh:
         shutil.rmtree(self.sockets, ignore_errors=True)
 
     def _drain_ingress(self, seconds: float) -> None:
-        """Close the ingress's listener (no new connections) and wait, up to seconds, for the
-        requests in flight through it to finish."""
-        ingress = next((c for c in self.children if c.name == "ingress-0" and c.proc.poll() is None), None)
-        if ingress is None:
-            return
-        admin = LocalSockets.of(self.sockets, "ingress-0").admin
-        try:
-            probe.envoy_admin(admin, "/drain_listeners", method="POST")
-        except OSError:
-            return
+        """Close the ingress's listeners (no new connections) and wait, up to seconds, for the
+        requests in flight through them to finish."""
+        running = {c.name for c in self.children if c.proc.poll() is None}
+        admins = [LocalSockets.of(self.sockets, name).admin for name in self.topo.ingresses if name in running]
+        for admin in list(admins):
+            try:
+                probe.envoy_admin(admin, "/drain_listeners", method="POST")
+            except OSError:
+                admins.remove(admin)
         deadline = time.monotonic() + seconds
         said = False
-        while time.monotonic() < deadline:
-            try:
-                _, body = probe.envoy_admin(admin, "/stats?filter=^http.ingress.downstream_rq_active$")
-                active = int(body.decode().rsplit(":", 1)[-1].strip() or 0)
-            except (OSError, ValueError):
-                return
+        while admins and time.monotonic() < deadline:
+            active = 0
+            for admin in admins:
+                try:
+                    _, body = probe.envoy_admin(admin, "/stats?filter=^http.ingress.downstream_rq_active$")
+                    active += int(body.decode().rsplit(":", 1)[-1].strip() or 0)
+                except (OSError, ValueError):
+                    pass
             if active == 0:
                 return
             if not said:

@@ -224,8 +224,8 @@ def probe(topo: Topology, run_dir: Path, timeout: float = 1.0) -> MeshHealth:
 
     def ingress(workers_f) -> bool:
         serving = [w["address"] for w in (workers_f.result() if workers_f else []) if w.get("state") == "SERVING"]
-        return ingress_ready(LocalSockets.of(sockets, "ingress-0").admin, timeout,
-                             serving if topo.ingress_path == "direct" else ())
+        return all(ingress_ready(LocalSockets.of(sockets, name).admin, timeout,
+                                 serving if topo.ingress_path == "direct" else ()) for name in topo.ingresses)
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         controls = topo.of("control")

@@ -50,6 +50,11 @@ POD_BIND = "0.0.0.0"
 READY_PATH = "/ready"
 # In the ingress's block: where `gaas up --trace` receives spans over OTLP/gRPC (gaas.ops.tracesink).
 TRACE_OFFSET = 6
+# The ingress's Envoy processes under `gaas up` (ingress.replicas): they share the ingress port
+# (SO_REUSEPORT: the kernel spreads new connections over them, and a new connection never reaches
+# one that died), each its statistics at one of these offsets of the ingress's block.
+INGRESS_STATS_OFFSETS = (ENVOY_STATS_OFFSET, 7, 8, 9)
+DEFAULT_INGRESS_REPLICAS = 2
 
 # A topology worker's options and their defaults are the worker's settings (gaas/settings/worker.py).
 WORKER_DEFAULTS = topology_defaults()
@@ -163,6 +168,8 @@ class Topology:
     # sidecar health-checks its service and answers the kubelet's readiness probe (READY_PATH on
     # its statistics port) with what the service's gRPC health says.
     pod: bool = False
+    # The ingress's Envoy processes on this host (ingress-0, ingress-1, ...), sharing its port.
+    ingress_replicas: int = 1
 
     def bind(self, inst: "Instance | None" = None) -> str:
         """Where a listener on the network (an inbound or statistics listener, the ingress) binds."""
@@ -176,7 +183,15 @@ class Topology:
 
     @property
     def ingress_stats_port(self) -> int:
-        return self.port_base + ENVOY_STATS_OFFSET
+        return self.ingress_stats_port_of(0)
+
+    def ingress_stats_port_of(self, replica: int) -> int:
+        return self.port_base + INGRESS_STATS_OFFSETS[replica]
+
+    @property
+    def ingresses(self) -> list[str]:
+        """The ingress's Envoys' names."""
+        return [f"ingress-{i}" for i in range(self.ingress_replicas)]
 
     @property
     def trace_port(self) -> int:
@@ -187,8 +202,8 @@ class Topology:
         return f"{self.host}:{self.ingress_port}"
 
     def envoy_stats(self) -> dict[str, str]:
-        """Each Envoy of the mesh (ingress-0, sidecar-<instance>) -> host:port of its statistics."""
-        return {"ingress-0": f"{self.host}:{self.ingress_stats_port}",
+        """Each Envoy of the mesh (ingress-N, sidecar-<instance>) -> host:port of its statistics."""
+        return {**{name: f"{self.host}:{self.ingress_stats_port_of(i)}" for i, name in enumerate(self.ingresses)},
                 **{f"sidecar-{i.name}": f"{i.host}:{i.envoy_stats_port}" for i in self.instances}}
 
     # What a deployment pool's `replicas: auto` becomes (services.worker.replicas, or --workers),
@@ -226,7 +241,8 @@ class Topology:
         raise KeyError(f"no instance named {name!r} in the topology")
 
     def all_ports(self) -> list[int]:
-        ports = [self.ingress_port, self.ingress_admin_port, self.ingress_stats_port, self.trace_port]
+        ports = [self.ingress_port, self.ingress_admin_port, self.trace_port,
+                 *(self.ingress_stats_port_of(i) for i in range(self.ingress_replicas))]
         for i in self.instances:
             ports += [i.port, i.inbound_port, i.outbound_port, i.admin_port, i.metrics_port, i.envoy_stats_port]
         return ports
@@ -235,7 +251,7 @@ class Topology:
         """The ports a mesh started by `gaas up` listens on (its services, outbound listeners and
         Envoy admin interfaces are Unix sockets): the ingress, each sidecar's inbound listener and
         each service's /metrics and each Envoy's statistics (and trace_port under `gaas up --trace`)."""
-        return [self.ingress_port, self.ingress_stats_port,
+        return [self.ingress_port, *(self.ingress_stats_port_of(i) for i in range(self.ingress_replicas)),
                 *(p for i in self.instances for p in (i.inbound_port, i.metrics_port, i.envoy_stats_port))]
 
 
@@ -283,6 +299,10 @@ def build(
     ingress_path = ingress_path or str(ingress.get("path", "direct"))
     if ingress_path not in INGRESS_PATHS:
         raise TopologyError(f"ingress.path must be one of {', '.join(INGRESS_PATHS)}, got {ingress_path!r}")
+    ingress_replicas = _int(ingress.get("replicas", DEFAULT_INGRESS_REPLICAS), "ingress.replicas", 1)
+    if ingress_replicas > len(INGRESS_STATS_OFFSETS):
+        raise TopologyError(f"ingress.replicas can be at most {len(INGRESS_STATS_OFFSETS)} (Envoys sharing the "
+                            f"ingress port on this host), got {ingress_replicas}")
 
     instances: list[Instance] = []
     block = 1  # block 0 is the ingress's; the workers' blocks come after every other instance's
@@ -313,7 +333,8 @@ def build(
             instances.append(Instance(service, f"{service}-{idx}", idx, host, base + block * PORTS_PER_INSTANCE))
             block += 1
     topo = Topology(host=host, port_base=base, ingress_port=ingress_port, instances=tuple(instances),
-                    ingress_path=ingress_path, auto_workers=auto, worker_defaults=defaults)
+                    ingress_path=ingress_path, auto_workers=auto, worker_defaults=defaults,
+                    ingress_replicas=ingress_replicas)
     # The workers: those of fleet (each a pool's worker), else auto_workers of no pool (what the
     # Envoy configs of a topology alone show).
     pools = list(fleet) if fleet is not None else [{}] * auto

@@ -23,11 +23,12 @@ INGRESS_REQUEST_ID_ATTRIBUTE = "guid:x-request-id"
 
 
 def envoy_service(envoy: str) -> str:
-    """The service name an Envoy's spans carry (envoy: "ingress-0" or "sidecar-<instance>")."""
+    """The service name an Envoy's spans carry (envoy: "ingress", all its replicas alike, or
+    "sidecar-<instance>")."""
     return f"envoy-{envoy}"
 
 
-INGRESS_SERVICE = envoy_service("ingress-0")
+INGRESS_SERVICE = envoy_service("ingress")
 
 
 class TraceError(ValueError):

@@ -16,7 +16,7 @@ from tests.meshutil import worker_addresses
 
 # The Envoys that reach workers: the router's and the KV directory's sidecars, and on the direct
 # path the ingress and the workers' own (they carry streams on at each other).
-REACHING = ("router-0", "kvcache-0", *(("ingress-0", "worker-0") if INGRESS_PATH == "direct" else ()))
+REACHING = ("router-0", "kvcache-0", *(("ingress-0", "ingress-1", "worker-0") if INGRESS_PATH == "direct" else ()))
 
 
 def endpoints(mesh, envoy: str) -> set[str]:

@@ -47,19 +47,19 @@ def test_one_request_is_one_trace_across_every_envoy_and_service_it_crossed(mesh
     if INGRESS_PATH == "direct":
         # The ingress asks the router (ext_proc, through its sidecar) and sends the request to the
         # worker's sidecar itself: one trace, the worker's final chunk naming it.
-        want = {"envoy-ingress-0", "envoy-sidecar-router-0", f"envoy-sidecar-{worker}"}
+        want = {"envoy-ingress", "envoy-sidecar-router-0", f"envoy-sidecar-{worker}"}
         t = _wait_for_trace(mesh.run_dir / traces.TRACES_FILE, request_id, want)
         assert t.trace_id == final.timings.trace_id
         (root,) = t.roots()
-        assert (root.service, root.name) == ("envoy-ingress-0", "ingress to a worker")
-        assert any(s.service == "envoy-ingress-0" and "ExternalProcessor.Process" in s.name for s in t.spans)
+        assert (root.service, root.name) == ("envoy-ingress", "ingress to a worker")
+        assert any(s.service == "envoy-ingress" and "ExternalProcessor.Process" in s.name for s in t.spans)
         return
     # (control's Authenticate is in it too unless the router had the key cached)
-    want = {"envoy-ingress-0", "envoy-sidecar-router-0", "gaas-router", f"envoy-sidecar-{worker}", "gaas-worker"}
+    want = {"envoy-ingress", "envoy-sidecar-router-0", "gaas-router", f"envoy-sidecar-{worker}", "gaas-worker"}
     t = _wait_for_trace(mesh.run_dir / traces.TRACES_FILE, request_id, want)
     assert t.trace_id == final.timings.trace_id
     (root,) = t.roots()
-    assert (root.service, root.name) == ("envoy-ingress-0", "ingress")
+    assert (root.service, root.name) == ("envoy-ingress", "ingress")
 
     def chain(span, path=()):
         path = (*path, (span.service, span.name))
@@ -69,7 +69,7 @@ def test_one_request_is_one_trace_across_every_envoy_and_service_it_crossed(mesh
 
     # The generation's path, each hop the parent of the next.
     paths = list(chain(root))
-    assert any([s for s, _ in p] == ["envoy-ingress-0", "envoy-sidecar-router-0", "gaas-router", "gaas-router",
+    assert any([s for s, _ in p] == ["envoy-ingress", "envoy-sidecar-router-0", "gaas-router", "gaas-router",
                                      "envoy-sidecar-router-0", f"envoy-sidecar-{worker}", "gaas-worker"]
                and p[-1][1] == "/gaas.v1.Worker/Generate" for p in paths), paths
     routed = next(s for s in t.spans if s.service == "gaas-router" and s.name == "/gaas.v1.Inference/Generate")
@@ -84,7 +84,7 @@ def test_one_request_is_one_trace_across_every_envoy_and_service_it_crossed(mesh
 
     shown = gaas(mesh, "trace", request_id)
     assert shown.returncode == 0, shown.stderr
-    assert f"worker={worker}" in shown.stdout and "envoy-ingress-0: ingress" in shown.stdout
+    assert f"worker={worker}" in shown.stdout and "envoy-ingress: ingress" in shown.stdout
     listed = gaas(mesh, "trace", "--list", "--json")
     assert any(final.request_id in x["request_ids"] for x in json.loads(listed.stdout))
 
@@ -98,7 +98,7 @@ def test_the_mesh_own_background_calls_make_no_traces(mesh):
     # Envoy's exporter dropped the ingress's own (it drops spans when the collector falls behind:
     # a few did under the fuzzing before this, every request traced on two cores).
     client_methods = ("/gaas.v1.OpenAI/", "/gaas.v1.Inference/", "/envoy.service.auth.v3.Authorization/")
-    background = [t for t in collected.values() if not any(s.service == "envoy-ingress-0" for s in t.spans)
+    background = [t for t in collected.values() if not any(s.service == "envoy-ingress" for s in t.spans)
                   and not any(s.name.startswith(client_methods) for s in t.spans)]
     assert not background, [(t.trace_id, [(s.service, s.name) for s in t.spans]) for t in background[:3]]
 

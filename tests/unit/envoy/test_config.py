@@ -29,9 +29,22 @@ def rendered(tmp_path_factory):
     return _render(tmp_path_factory.mktemp("envoy"), "router")
 
 
-def test_one_sidecar_per_instance_plus_ingress(rendered):
+def test_one_sidecar_per_instance_plus_the_ingresss_envoys(rendered):
     topo, configs, _ = rendered
-    assert set(configs) == {"ingress-0"} | {f"sidecar-{i.name}" for i in topo.instances}
+    assert topo.ingresses == ["ingress-0", "ingress-1"]
+    assert set(configs) == {"ingress-0", "ingress-1"} | {f"sidecar-{i.name}" for i in topo.instances}
+
+
+def test_the_ingresss_envoys_share_its_port_each_with_its_own_admin_and_statistics(rendered):
+    topo, configs, _ = rendered
+    edges = [configs[name] for name in topo.ingresses]
+    listeners = [{x["name"]: x for x in cfg["static_resources"]["listeners"]} for cfg in edges]
+    assert [ls["ingress"]["address"] for ls in listeners] == [listeners[0]["ingress"]["address"]] * len(edges)
+    assert all(ls["ingress"]["enable_reuse_port"] for ls in listeners)
+    assert len({str(cfg["admin"]["address"]) for cfg in edges}) == len(edges)
+    stats = [next(x["address"]["socket_address"]["port_value"] for x in ls.values() if x["name"] != "ingress")
+             for ls in listeners]
+    assert stats == [topo.ingress_stats_port_of(i) for i in range(len(edges))] and len(set(stats)) == len(edges)
 
 
 def test_configs_are_valid_envoy(rendered):
@@ -108,7 +121,7 @@ def test_inbound_forwards_to_the_local_service(rendered):
     assert outbound["address"]["pipe"] == {"path": str(root / "outbound.sock"), "mode": 0o600}
     for name, c in configs.items():
         tcp = [x["name"] for x in c["static_resources"]["listeners"] if "socket_address" in x["address"]]
-        assert tcp == (["ingress", "stats"] if name == "ingress-0" else ["inbound", "stats"]), name
+        assert tcp == (["ingress", "stats"] if name.startswith("ingress-") else ["inbound", "stats"]), name
         assert "pipe" in c["admin"]["address"], name
 
 
@@ -249,7 +262,7 @@ def _allowed(policies, path: str) -> set[str]:
 def test_every_inbound_listener_wants_a_mesh_certificate_and_says_who_called(rendered):
     _, configs, _ = rendered
     for name, cfg in configs.items():
-        if name == "ingress-0":
+        if name.startswith("ingress-"):
             continue
         tls = _inbound_chain(cfg)["transport_socket"]["typed_config"]
         assert tls["require_client_certificate"] is True, name

@@ -32,8 +32,8 @@ def test_ports_are_derived_in_blocks_of_ten():
     assert t.ingress_admin_port == 20003
     assert len(set(t.all_ports())) == len(t.all_ports())
     # Under gaas up only the ingress, the sidecars' inbound listeners, /metrics and the Envoys'
-    # statistics use TCP.
-    assert sorted(t.tcp_ports()) == [t.ingress_port, 20005, 20011, 20014, 20015, 20021, 20024, 20025, 20031, 20034, 20035,
+    # statistics use TCP (the ingress's two Envoys', 20005 and 20007).
+    assert sorted(t.tcp_ports()) == [t.ingress_port, 20005, 20007, 20011, 20014, 20015, 20021, 20024, 20025, 20031, 20034, 20035,
                              20041, 20044, 20045, 20051, 20054, 20055, 20061, 20064, 20065, 20071, 20074, 20075]
     assert t.trace_port == 20006 and t.trace_port in t.all_ports()
 

@@ -125,7 +125,7 @@ def sink(tmp_path):
 
 def test_the_collector_stores_what_the_sdk_exports_and_reads_it_back_as_one_parented_trace(sink):
     path, provider = sink
-    front, back = provider("envoy-ingress-0"), provider("gaas-router")
+    front, back = provider("envoy-ingress"), provider("gaas-router")
     with front.get_tracer("t").start_as_current_span("ingress", attributes={"guid:x-request-id": "client-1"}) as root:
         with back.get_tracer("t").start_as_current_span("/gaas.v1.Inference/Generate") as child:
             child.set_attribute("gaas.worker", "worker-3")
@@ -140,7 +140,7 @@ def test_the_collector_stores_what_the_sdk_exports_and_reads_it_back_as_one_pare
     trace_hex = format(root.get_span_context().trace_id, "032x")
     collected = traces.load(path)
     t = collected[trace_hex]
-    assert len(t.spans) == 3 and t.services() == ["envoy-ingress-0", "gaas-router"]
+    assert len(t.spans) == 3 and t.services() == ["envoy-ingress", "gaas-router"]
     (r,) = t.roots()
     assert r.name == "ingress" and r.children[0].name == "/gaas.v1.Inference/Generate"
     assert r.children[0].children[0].name == "/gaas.v1.Worker/Generate"
@@ -154,7 +154,7 @@ def test_the_collector_stores_what_the_sdk_exports_and_reads_it_back_as_one_pare
     assert "gaas-router: /gaas.v1.Inference/Generate" in drawn and "worker=worker-3" in drawn
     chrome = traces.chrome_events(t)
     assert sum(e["ph"] == "X" for e in chrome["traceEvents"]) == 3
-    assert {e["args"]["name"] for e in chrome["traceEvents"] if e["ph"] == "M"} == {"envoy-ingress-0", "gaas-router"}
+    assert {e["args"]["name"] for e in chrome["traceEvents"] if e["ph"] == "M"} == {"envoy-ingress", "gaas-router"}
 
 
 def test_the_collector_rotates_its_file_and_reading_keeps_the_previous_one(tmp_path):
