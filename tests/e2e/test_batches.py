@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 
 from gaas.contracts import pricing
 from tests.e2e.test_frontdoor import _error_shaped, _send, conn  # noqa: F401 - conn: a fixture
-from tests.e2e.test_metering import (GOLD, children, ledger_totals, needs_own_mesh, new_tenant, wait_restarted,
-                                     wait_serving)
+from tests.e2e.test_metering import (GOLD, children, instance, ledger_totals, needs_own_mesh, new_tenant,
+                                     wait_restarted, wait_serving)
+from gaas.sdk.admin import Admin
+from tests.meshutil import wait_for_lines
 
 pytestmark = pytest.mark.mesh
 
@@ -144,6 +146,48 @@ def test_cancel_stops_what_has_not_started(mesh, tenant):
     assert len(err) == 200 - ran and {x["error"]["code"] for x in err} == {"batch_cancelled"}
     with pytest.raises(openai.BadRequestError):
         c.batches.cancel(b.id)
+
+
+def wait_counts(c: openai.OpenAI, batch_id: str, done: int, timeout: float = 60):
+    """The batch once at least done of its requests have run (completed or failed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        b = c.batches.retrieve(batch_id)
+        if b.request_counts.completed + b.request_counts.failed >= done or b.status in FINAL:
+            return b
+        assert time.monotonic() < deadline, f"batch {batch_id}: fewer than {done} requests ran"
+        time.sleep(0.3)
+
+
+def test_revoking_a_batchs_key_fails_its_next_request_and_cancels_the_batch(mesh):
+    name, key = new_tenant(mesh, "gold")
+    c = client(mesh, key)
+    b = run_batch(c, lines(300, max_tokens=32))
+    wait_counts(c, b.id, 1)
+    with Admin(instance(mesh, "control-0")) as admin:
+        [k] = admin.list_keys(name)
+        admin.revoke_key(k["key_id"])
+    with Admin(instance(mesh, "control-0")) as admin:
+        _, other = admin.create_key(name)  # (the batch's owner reads it with another key)
+    c = client(mesh, other)
+    done = wait_final(c, b.id, timeout=120)
+    assert done.status == "cancelled"
+    codes = [x["error"]["code"] if x["error"] else x["response"]["status_code"] for x in jsonl(c, done.error_file_id)]
+    assert 401 in codes and "batch_cancelled" in codes
+
+
+def test_a_batch_is_held_to_its_tenants_quota(mesh):
+    name, key = new_tenant(mesh, "gold")
+    with Admin(instance(mesh, "control-0")) as admin:
+        admin.update_tenant(name, limits={"rpm": 3})
+    c = client(mesh, key)
+    b = run_batch(c, lines(10))
+    ran = wait_counts(c, b.id, 3)
+    # Its fourth request is given back for the quota (and backs off) instead of running.
+    wait_for_lines(mesh.run_dir / "logs" / "router-0.log", b.id, "given back", timeout=30)
+    now = c.batches.retrieve(b.id)
+    assert ran.request_counts.completed == now.request_counts.completed == 3 and now.status == "in_progress"
+    c.batches.cancel(b.id)
 
 
 def test_another_tenant_sees_none_of_a_tenants_files_or_batches(mesh, tenant):
