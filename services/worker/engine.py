@@ -18,6 +18,7 @@ from gaas.contracts import errors, finish, genrequest
 from gaas.host import devices, placement
 from gaas.model.tokenizer import ChatMessage, Tokenizer
 from gaas.settings.worker import WorkerSettings
+from services.worker import structured
 
 log = logging.getLogger(__name__)
 
@@ -311,11 +312,8 @@ class VllmEngine(Engine):
             # used going when more than max_cpu_loras would be held.
             extra.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                          max_cpu_loras=max(s.max_cpu_loras, s.max_loras))
-        from vllm.config import StructuredOutputsConfig
-
-        # Structured output (JSON) decodes without free whitespace: compact, and no model spends
-        # its tokens on blanks between the fields (vLLM takes this per engine, not per request).
-        extra["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+        # Per engine, not per request: the grammar backend and its options (services/worker/structured.py).
+        extra["structured_outputs_config"] = structured.structured_outputs_config()
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         backend, engine_env = placement.engine_executor(s.executor, on_gpu, bind)
         if backend:
