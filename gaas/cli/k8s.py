@@ -137,7 +137,7 @@ def cmd_rehearse(args) -> int:
     import signal
     import tempfile
 
-    from gaas.k8s import rehearsal
+    from gaas.k8s import drill, rehearsal
 
     def stop(signum, frame):  # a background shell's children start with SIGINT ignored: both, explicitly
         raise KeyboardInterrupt
@@ -146,15 +146,16 @@ def cmd_rehearse(args) -> int:
     signal.signal(signal.SIGINT, stop)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gaas-rehearsal-"))
     try:
-        with rehearsal.rehearse(work, ROOT, deploy_file=Path(args.file), topology_file=Path(args.topology),
+        with drill.rehearse(work, ROOT, deploy_file=Path(args.file), topology_file=Path(args.topology),
                                 workers=args.workers, progress=say) as r:
-            say(f"ready: the ingress at http://{r.ingress}/v1 (and every other ingress pod), control at {r.control}"
+            trust = f" (its certificate's CA: {r.ingress_ca})" if r.ingress_ca else ""
+            say(f"ready: the ingress at {r.ingress}{trust} (and every other ingress pod), control at {r.control}"
                 f" (gaas --control {r.control} --run-dir {r.secrets} ...); pods' logs under {work}/pods")
             if not args.check:
                 say("Ctrl-C stops it")
                 signal.pause()
                 return 0
-            results = rehearsal.survives_kills(r, progress=say)
+            results = drill.survives_kills(r, progress=say)
     except KeyboardInterrupt:
         say("stopped")
         return 130

@@ -5,7 +5,9 @@ What is taken from the manifests, as a kubelet would: each workload's pods (a De
 replicas, a StatefulSet's one), each pod's containers with exactly their command, arguments,
 working directory and environment (values, the downward API's pod name and address, Secrets'
 keys, `$(VAR)` references expanded), its volumes (ConfigMaps and Secrets as files, emptyDirs and
-claims as directories) mounted where the containers mount them, native sidecars started first
+a StatefulSet's claims as directories of the pod's own, a PersistentVolumeClaim a pod names as one
+directory every pod that names it shares, as a ReadWriteMany volume is) mounted where the
+containers mount them, native sidecars started first
 and waited for (their startup probe), the probes, and the restart policy: a container that exits,
 or is killed, starts again in its pod with a backoff. Each pod has its own address on a bridge of
 its own, a hosts file that resolves every headless Service to its pods (as cluster DNS does), and
@@ -15,8 +17,11 @@ filesystem is read-only where the container asks for it.
 What it does not rehearse: the scheduler and the nodes (every pod runs here), resource requests
 and limits, the users containers run as (the processes run as root without capabilities: the
 interpreter of this machine lives in root's home), the kubelet's liveness restarts, the HPA's and
-KEDA's reading of metrics, NetworkPolicies, the LoadBalancer (clients use an ingress pod's
-address), and images (the project and its virtual environment are this checkout's).
+KEDA's reading of metrics, NetworkPolicies, the LoadBalancer and its externalTrafficPolicy
+(clients use an ingress pod's address), cert-manager (the render's trial certificate is served),
+a storage provisioner (a claim is a directory here), and images (the project and its virtual
+environment are this checkout's). gaas/k8s/drill.py drives a rehearsal: renders, runs, streams,
+kills.
 
 Needs root (network and mount namespaces); the traffic stays on the bridge (no route out).
 """
@@ -48,8 +53,10 @@ WORKLOADS = ("Deployment", "StatefulSet")
 # Each running rehearsal's driver pid, by id: what a rehearsal killed before it cleaned up left is
 # found there and removed by the next one.
 RUNNING_DIR = Path("/run/gaas-rehearsals")
-# Where a container's mount namespace sees its pod's volumes before mounting them in place.
+# Where a container's mount namespace sees its pod's volumes, and the claims pods share, before
+# mounting them in place.
 STAGING = "/run/.rehearsal-volumes"
+CLAIMS_STAGING = "/run/.rehearsal-claims"
 
 
 class RehearsalError(RuntimeError):
@@ -137,6 +144,11 @@ class Rehearsal:
     # ------------------------------------------------------------------ network
 
     @property
+    def claims(self) -> Path:
+        """Where the PersistentVolumeClaims pods name are, one directory each."""
+        return self.work / "claims"
+
+    @property
     def network_cidr(self) -> str:
         return f"{self.subnet}.0/24"
 
@@ -200,11 +212,14 @@ class Rehearsal:
 
     def _volumes(self, pod: Pod) -> dict[str, Path]:
         """Each volume of pod as a directory: a ConfigMap's or a Secret's keys as files (a
-        Secret's mode as its defaultMode), an emptyDir or a claim empty."""
+        Secret's mode as its defaultMode), an emptyDir or a claim empty; a PersistentVolumeClaim the
+        pod names is the claim's one directory (under self.claims), whichever pods name it."""
         out = {}
         claims = [t["metadata"]["name"] for t in pod.workload["spec"].get("volumeClaimTemplates", [])]
         for v in [*pod.spec.get("volumes", []), *({"name": c, "claim": True} for c in claims)]:
             d = pod.dir / "volumes" / v["name"]
+            if "persistentVolumeClaim" in v:
+                d = self.claims / v["persistentVolumeClaim"]["claimName"]
             d.mkdir(parents=True, exist_ok=True)
             if "configMap" in v:
                 cm = self._configmaps.get(v["configMap"]["name"])
@@ -255,10 +270,13 @@ class Rehearsal:
                  "mount -t tmpfs -o mode=0755 tmpfs /run", "mount -t tmpfs -o mode=0755 tmpfs /opt",
                  f"mkdir -p {pods.APP_DIR}", f"mount --bind {shlex.quote(str(self.repo))} {pods.APP_DIR}",
                  # (The volumes' directories reached from here: a volume mounted on /tmp hides them.)
-                 f"mkdir -p {STAGING}", f"mount --bind {shlex.quote(str(pod.dir / 'volumes'))} {STAGING}"]
+                 f"mkdir -p {STAGING}", f"mount --bind {shlex.quote(str(pod.dir / 'volumes'))} {STAGING}",
+                 f"mkdir -p {CLAIMS_STAGING} {shlex.quote(str(self.claims))}",
+                 f"mount --bind {shlex.quote(str(self.claims))} {CLAIMS_STAGING}"]
         for m in sorted(c.get("volumeMounts", []), key=lambda m: len(m["mountPath"])):
             target = shlex.quote(m["mountPath"])
-            source = shlex.quote(f"{STAGING}/{volumes[m['name']].name}")
+            staged = CLAIMS_STAGING if volumes[m["name"]].parent == self.claims else STAGING
+            source = shlex.quote(f"{staged}/{volumes[m['name']].name}")
             lines += [f"mkdir -p {target}", f"mount --bind {source} {target}"]
             if m.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {target}")
@@ -469,146 +487,3 @@ def _kill_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-@dataclass(slots=True)
-class Rehearsed:
-    """A running rehearsal: its pods, where the operator's certificate is, the served model."""
-
-    rehearsal: Rehearsal
-    manifests: Path
-    model: str
-
-    @property
-    def secrets(self) -> Path:
-        return self.manifests / "secrets"
-
-    def address(self, workload: str, port: int, index: int = 0) -> str:
-        return f"{self.rehearsal.of(workload)[index].ip}:{port}"
-
-    @property
-    def ingress(self) -> str:
-        return self.address(pods.INGRESS, pods.INGRESS_PORT)
-
-    @property
-    def control(self) -> str:
-        return self.address(pods.deployment_name("control"), pods.INBOUND_PORT)
-
-
-def rehearse(work: Path, repo: Path, *, deploy_file: Path, topology_file: Path, workers: int = 2,
-             ingress_path: str | None = None, progress: Callable[[str], None] = lambda msg: None,
-             ready_timeout: float = 420.0):
-    """A context manager: the cpu overlay rendered (a managed PostgreSQL standing in on this
-    machine, two replicas of every stateless service, workers replicas of the default model's pool;
-    ingress_path: the topology's, unless given) and run; yields a Rehearsed; everything stopped and
-    removed at the end."""
-    from contextlib import ExitStack, contextmanager
-
-    from gaas.k8s import manifests, render, validate
-    from gaas.model.build import build_model, is_built
-    from gaas.ops import pgserver, topology
-    from gaas.settings import deployspec
-
-    @contextmanager
-    def run():
-        with ExitStack() as stack:
-            r = Rehearsal(work, repo, progress)
-            stack.callback(r.stop)
-            r.network()
-            bindir = pgserver.find_binaries()
-            if bindir is None:
-                raise RehearsalError(pgserver.HOW_TO_INSTALL)
-            progress(f"a managed PostgreSQL at {r.host_address} (this machine, on the pods' bridge)")
-            url = stack.enter_context(pgserver.ThrowAwayPostgres(
-                bindir, host=r.host_address, allow=r.network_cidr, databases=tuple(deployspec_databases())))
-            out = work / "manifests"
-            render.write(out, topology.load(topology_file, env={}, ingress_path=ingress_path), deploy_file,
-                         manifests.Options(replicas=2, postgres=False), postgres_url=url.rsplit("/", 1)[0])
-            objects = validate.validate(out / "overlays" / "cpu")
-            spec = deployspec.load(deploy_file)
-            model = spec.default_model
-            # What the image holds built (Containerfile): the served model, built here when missing.
-            if model.preset and model.source.startswith("/") and not is_built(Path(model.source)):
-                progress(f"building the local model {model.name} ({model.preset}) into {model.source}")
-                build_model(model.preset, Path(model.source), seed=model.seed, progress=progress)
-            pool = next(p for p in pods.pools(spec) if p["model"] == model.name and p["version"] == model.version)
-            r.start(objects, scale={pods.pool_name(pool): workers})
-            progress("waiting for every pod to be ready (the workers load their model)")
-            r.wait_ready(ready_timeout)
-            yield Rehearsed(r, out, model.name)
-
-    return run()
-
-
-def deployspec_databases() -> list[str]:
-    """The databases of a managed PostgreSQL the services use (gaas/k8s/secrets.py names them)."""
-    from gaas.k8s.secrets import DATABASES
-
-    return sorted(DATABASES)
-
-
-def operator(r: Rehearsed, *args: str) -> str:
-    """A `gaas` command as the operator (its certificate in the rendered secrets), against a control pod."""
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "gaas.cli.main", *args, "--control", r.control,
-                           "--run-dir", str(r.secrets)], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise RehearsalError(f"gaas {' '.join(args)}: {done.stderr.strip()}")
-    return done.stdout + done.stderr
-
-
-def stream(ingress: str, key: str, model: str, prompt: str = "Once upon a time") -> str:
-    """One streamed chat completion with the official openai client (no retries of its own)."""
-    import openai
-
-    client = openai.OpenAI(base_url=f"http://{ingress}/v1", api_key=key, max_retries=0, timeout=60)
-    chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=12, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    if not text:
-        raise RehearsalError("the stream carried no text")
-    return text
-
-
-@dataclass(frozen=True, slots=True)
-class KillResult:
-    workload: str
-    pod: str
-    # Requests streamed while the pod was down, and how many failed.
-    requests: int
-    failed: int
-    # From the kill to the pod ready again (its containers restarted by their policy).
-    recovered_s: float
-    errors: tuple[str, ...] = ()
-
-
-def survives_kills(r: Rehearsed, *, requests: int = 6, progress: Callable[[str], None] = lambda msg: None,
-                   ready_timeout: float = 300.0) -> list[KillResult]:
-    """A tenant and its key made through a control pod, then for each workload of the mesh in turn
-    one of its pods killed (every process, SIGKILL): requests stream through an ingress pod still
-    up while it is down, and it must come back ready (its restart policy)."""
-    reh = r.rehearsal
-    operator(r, "tenant", "create", "rehearsal", "--tier", "gold")
-    key = next(w for w in operator(r, "key", "create", "rehearsal").split() if w.startswith("gaas_"))
-    stream(r.ingress, key, r.model)
-    results = []
-    workloads = [w["metadata"]["name"] for w in reh.objects if w["kind"] == "Deployment" and reh.of(w["metadata"]["name"])]
-    for workload in workloads:
-        pod = reh.of(workload)[0]
-        ingress = next(p for p in reh.of(pods.INGRESS) if p is not pod)
-        progress(f"killing pod {pod.name}")
-        t0 = time.monotonic()
-        reh.kill_pod(pod)
-        errors = []
-        for i in range(requests):
-            try:
-                stream(f"{ingress.ip}:{pods.INGRESS_PORT}", key, r.model, f"request {i} without {workload}")
-            except Exception as exc:  # noqa: BLE001 - what the client saw, reported
-                errors.append(f"{type(exc).__name__}: {str(exc)[:160]}")
-            time.sleep(0.2)
-        reh.wait_ready(ready_timeout, [pod])
-        results.append(KillResult(workload, pod.name, requests, len(errors), time.monotonic() - t0, tuple(errors)))
-        progress(f"{workload}: {requests - len(errors)}/{requests} served while {pod.name} was down; "
-                 f"ready again after {time.monotonic() - t0:.1f} s")
-    return results

@@ -67,8 +67,9 @@ def echo_envoy(tmp_path):
 
     def start(hops: int = 0, proxied: bool = False) -> int:
         port = _free_port()
+        seen = {"key": "seen", "value": f"%REQ({edge.CLIENT_ADDRESS_HEADER})%"}
         route = {"match": {"prefix": "/"}, "direct_response": {"status": 200},
-                 "response_headers_to_add": [{"header": {"key": "seen", "value": f"%REQ({edge.CLIENT_ADDRESS_HEADER})%"}}]}
+                 "response_headers_to_add": [{"header": seen}]}
         manager = hcm("edge", [route], [internal_headers_dropped()], tmp_path / "access.log", **edge_hcm_options(hops))
         lst = listener("ingress", "127.0.0.1", port, manager)
         if proxied:
