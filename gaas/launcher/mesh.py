@@ -1,5 +1,5 @@
 """Running the whole mesh on one machine: Redis (when none answers), every service instance of
-the topology, an Envoy sidecar per instance and the ingress Envoy. What `gaas up` does.
+the topology, an Envoy sidecar per instance and the ingress's Envoys. What `gaas up` does.
 
 Beside it in gaas/launcher: the processes it runs and what a killed one left (children.py), the
 run directory and ports (rundir.py), Redis and each process's secrets (secrets.py), the rolling
@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from gaas.envoy import config as envoyconf
 from gaas.envoy.binary import ENVOY_ARGS
-from gaas.launcher import fleet
+from gaas.launcher import fleet, ingress
 from gaas.launcher.children import (
     RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_launch, signal_group, start_ticks, stop_leftovers,
 )
@@ -718,7 +718,9 @@ class Mesh:
         self._stopping = True
         deadline = time.monotonic() + timeout
         self._close_control()
-        self._drain_ingress(min(timeout / 2, INGRESS_DRAIN_SECONDS))
+        running = {c.name for c in self.children if c.proc.poll() is None}
+        ingress.drain([LocalSockets.of(self.sockets, name).admin for name in self.topo.ingresses if name in running],
+                      min(timeout / 2, INGRESS_DRAIN_SECONDS), self.progress)
         ingresses = set(self.topo.ingresses)
         order = [
             [c for c in self.children if c.name in ingresses],
@@ -749,35 +751,6 @@ class Mesh:
         if state.exists():
             state.unlink()
         shutil.rmtree(self.sockets, ignore_errors=True)
-
-    def _drain_ingress(self, seconds: float) -> None:
-        """Close the ingress's listeners (no new connections) and wait, up to seconds, for the
-        requests in flight through them to finish."""
-        running = {c.name for c in self.children if c.proc.poll() is None}
-        admins = [LocalSockets.of(self.sockets, name).admin for name in self.topo.ingresses if name in running]
-        for admin in list(admins):
-            try:
-                probe.envoy_admin(admin, "/drain_listeners", method="POST")
-            except OSError:
-                admins.remove(admin)
-        deadline = time.monotonic() + seconds
-        said = False
-        while admins and time.monotonic() < deadline:
-            active = 0
-            for admin in admins:
-                try:
-                    _, body = probe.envoy_admin(admin, "/stats?filter=^http.ingress.downstream_rq_active$")
-                    active += int(body.decode().rsplit(":", 1)[-1].strip() or 0)
-                except (OSError, ValueError):
-                    pass
-            if active == 0:
-                return
-            if not said:
-                self.progress(f"the ingress takes no new connections; waiting up to {seconds:.0f} s for {active} "
-                              "request(s) in flight to finish")
-                said = True
-            time.sleep(0.2)
-        self.progress("requests still in flight through the ingress are cut")
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
