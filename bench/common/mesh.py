@@ -49,7 +49,7 @@ def bench_mesh(
         topo = topology.with_worker_options(topo, **worker_options)
     return Mesh(topo, run_dir=run_dir, deploy_file=deploy_file or ROOT / "deploy" / "gaas.yaml",
                 redis_url=f"redis://127.0.0.1:{base + 191}/0", progress=progress, extra_env=dict(extra_env or {}),
-                serve_model=serve_model)
+                serve_model=serve_model, topology_file=topo_file)
 
 
 @contextmanager

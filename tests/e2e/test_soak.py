@@ -1,0 +1,67 @@
+"""The soak, shortened (bench.soak runs it for minutes): on a mesh of its own with two routers and two
+workers, kill -9 of one process of each kind the mesh runs (each service, a worker's engine, each
+Envoy sidecar kind, every ingress Envoy, Redis), one after another a few seconds apart, while eight
+clients of the openai client (its default retries) stream completions as a tenant within its quotas.
+What a kill may cost and what it may not is in the test's assertions; what it cost is printed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from bench.common.chaos import MeshView, alive, report, settled_ledger
+from bench.common.mesh import tenant_key
+from bench.soak import QUOTAS, TENANT, drive
+from gaas.sdk.admin import Admin
+from tests.conftest import INGRESS_PATH, ROOT
+from tests.meshutil import own_mesh
+
+pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
+STREAMS = 8
+# Each stream's pause between its completions: the load leaves a worker's engine room to load
+# (the bench runs its streams back to back).
+PAUSE_S = 0.25
+# A process killed is serving again within this (its replacement started by `gaas up`) ...
+BACK_S = 10.0
+# ... but a worker loads its engine first: ~20-40 s on an idle CPU, minutes on a loaded one.
+WORKER_BACK_S = 300.0
+
+
+def test_each_kind_of_process_killed_under_load_loses_no_usage_refuses_no_one_and_comes_back(tmp_path):
+    topology = yaml.safe_load((ROOT / "deploy" / "topology.yaml").read_text())
+    topology["services"]["router"]["replicas"] = 2
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
+    (tmp_path / "run").mkdir()
+    with own_mesh(tmp_path / "run", port_start=23000, workers=2, ingress_path=INGRESS_PATH,
+                  args=("--topology", str(tmp_path / "topology.yaml"))) as m:
+        view = MeshView(m.run_dir)
+        with Admin(view.topo.of("control")[0].inbound, m.run_dir) as a:
+            key = tenant_key(a, TENANT, "gold", **QUOTAS)
+        kills, load, seen = drive(view, key, STREAMS, every=3.0, settle=2.0, minutes=None, say=print,
+                                  pause=PAUSE_S)
+        rows = settled_ledger(m.run_dir, TENANT, load.calls, 60)
+        lone_ingress = len(view.ingresses()) == 1
+        m.stop()
+    per_kill, total = report(kills, load, rows)
+    print(json.dumps({"kills": per_kill, "total": total}, indent=1))
+    killed = {r["kind"] for r in per_kill}
+    assert {"control", "router", "kvcache", "billing", "worker", "engine", "ingress", "redis",
+            "sidecar-router", "sidecar-worker", "sidecar-control"} <= killed, killed
+    assert total["usage_lost_tokens"] == 0 and total["unbilled"] == 0, total
+    assert total["answered_429"] == 0, "a tenant within its quotas was refused with 429"
+    for r in per_kill:
+        if r["kind"] in ("worker", "engine"):
+            assert r["restarted_s"] is not None and r["restarted_s"] <= BACK_S, r
+            assert r["back_s"] is not None and r["back_s"] <= WORKER_BACK_S, r
+        else:
+            assert r["back_s"] is not None and r["back_s"] <= BACK_S, r
+        assert r["orphans"] == 0, r
+        # A lone ingress Envoy refuses connections until it is back, longer than the client's
+        # retries wait; with two or more, the others take every new connection.
+        if not (r["kind"] == "ingress" and lone_ingress):
+            assert r["failed_before_first_token"] == 0, r
+    allowed = sum(r["failed_before_first_token"] for r in per_kill if r["kind"] == "ingress" and lone_ingress)
+    assert total["failed_before_first_token"] == allowed, total
+    assert [p for p in seen if alive(p)] == [], "processes of the mesh outlived it"
