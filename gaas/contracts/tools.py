@@ -34,10 +34,12 @@ MAX_ARGUMENTS_CHARS = 256 << 10
 
 
 def for_engine(schema):
-    """A JSON schema as the engine is given it. xgrammar (vLLM's backend here) decodes a string with
-    minLength / maxLength from a character class that lets control characters through unescaped,
-    which is not JSON; such a string gets a pattern of its lengths instead, whose characters are
-    JSON's own (no quote, backslash or control character: a value needs no escapes)."""
+    """A JSON schema as the engine is given it. A string with minLength / maxLength gets a pattern
+    of its lengths instead, whose characters are JSON's own (no quote, backslash or control
+    character: a value needs no escapes). xgrammar decoded such strings from a character class that
+    let control characters through unescaped, which is not JSON; the worker's backend now is
+    guidance (services/worker/structured.py), which keeps them out either way: the pattern stays so
+    any backend decodes the same strings."""
     if isinstance(schema, list):
         return [for_engine(v) for v in schema]
     if not isinstance(schema, dict):
