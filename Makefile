@@ -9,7 +9,7 @@ help:
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers), then"
 	@echo "             the end-to-end half again on the router path (make test-router runs that alone)"
 	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
-	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, the long-context switching cost of sessions,"
+	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, a soak killing every kind of process in turn, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge, roll-outs (a breach back to 0%, failed requests"
 	@echo "             while promoting and switching, the cost of an apply), autoscaling (a step served by a new worker, scale-in, scale from zero),"
 	@echo "             LoRA, structured output, batches, what a hostile upload or batch costs the shared services, and the SITS2026 scorecard (gaas bench sits: its six dimensions"
@@ -56,6 +56,7 @@ bench: proto
 	$(BIN)/python -m bench.qos
 	$(BIN)/python -m bench.mtlsbench
 	$(BIN)/python -m bench.faults
+	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.sessions
 	$(BIN)/python -m bench.edge
 	$(BIN)/python -m bench.rollout
