@@ -27,10 +27,11 @@ from bench.common.loadgen import Call, Load, tally
 from bench.common.output import ROOT
 
 ENGINE = ":engine"
-# The order kinds are killed in: the engine first (its worker takes longest to serve again), the
-# worker's other processes last (not while another worker is down); kinds not named here before them.
-ORDER = ("engine", "control", "kvcache", "billing", "router", "sidecar-control", "sidecar-kvcache",
-         "sidecar-billing", "sidecar-router", "redis", "ingress")
+# The order kinds are killed in: the engine first (its worker takes longest to serve again), then
+# those whose death clients could notice, so a short run reaches them; the worker's other processes
+# last (not while another worker is down); kinds not named here before those.
+ORDER = ("engine", "ingress", "redis", "router", "control", "billing", "kvcache", "sidecar-router",
+         "sidecar-control", "sidecar-billing", "sidecar-kvcache")
 LAST = ("sidecar-worker", "worker")
 # How long a kill may take to be back before it counts as never.
 BACK_LIMIT_S = 300.0

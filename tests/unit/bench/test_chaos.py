@@ -22,8 +22,8 @@ def test_a_process_kind_is_its_name_without_the_instance_number(name, kind):
 
 def test_one_of_each_kind_is_killed_every_ingress_too_the_engine_first_and_the_workers_last():
     plan = [t.name for t in targets(CHILDREN)]
-    assert plan == ["worker-1:engine", "control-0", "kvcache-0", "billing-0", "router-0", "sidecar-control-0",
-                    "sidecar-kvcache-0", "sidecar-billing-0", "sidecar-router-0", "redis", "ingress-0", "ingress-1",
+    assert plan == ["worker-1:engine", "ingress-0", "ingress-1", "redis", "router-0", "control-0", "billing-0",
+                    "kvcache-0", "sidecar-router-0", "sidecar-control-0", "sidecar-billing-0", "sidecar-kvcache-0",
                     "tracesink", "sidecar-worker-0", "worker-0"]
 
 
