@@ -141,6 +141,7 @@ def cmd_up(args) -> int:
     ingress = topo.ingress
     model = (mesh.served_models or [mesh.spec.default_model.name])[0]
     services = len(mesh.topo.instances)
+    envoys = services + len(mesh.topo.ingresses)
     if args.json:
         print(json.dumps({"ready": True, "ingress": ingress, "seconds": round(elapsed, 1), "demo_key_file":
                           str(run_dir / DEMO_KEY_FILE), "models": mesh.served_models, "traces_file": str(mesh.traces_file) if trace_sink else None,
