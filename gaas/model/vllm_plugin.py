@@ -49,16 +49,18 @@ def register() -> None:
 
 def _keep_seeded_cpu_draws() -> None:
     try:
+        from vllm.platforms import current_platform
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:  # not a process that runs a model (or a vLLM without it)
         return
-    sample_tokens = GPUModelRunner.sample_tokens
-    if getattr(sample_tokens, "gaas_keeps_cpu_draws", False):
-        return
+    sample_tokens = getattr(GPUModelRunner, "sample_tokens", None)
+    if not current_platform.is_cpu() or sample_tokens is None or getattr(sample_tokens, "gaas_keeps_cpu_draws", False):
+        return  # (CUDA's generators rewind: the engine's own way is right there)
 
     def keeping_cpu_draws(self, *args, **kwargs):
         generators = self.input_batch.generators
-        rows = self.discard_request_mask.np[:self.input_batch.num_reqs].nonzero()[0] if generators else ()
+        discard = getattr(self, "discard_request_mask", None)
+        rows = discard.np[:self.input_batch.num_reqs].nonzero()[0] if generators and discard is not None else ()
         aside = {int(i): generators.pop(int(i)) for i in rows
                  if (g := generators.get(int(i))) is not None and g.device.type == "cpu"}
         states = {i: g.get_state() for i, g in aside.items()}
