@@ -15,10 +15,13 @@ from bench.common.chaos import MeshView, alive, report, settled_ledger
 from bench.common.mesh import tenant_key
 from bench.soak import QUOTAS, TENANT, drive
 from gaas.sdk.admin import Admin
-from tests.conftest import INGRESS_PATH, ROOT
+from tests.conftest import INGRESS_PATH, ROOT, on_direct_path
 from tests.meshutil import own_mesh
 
-pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
+# On a mesh of its own that loads the whole host: after the shared mesh's tests, once per `make
+# test` (the default path's run; CI is a budget).
+pytestmark = [pytest.mark.mesh, pytest.mark.apart,
+              on_direct_path("the soak runs once per suite, on the default path (CI's budget)")]
 STREAMS = 8
 # Each stream's pause between its completions: the load leaves a worker's engine room to load
 # (the bench runs its streams back to back).
