@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common.chaos import engine_core
 from bench.common.output import RESULTS, progress, write_json
 from gaas.host import placement
 
@@ -137,23 +138,13 @@ def _serving(mesh, name: str) -> bool:
     return True
 
 
-def _engine_core(pid: int) -> int:
-    for p in placement.descendants(pid):
-        try:
-            if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes():
-                return p
-        except OSError:
-            pass
-    raise RuntimeError(f"no engine core under pid {pid}")
-
-
 def kill_under_load(mesh, load: Load, target: str, settle: float) -> dict:
     name = target.removesuffix(ENGINE)
     pid = _children(mesh.run_dir)[name]
     owned = placement.descendants(pid)
     time.sleep(settle)
     t0 = time.monotonic()
-    victim = _engine_core(pid) if target.endswith(ENGINE) else pid
+    victim = engine_core(pid) if target.endswith(ENGINE) else pid
     os.kill(victim, signal.SIGKILL)
     say(f"killed {target} (pid {victim}) under load")
     back = None

@@ -197,7 +197,8 @@ class Kill:
         self._done.wait(timeout)
 
 
-def _engine_core(pid: int) -> int:
+def engine_core(pid: int) -> int:
+    """The pid of vLLM's engine core under a worker's process."""
     from gaas.host.placement import descendants
 
     for p in descendants(pid):
@@ -214,7 +215,7 @@ def kill(view: MeshView, target: Target) -> Kill:
     from gaas.host.placement import descendants
 
     old = view.children()[target.child]
-    victim = _engine_core(old) if target.kind == "engine" else old
+    victim = engine_core(old) if target.kind == "engine" else old
     # What must be gone once it is back: what the killed process started; of an engine, its worker
     # too (it exits when its engine dies) and all the worker had started.
     owned = identify([*descendants(old), old]) - identify([victim])
