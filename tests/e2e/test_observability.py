@@ -30,7 +30,7 @@ def test_the_scrape_config_names_every_instance_and_every_envoy_once():
     (envoys,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "gaas-envoy"]
     assert envoys["metrics_path"] == "/stats/prometheus"
     named = {c["labels"]["envoy"]: c["targets"] for c in envoys["static_configs"]}
-    assert named == {"ingress-0": [f"127.0.0.1:{topo.ingress_stats_port}"],
+    assert named == {**{f"ingress-{n}": [f"127.0.0.1:{topo.ingress_stats_port_of(n)}"] for n in range(2)},
                      **{f"sidecar-{i.name}": [f"{i.host}:{i.envoy_stats_port}"] for i in topo.instances}}
 
 
