@@ -17,7 +17,10 @@ from gaas.contracts.jsonbody import is_digits
 STREAM = "gaas:usage"
 GROUP = "billing"
 
-OUTCOMES = ("finished", "cancelled", "failed")
+# A request's outcome; and a supplement's, an event that bills a direct request's output beyond what
+# its first record billed (gaas.metering.admission.supplement), not counted as a request.
+SUPPLEMENT = "supplement"
+OUTCOMES = ("finished", "cancelled", "failed", SUPPLEMENT)
 
 # What a tenant's usage can be grouped by, besides the total: model, model and version ("gaas-tiny
 # 2.0.0": what each version of a roll-out served), UTC day, API key id, LoRA adapter ("gaas-tiny:bot";
@@ -44,7 +47,7 @@ class UsageEvent:
     cost_input_micros: int
     cost_cached_micros: int
     cost_output_micros: int
-    # finished, cancelled (the client went away) or failed (after tokens were produced).
+    # finished, cancelled (the client went away) or failed (after tokens were produced); or SUPPLEMENT.
     outcome: str
     # The worker(s) that served it.
     worker: str

@@ -29,6 +29,8 @@ ledger.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gaas.contracts import errors, pricing, usage as metering
 from gaas.contracts.usage import UsageEvent
 
@@ -78,6 +80,8 @@ PROGRESS_HEARTBEAT_SECONDS = 1.0
 PROGRESS_STALE_SECONDS = 10.0
 # How long a progress key lasts (its request's reservation's life), "billed" included.
 PROGRESS_TTL_SECONDS = 900
+# A progress key's value once its request is billed starts with this, then what was billed of its
+# output (billed_value).
 BILLED = "billed"
 
 
@@ -186,32 +190,43 @@ end
 """
 
 # KEYS: stream, spend, inflight, inflight-exp, tpm, and with a mode, the request's progress key.
-# ARGV: request id, cost, spend ttl, tokens used, mode, then the event's field/value pairs. Appends
-# the event, adds its cost, settles its admission: all or nothing. Modes: "" (a request the router
-# streams); "own" (the worker streaming a direct request: unless the router already billed it);
-# "claim" (the router, for a direct request whose worker went silent: only if the worker's
-# progress is there and not billed). -> the entry's id, or nil when the request was billed already.
+# ARGV: request id, cost, spend ttl, tokens used, mode, the progress key's value once billed, the
+# value it must have ("more" only), then the event's field/value pairs. Appends the event, adds its
+# cost, settles its admission: all or nothing. Modes: "" (a request the router streams); "own" (the
+# worker streaming a direct request: unless it was billed already, when the billed value is
+# returned for the worker to bill what its attempt sent beyond it: supplement()); "claim" (the
+# router, for a direct request whose worker went silent: only if the worker's progress is there
+# and not billed); "more" (a supplement: only if the billed value is still the one it was made
+# against). -> the entry's id; or nil, or the billed value ("own"), when it was billed already.
 RECORD = _SETTLE + """
 local mode = ARGV[5]
 if mode ~= '' then
   local v = redis.call('GET', KEYS[6])
-  if v == '%(billed)s' or (mode == 'claim' and not v) then return false end
-  redis.call('SET', KEYS[6], '%(billed)s', 'EX', %(progress_ttl)d)
+  local billed = v and string.sub(v, 1, %(len)d) == '%(billed)s'
+  if mode == 'more' then
+    if v ~= ARGV[7] then return false end
+  elseif billed then
+    if mode == 'own' then return v end
+    return false
+  elseif mode == 'claim' and not v then
+    return false
+  end
+  redis.call('SET', KEYS[6], ARGV[6], 'EX', %(progress_ttl)d)
 end
 settle(KEYS[3], KEYS[4], KEYS[5], ARGV[1], tonumber(ARGV[4]))
-local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 6))
+local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 8))
 redis.call('INCRBY', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return entry
-""" % {"billed": BILLED, "progress_ttl": PROGRESS_TTL_SECONDS}
+""" % {"billed": BILLED, "len": len(BILLED), "progress_ttl": PROGRESS_TTL_SECONDS}
 
 # KEYS: a direct request's progress key. ARGV: "completion cached". Written unless it is billed (or
 # gone: its admission lapsed).
 PROGRESS = """
 local v = redis.call('GET', KEYS[1])
-if v and v ~= '%(billed)s' then redis.call('SET', KEYS[1], ARGV[1], 'EX', %(progress_ttl)d) end
+if v and string.sub(v, 1, %(len)d) ~= '%(billed)s' then redis.call('SET', KEYS[1], ARGV[1], 'EX', %(progress_ttl)d) end
 return 1
-""" % {"billed": BILLED, "progress_ttl": PROGRESS_TTL_SECONDS}
+""" % {"billed": BILLED, "len": len(BILLED), "progress_ttl": PROGRESS_TTL_SECONDS}
 
 # KEYS: inflight, inflight-exp, tpm. ARGV: request id, tokens used (absent: none). A request that
 # ends without a usage event: having produced nothing, or a /tokenize (its tokens count a minute).
@@ -221,8 +236,9 @@ return 1
 """
 
 
-def record_args(event: UsageEvent, mode: str = "") -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of RECORD for an event (mode: RECORD's)."""
+def record_args(event: UsageEvent, mode: str = "", billed: str = "") -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of RECORD for an event (mode: RECORD's; billed: the value a "more" event was
+    made against)."""
     flat: list[str] = []
     for k, v in event.to_fields().items():
         flat += [k, v]
@@ -230,9 +246,47 @@ def record_args(event: UsageEvent, mode: str = "") -> tuple[list[str], list[str]
     keys = [metering.STREAM, spend_key(t, metering.month_of(event.finished_ms)), inflight_key(t), inflight_exp_key(t),
             tpm_key(t)]
     if mode:
-        keys.append(progress_key(t, event.request_id))
+        keys.append(progress_key(t, event.request_id.partition(SUPPLEMENT_MARK)[0]))
     used = event.prompt_tokens + event.completion_tokens
-    return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), str(used), mode, *flat]
+    return keys, [event.request_id, str(event.cost_micros), str(SPEND_TTL_SECONDS), str(used), mode,
+                  billed_value(event, billed), billed, *flat]
+
+
+# A supplement's request id is its request's, this, and what the request is billed in all.
+SUPPLEMENT_MARK = "+"
+
+
+def billed_value(event: UsageEvent, before: str = "") -> str:
+    """A direct request's progress key once event is billed: the output billed of it in all
+    (before: the value it had, for a supplement)."""
+    completion, cost = _billed(before) if before else (0, 0)
+    return f"{BILLED} {completion + event.completion_tokens} {cost + event.cost_output_micros}"
+
+
+def _billed(value: str) -> tuple[int, int]:
+    """(completion tokens, their cost) a billed value says were billed; a plain "billed" (written
+    before values carried them) counts as all there was."""
+    parts = value.split()
+    try:
+        return int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        return 1 << 62, 1 << 62
+
+
+def supplement(event: UsageEvent, billed: str) -> UsageEvent | None:
+    """What a direct request's attempt (event) sent beyond what was billed of it (billed: its
+    progress key's value): the ingress retried a request on its second choice after the first had
+    begun it (the first's sidecar died before passing its answer on), and the first, cut, billed
+    its prompt and what it made; the client was sent the second's whole answer. The prompt stays
+    billed once; the output the second made beyond the first's is billed as an event of its own
+    (outcome "supplement", not counted as a request). None: nothing beyond."""
+    completion, cost = _billed(billed)
+    if event.completion_tokens <= completion:
+        return None
+    total = event.completion_tokens
+    return replace(event, request_id=f"{event.request_id}{SUPPLEMENT_MARK}{total}", outcome=metering.SUPPLEMENT,
+                   prompt_tokens=0, cached_tokens=0, completion_tokens=total - completion, cost_input_micros=0,
+                   cost_cached_micros=0, cost_output_micros=max(0, event.cost_output_micros - cost))
 
 
 def progress_value(completion: int, cached: int, worker: str) -> str:
@@ -241,13 +295,18 @@ def progress_value(completion: int, cached: int, worker: str) -> str:
 
 def read_progress(value: str | None) -> tuple[int, int] | None:
     """(completion, cached) tokens of a progress key's value; None: gone, billed, or unreadable."""
-    if value is None or value == BILLED:
+    if value is None or is_billed(value):
         return None
     try:
         completion, cached = (int(x) for x in value.split()[:2])
     except ValueError:
         return None
     return completion, cached
+
+
+def is_billed(value: str | None) -> bool:
+    """Whether a progress key's value says its request is billed."""
+    return value is not None and value.split(" ", 1)[0] == BILLED
 
 
 def progress_age(pttl_ms: int) -> float | None:

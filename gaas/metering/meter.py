@@ -231,8 +231,7 @@ class Meter:
             await self._write_spool(event)
             return
         try:
-            keys, args = admission.record_args(event, mode)
-            await self._record(keys=keys, args=args)
+            await self._append(event, mode)
             self._circuit.succeeded()
         except asyncio.CancelledError:
             self._circuit.abandoned()
@@ -244,6 +243,19 @@ class Meter:
                 return
             log.warning("cannot append usage of %s to Redis (%s); spooled until it answers", event.request_id, exc)
             await self._write_spool(event)
+
+    async def _append(self, event: UsageEvent, mode: str) -> None:
+        """RECORD an event (RedisError passes). A worker's own of a request billed already bills
+        what its attempt sent beyond what was billed (admission.supplement), against the billed
+        value it read (read again should another attempt's record change it meanwhile)."""
+        keys, args = admission.record_args(event, mode)
+        billed = await self._record(keys=keys, args=args)
+        while mode == "own" and admission.is_billed(billed) and (more := admission.supplement(event, billed)):
+            keys, args = admission.record_args(more, "more", billed)
+            if await self._record(keys=keys, args=args):
+                return
+            keys, args = admission.record_args(event, mode)
+            billed = await self._record(keys=keys, args=args)
 
     async def claim(self, m: Metered) -> None:
         """A direct request whose worker went silent (no report of its end): billed for what the
@@ -337,8 +349,7 @@ class Meter:
             try:
                 for line in lines:
                     event = UsageEvent(**json.loads(line))
-                    keys, args = admission.record_args(event, self._mode)
-                    await self._record(keys=keys, args=args)
+                    await self._append(event, self._mode)
                     sent += 1
             except RedisError:
                 rest = lines[sent:]

@@ -99,6 +99,8 @@ GROUPS = {"": "''", "model": "model", "version": "model || ' ' || model_version"
           "day": "finished_ms / 86400000",
           "adapter": "CASE WHEN adapter = '' THEN model ELSE model || ':' || adapter END"}
 assert set(GROUPS) == {"", *metering.USAGE_GROUPS}
+# The requests among rows (a supplement bills more of a request: gaas.metering.admission.supplement).
+REQUESTS = f"COUNT(*) - COUNT(CASE WHEN outcome = '{metering.SUPPLEMENT}' THEN 1 END)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +142,7 @@ class Ledger:
         """Sums of the tenant's rows with start_ms <= finished_ms < end_ms (0: open end), grouped."""
         group = GROUPS[group_by]
         query = (
-            f"SELECT {group}, COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
+            f"SELECT {group}, {REQUESTS}, COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
             " COALESCE(SUM(completion_tokens), 0),"
             " COALESCE(SUM(cost_input_micros + cost_cached_micros + cost_output_micros), 0),"
             " COUNT(DISTINCT NULLIF(session_id, ''))"
@@ -167,7 +169,7 @@ class Ledger:
         tokens, cached tokens, output tokens, and their costs)."""
         by = GROUPS["adapter"]
         rows = await self.db.execute(
-            f"SELECT {by}, COUNT(*), COALESCE(SUM(prompt_tokens - cached_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
+            f"SELECT {by}, {REQUESTS}, COALESCE(SUM(prompt_tokens - cached_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
             " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost_input_micros), 0),"
             " COALESCE(SUM(cost_cached_micros), 0), COALESCE(SUM(cost_output_micros), 0)"
             f" FROM usage_ledger WHERE tenant = ? AND finished_ms >= ? AND finished_ms < ? GROUP BY {by} ORDER BY {by}",

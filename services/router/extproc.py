@@ -268,7 +268,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             value, age = found[2 * i], admission.progress_age(found[2 * i + 1])
             if now - e.decided > self._max_stream_s:
                 why = "it outlived the longest a stream may run"
-            elif value == admission.BILLED:
+            elif admission.is_billed(value):
                 why = "its worker billed it, and its report was lost"
             elif value is None or age is None or age <= stale:
                 continue  # streaming; or no key to go by (Redis away at its admission): its age will tell

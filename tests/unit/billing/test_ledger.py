@@ -37,6 +37,20 @@ async def test_a_request_is_recorded_once_however_often_it_arrives(db):
     assert total.cost_micros == 3 * (36 + 4 + 100)
 
 
+async def test_a_supplement_adds_its_tokens_and_cost_but_is_not_another_request(db):
+    from dataclasses import replace
+
+    from gaas.contracts.usage import SUPPLEMENT
+
+    ledger = Ledger(db)
+    await ledger.init_schema()
+    more = replace(event("r1+9", prompt=0, cached=0, completion=4), outcome=SUPPLEMENT)
+    assert await ledger.record([event("r1"), more]) == 2
+    total = await ledger.totals("acme")
+    assert (total.requests, total.prompt_tokens, total.completion_tokens) == (1, 10, 9)
+    assert [line[:2] for line in await ledger.invoice_lines("acme", 0, 10_000)] == [("m", 1)]
+
+
 async def test_usage_by_model_day_and_key_and_time_range(db):
     ledger = Ledger(db)
     await ledger.init_schema()

@@ -320,15 +320,51 @@ async def test_a_direct_request_whose_worker_died_is_billed_by_the_router_from_i
     await meter.claim(m)
     [e] = await stream_events(redis, m.request_id)
     assert (e.prompt_tokens, e.completion_tokens, e.outcome) == (9, 5, "failed")
-    assert await redis.get(admission.progress_key(tenant, m.request_id)) == admission.BILLED
+    assert admission.is_billed(await redis.get(admission.progress_key(tenant, m.request_id)))
     assert await redis.hlen(admission.inflight_key(tenant)) == 0
     spend = int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms()))))
     # A worker that was only slow, recording after the router did (a spool replayed), changes nothing.
     await worker.write_progress([w], "w0")
-    assert await redis.get(admission.progress_key(tenant, m.request_id)) == admission.BILLED
+    assert admission.is_billed(await redis.get(admission.progress_key(tenant, m.request_id)))
     await worker.commit(w, "cancelled")
     assert len(await stream_events(redis, m.request_id)) == 1
     assert int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms())))) == spend
+
+
+async def test_a_direct_request_served_whole_by_the_second_choice_after_the_first_billed_its_start_bills_the_rest(
+        meter, redis, tmp_path):
+    # The first choice took it and made a token, its sidecar died before passing anything on, and
+    # the ingress sent the request to the second choice, which streamed the whole answer.
+    tenant = fresh_tenant()
+    m = await direct_request(meter, tenant, f"{tenant}-r", prompt=9)
+    first, w1 = worker_record(redis, tmp_path, m)
+    second, w2 = worker_record(redis, tmp_path / "second", m)
+    async for _ in metered(first, w1, _agen([chunk(1, usage=(9, 0, 1))])):
+        pass
+    await first.commit(w1, "cancelled")
+    async for _ in metered(second, w2, _agen([chunk(2), chunk(4, usage=(9, 0, 6), worker="worker-1")])):
+        pass
+    spend = int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms()))))
+    [e] = await stream_events(redis, m.request_id)
+    [more] = await stream_events(redis, f"{m.request_id}{admission.SUPPLEMENT_MARK}6")
+    # The prompt once, every token the client was sent, and the cost of both.
+    assert (e.prompt_tokens + more.prompt_tokens, e.completion_tokens + more.completion_tokens) == (9, 6)
+    assert more.outcome == metering.SUPPLEMENT and more.cost_input_micros == 0
+    assert e.cost_micros + more.cost_micros == spend == pricing.cost_micros(PRICE, 9, 0, 6)
+    # Either record again (a spool replayed) bills nothing more.
+    await second._append(w2.event("finished"), "own")
+    await first._append(w1.event("cancelled"), "own")
+    assert int(await redis.get(admission.spend_key(tenant, metering.month_of(metering.now_ms())))) == spend
+
+
+def test_a_supplement_bills_only_output_beyond_what_was_billed():
+    event = metering.UsageEvent("r", "t", "k", "gold", "m", "1", 9, 3, 6, 60, 3, 600, "finished", "w1", 1)
+    assert admission.supplement(event, "billed 6 600") is None
+    assert admission.supplement(event, "billed") is None  # (written before values said what was billed)
+    more = admission.supplement(event, "billed 1 100")
+    assert (more.request_id, more.prompt_tokens, more.cached_tokens, more.completion_tokens, more.cost_micros) == (
+        "r+6", 0, 0, 5, 500)
+    assert admission.billed_value(more, "billed 1 100") == "billed 6 600"
 
 
 async def test_a_direct_request_no_worker_took_gives_its_reservation_back(meter, redis):
