@@ -150,8 +150,8 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
         peer_var.set(md.get(PEER_ADDRESS_HEADER, ""))
         answered_var.set("")
         if self._named_as and (named := md.get(WORKER_HEADER)) and self._named_as not in named.split(","):
-            raise NotNamed(f"this worker ({self._named_as}) is not the one the request was sent to ({named}); "
-                           "it goes to that one, or to the router")
+            raise NotNamed(f"no worker chosen for this request could take it ({named} did not answer; it reached "
+                           f"{self._named_as}, which serves only what is sent to it); retry shortly")
 
     def _done(self, method: str, started: float, exc: BaseException | None, context) -> None:
         self._metrics.rpcs.labels(method, _status_of(exc, context)).inc()

@@ -82,6 +82,9 @@ class DirectPlacement:
     # should the worker not take it; the worker carries its stream on at them should its engine
     # stop mid-stream.
     others: list[Candidate] = field(default_factory=list)
+    # With no other: a worker whose breaker is open, named second all the same (the ingress's
+    # retry otherwise goes to any worker of the mesh, which refuses what it was not sent).
+    last_resort: Candidate | None = None
     done: bool = False
 
     @property
@@ -91,7 +94,7 @@ class DirectPlacement:
 
     @property
     def fallback(self) -> Candidate | None:
-        return self.others[0] if self.others else None
+        return self.others[0] if self.others else self.last_resort
 
     @property
     def addresses(self) -> str:
@@ -205,8 +208,10 @@ class Placer:
         blocked = self._flow.breakers.blocked()
         others = sorted((w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked),
                         key=lambda w: scores.get(w.worker_id, float("-inf")), reverse=True)
+        last_resort = None if others else next((w for w in workers if w.worker_id != worker.worker_id), None)
         return DirectPlacement(self, prepared, principal, worker, self.worker_request(prepared, principal, request_id),
-                               queued_s, token, ctx.confirmed.get(worker.worker_id, 0), others=others)
+                               queued_s, token, ctx.confirmed.get(worker.worker_id, 0), others=others,
+                               last_resort=last_resort)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None, by: str = "") -> None:

@@ -242,13 +242,20 @@ async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_coun
     assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 
-async def test_a_worker_whose_breaker_is_open_is_no_second_choice():
-    d = dispatcher(("w0", "w1"))
+async def test_a_worker_whose_breaker_is_open_is_the_second_choice_only_when_there_is_no_other():
+    d = dispatcher(("w0", "w1", "w2"))
     for _ in range(5):
         d.flow.breakers.failure(WorkerId("w1"), "down")
     assert WorkerId("w1") in d.flow.breakers.blocked()
     p = await placed(d)
-    assert p.worker.worker_id == "w0" and p.fallback is None
+    assert p.worker.worker_id != "w1" and p.fallback.worker_id not in ("w1", p.worker.worker_id)
+    d = dispatcher(("w0", "w1"))
+    for _ in range(5):
+        d.flow.breakers.failure(WorkerId("w1"), "down")
+    p = await placed(d)
+    # Named all the same: the ingress's retry would otherwise reach any worker, which refuses it.
+    assert p.worker.worker_id == "w0" and p.fallback.worker_id == "w1" and p.addresses == "w0:1,w1:1"
+    assert p.others == []  # (no stream is carried on at it)
 
 
 def test_a_native_grpc_refusal_at_the_ingress_is_a_trailers_only_grpc_status_with_its_details():
