@@ -90,6 +90,14 @@ def ext_authz() -> dict:
     }
 
 
+def ext_authz_disabled() -> dict:
+    """A route's typed_per_filter_config that keeps the key check (ext_authz) off it: a route whose
+    decision call (ext_proc; services/router/extproc.py) checks the key on the request's headers,
+    so that a generation costs one call to a router, not two."""
+    return {"envoy.filters.http.ext_authz": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute", "disabled": True}}
+
+
 def max_http_body() -> int:
     """The largest HTTP body the ingress buffers for transcoding: the router's limit, and room for
     the framing (a larger body is refused at the ingress with 413, unread)."""
@@ -199,7 +207,9 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]
     if direct:
-        # The router is asked about the generation routes only.
+        # The router is asked about the generation routes only, and checks their keys as it decides.
+        for route in routes[:len(DIRECT_GENERATION) * 2]:
+            route.setdefault("typed_per_filter_config", {}).update(ext_authz_disabled())
         for route in routes[len(DIRECT_GENERATION) * 2:]:
             route.setdefault("typed_per_filter_config", {}).update(ext_proc_disabled())
     manager = hcm(

@@ -38,7 +38,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gaas.metering import admission, direct as direct_contract
-from gaas.contracts import errors, jsonbody
+from gaas.contracts import edge, errors, jsonbody
 from gaas.openai import api as openai_api
 from gaas.metering.meter import Metered
 from gaas.openai.stream import EXPLAIN_HEADER
@@ -313,6 +313,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         headers: dict[str, str] = {}
         body = bytearray()
         timing = Timing()
+        principal = None
         async for req in requests:
             kind = req.WhichOneof("request")
             if kind == "request_headers":
@@ -320,26 +321,33 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                 if req.request_headers.end_of_stream:  # no body: nothing to decide
                     yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
                     return
+                # The key is checked on the headers, before the body is read: these routes have no
+                # key check of their own at the ingress (one call to a router per generation).
+                try:
+                    principal = await self._caller(headers, timing)
+                except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
+                    yield self._refusal(exc, headers)
+                    return
             elif kind == "request_body":
                 body += req.request_body.body
                 if req.request_body.end_of_stream:
                     break
         else:
             return  # the client went away before its body was complete
+        if principal is None:
+            return  # (a body without headers: not what Envoy sends)
         native = headers.get(":path", "") == NATIVE_GENERATE
         # The ingress is not held on a decision long (services/router/holding.py): a request for an
         # autoscaled model none of whose workers serves yet is passed on to the router's own route
         # and waits there (ScalingUp).
         deciding_for_ingress.set(True)
         try:
-            placement = await (self._decide_native(headers, bytes(body), timing) if native
-                               else self._decide(headers, bytes(body), timing))
+            placement = await (self._decide_native(principal, headers, bytes(body), timing) if native
+                               else self._decide(principal, headers, bytes(body), timing))
         except ScalingUp:
             placement = None
         except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
-            if (err := status.answer_in_stream(exc)) is None:
-                raise
-            yield immediate_grpc(err) if native and TRANSCODED_HEADER not in headers else immediate(err)
+            yield self._refusal(exc, headers)
             return
         if placement is None:
             for r in _passed_on(bytes(body)):
@@ -367,13 +375,22 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         # The decision is all: this call ends here (cleanly, so the ingress goes on without the
         # router), and the router hears of the request's end from its worker's report.
 
-    async def _decide(self, headers: dict[str, str], body: bytes, timing: Timing):
+    @staticmethod
+    def _refusal(exc: Exception, headers: dict[str, str]) -> ep.ProcessingResponse:
+        """The client's answer to a request refused for exc, in its shape (re-raised when exc is
+        not an answer: a bug)."""
+        if (err := status.answer_in_stream(exc)) is None:
+            raise exc
+        native = headers.get(":path", "") == NATIVE_GENERATE
+        return immediate_grpc(err) if native and TRANSCODED_HEADER not in headers else immediate(err)
+
+    async def _decide(self, principal, headers: dict[str, str], body: bytes, timing: Timing):
         """(DirectGenerate, DirectPlacement, Generation) for the worker; None: the router's own
         route serves it (a path this router does not decide)."""
         parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
         if parse is None:
             return None
-        principal, client_id = await self._caller(headers, timing)
+        client_id = client_request_id_var.get()
         http = _message(httpbody_pb2.HttpBody, body)
         parsed = parse(jsonbody.parse(http.data, self._max_body))
         session_id_of(parsed, headers)  # (on the engine requests: the pipeline reads it there)
@@ -381,19 +398,19 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                                   client_id or parsed.client_request_id, parsed.client_request_id, http.data, chat,
                                   check=answer_check(parsed))
 
-    async def _decide_native(self, headers: dict[str, str], body: bytes, timing: Timing):
+    async def _decide_native(self, principal, headers: dict[str, str], body: bytes, timing: Timing):
         """_decide for the native API's Generate, whose body is the GenerateRequest."""
-        principal, client_id = await self._caller(headers, timing)
+        client_id = client_request_id_var.get()
         request = _message(inference_pb2.GenerateRequest, body)
         return await self._placed(principal, [request], timing, headers, client_id or request.request_id,
                                   request.request_id)
 
     async def _caller(self, headers: dict[str, str], timing: Timing):
-        """(who calls, the client's request id from its headers) of the request this stream decides,
-        whose headers came in its first message."""
+        """Who calls, by the headers of the request this stream decides (its first message): its
+        key, an unknown one counted against the client's address as the ingress decided it
+        (services/router/edgeauth.py). Begins the request's context (its ids)."""
         begin_request(headers, edge=True)
-        client_id = client_request_id_var.get()
-        return await self._pipeline.authenticate(timing), client_id
+        return await self._pipeline.authenticate(timing, headers.get(edge.CLIENT_ADDRESS_HEADER, ""))
 
     async def _placed(self, principal, requests, timing: Timing, headers: dict[str, str], client_id: str,
                       body_client_id: str, body: bytes = b"", chat: bool = False, check=None):

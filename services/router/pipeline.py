@@ -103,19 +103,20 @@ class Pipeline:
 
     # ------------------------------------------------------------ 1. authenticate
 
-    async def caller(self) -> Principal:
+    async def caller(self, client: str = "") -> Principal:
         """The caller's Principal (errors.Unauthenticated, or Unavailable when the control plane
-        cannot be asked), for any call. Sets the tenant the rest of the mesh sees."""
-        principal = await self._auth.authenticate(current_authorization())
+        cannot be asked), for any call. client: its address, where the ingress's key check is
+        this call's (unknown keys count against it). Sets the tenant the rest of the mesh sees."""
+        principal = await self._auth.authenticate(current_authorization(), client)
         tenant_var.set(principal.tenant)  # carried to the workers as x-gaas-tenant
         return principal
 
-    async def authenticate(self, timing: Timing) -> Principal:
+    async def authenticate(self, timing: Timing, client: str = "") -> Principal:
         """caller() for a generation (or a count against its tenant's quotas): refused at once when
         this router's own count says the tenant is over its sequences at once or its requests a
         minute, before the body is parsed, a session read or a prompt tokenized."""
         with timing.on_tenant():
-            principal = await self.caller()
+            principal = await self.caller(client)
             if self.meter is not None:
                 self.meter.precheck(principal)
         return principal

@@ -369,9 +369,15 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     retry = to_workers[0]["route"]["retry_policy"]
     assert retry["num_retries"] == 1 and "reset" in retry["retry_on"] and "unavailable" not in retry["retry_on"]
     assert retry["retriable_headers"] == [{"name": "x-gaas-unreached", "present_match": True}]
-    # The router is asked about generations only.
-    asked = [r for r in routes if "typed_per_filter_config" not in r]
+    # The router is asked about generations only, and checks their keys then: no key check of
+    # the ingress's own on them (one call to a router per generation), as on every other route.
+    def off(route, name):
+        return route.get("typed_per_filter_config", {}).get(name, {}).get("disabled", False)
+
+    asked = [r for r in routes if not off(r, "envoy.filters.http.ext_proc")]
     assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == generations
+    assert all(off(r, "envoy.filters.http.ext_authz") for r in asked)
+    assert not any(off(r, "envoy.filters.http.ext_authz") for r in routes if r not in asked)
     # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity, in the
     # order the router names them.
     # (The workers are those control says have registered.)

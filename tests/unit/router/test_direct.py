@@ -290,3 +290,29 @@ async def test_a_router_that_cannot_hear_the_workers_holds_no_place_for_its_dire
     hearing.cancel()
     await asyncio.gather(hearing, return_exceptions=True)
     assert meter.done == ["reservation"] and ep.pending == 1 and not ep._hearing
+
+
+async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before_its_body_is_read():
+    import asyncio
+
+    from gaas.v1 import ext_proc_pb2 as ep_pb
+
+    async def unknown(key):
+        return None
+
+    ep = ExternalProcessor(Pipeline(dispatcher(), Authenticator(unknown, 1.0)), 1 << 20, instance="router-0")
+    read_on = False
+
+    async def messages():
+        nonlocal read_on
+        headers = [(":path", b"/gaas.v1.OpenAI/Completions"), ("authorization", b"Bearer gaas_not_a_key"),
+                   ("x-gaas-client-address", b"192.0.2.7")]
+        yield ep_pb.ProcessingRequest(request_headers=ep_pb.HttpHeaders(headers=ep_pb.HeaderMap(
+            headers=[ep_pb.HeaderValue(key=k, raw_value=v) for k, v in headers])))
+        read_on = True
+        await asyncio.Event().wait()  # (the body never comes)
+
+    answers = [r async for r in ep.Process(messages(), None)]
+    assert [a.WhichOneof("response") for a in answers] == ["immediate_response"] and not read_on
+    assert answers[0].immediate_response.status.code == 401
+    assert b"API key" in answers[0].immediate_response.body
