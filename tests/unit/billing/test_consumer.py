@@ -47,7 +47,7 @@ async def drain(consumer: UsageConsumer) -> None:
 
 async def test_every_event_is_recorded_once_and_then_leaves_the_stream(redis, ledger):
     t = tenant()
-    consumer = UsageConsumer(redis, ledger, "billing-0", batch=7)
+    consumer = UsageConsumer(redis, ledger, "billing-0", batch=7, gather_s=0)
     await consumer.ensure_group()
     # A request spooled while Redis was away and appended twice is still one request.
     await append(redis, *(event(f"{t}-{i}", t) for i in range(30)), event(f"{t}-3", t))
@@ -57,6 +57,27 @@ async def test_every_event_is_recorded_once_and_then_leaves_the_stream(redis, le
     assert consumer.recorded == 30 and consumer.duplicates == 1
     assert await redis.xlen(STREAM) == 0
     assert (await redis.xpending(STREAM, GROUP))["pending"] == 0
+
+
+async def test_events_that_come_one_at_a_time_are_written_to_the_ledger_together(redis, ledger):
+    t = tenant()
+    writes = []
+    record = ledger.record
+
+    async def counted(events):
+        writes.append(len(events))
+        return await record(events)
+
+    ledger.record = counted
+    consumer = UsageConsumer(redis, ledger, "billing-0", gather_s=0.5)
+    await consumer.ensure_group()
+    assert await consumer.step(block_ms=10) == 0  # (nothing waiting from before)
+    await append(redis, event(f"{t}-a", t))
+    step = asyncio.create_task(consumer.step(block_ms=5000))
+    await _until(lambda: redis.xpending(STREAM, GROUP), lambda p: p["pending"] == 1)  # the first read
+    await append(redis, event(f"{t}-b", t))
+    assert await step == 2 and writes == [2]
+    assert (await ledger.totals(t)).requests == 2
 
 
 async def test_events_a_dead_consumer_held_are_claimed_by_another(redis, ledger):
