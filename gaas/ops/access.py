@@ -29,7 +29,7 @@ ALLOWED_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
         # operator's launcher for a pool it cannot place.
         "ReportPoolFailure": ("worker", "operator"),
     },
-    "kvcache": {"Lookup": ("router",), "Provision": ("router",)},
+    "kvcache": {"Lookup": ("router",), "Provision": ("router",), "Follow": ("router",)},
     "billing": {"GetUsage": ("router", "operator"),
                 # The Files and Batch routes, for the caller's tenant; the batch runners.
                 **{m: ("router", "operator") for m in (

@@ -88,8 +88,6 @@ class RouterSettings(Settings):
     registry_refresh_seconds: float = setting("GAAS_REGISTRY_REFRESH_SECONDS", REGISTRY_REFRESH_SECONDS,
                                               "how often the view of the mesh (workers and their load) is read "
                                               "from control")
-    kv_lookup_timeout_seconds: float = setting("GAAS_KV_LOOKUP_TIMEOUT", 0.05, "seconds to wait for the KV "
-                                               "directory's answer before scheduling without it")
     retries: int = setting("GAAS_ROUTER_RETRIES", 2, "other workers tried when one fails before its first token")
     moves: int = setting("GAAS_ROUTER_STREAM_MOVES", 2, "times a stream whose worker fails after its first token "
                          "is carried on by another worker (0: the client gets the error)")

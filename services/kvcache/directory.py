@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from gaas.contracts import kvhash
 from gaas.contracts.ids import WorkerId
 from gaas.contracts.kvhash import BlockHash
+from services.kvcache.follow import CLEARED, LEFT, PROVISIONED, REMOVED, STORED, Feed, snapshot_messages
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ class BlockDirectory:
         self.provisioned = self.provision_confirmed = self.provision_expired = 0
         self.unchained_blocks = self.wrong_size_blocks = 0
         self.resyncs = self.sequence_gaps = 0
+        # Every change, for the routers' read replicas (follow.py).
+        self.feed = Feed(provision_ttl_seconds)
 
     # ------------------------------------------------------------ events
 
@@ -156,6 +159,7 @@ class BlockDirectory:
         hashes = kvhash.chain(chain_parent, ev.token_ids, ev.block_size)
         by_engine, blocks, holders, parents, firsts = w.by_engine, w.blocks, self._holders, self._parent, self._first
         first = firsts.get(parent, parent) if parent is not None else hashes[0] if hashes else None
+        held = []
         for engine_hash, h in zip(ev.engine_hashes, hashes):
             if by_engine.get(engine_hash) == h:
                 parent = h
@@ -163,18 +167,22 @@ class BlockDirectory:
             by_engine[engine_hash] = h
             blocks[h] = blocks.get(h, 0) + 1
             holders[h].add(worker)
+            held.append(h)
             parents[h] = parent
             firsts[h] = first
             if w.provisional and w.provisional.pop(h, None) is not None:
                 self.provision_confirmed += 1
                 self._unprovision(h, worker)
             parent = h
+        if held:
+            self.feed.record(STORED, worker, held)
         return len(hashes)
 
     def removed(self, worker: WorkerId, engine_hashes: Sequence[int]) -> None:
         w = self._workers.get(worker)
         if w is None:
             return
+        gone = []
         for engine_hash in engine_hashes:
             h = w.by_engine.pop(engine_hash, None)
             if h is None:
@@ -185,6 +193,9 @@ class BlockDirectory:
             else:
                 w.blocks.pop(h, None)
                 self._release(h, worker)
+                gone.append(h)
+        if gone:
+            self.feed.record(REMOVED, worker, gone)
 
     def cleared(self, worker: WorkerId) -> None:
         """The worker's engine dropped every block (or the worker is gone)."""
@@ -195,6 +206,7 @@ class BlockDirectory:
             self._release(h, worker)
         w.blocks.clear()
         w.by_engine.clear()
+        self.feed.record(CLEARED, worker)
 
     def drop_worker(self, worker: WorkerId) -> None:
         """Forget a worker entirely (its lease ended)."""
@@ -203,6 +215,7 @@ class BlockDirectory:
         if w is not None:
             for h in w.provisional:
                 self._unprovision(h, worker)
+        self.feed.record(LEFT, worker)
 
     def resync(self, worker: WorkerId, epoch: int, next_seq: int) -> None:
         """A snapshot follows: what the worker held before is replaced; its live batches then
@@ -249,6 +262,7 @@ class BlockDirectory:
         if tenant:
             self._tenant_of_first[first] = tenant
         parent: BlockHash | None = None
+        fresh = []
         for raw in hashes:
             h = BlockHash(raw)
             if h not in w.blocks:
@@ -259,7 +273,24 @@ class BlockDirectory:
                 self._provisioned[h].add(worker)
                 self._parent.setdefault(h, parent)
                 self._first.setdefault(h, first)
+                fresh.append(h)
             parent = h
+        if fresh:
+            self.feed.record(PROVISIONED, worker, fresh)
+
+    def looked_up(self, blocks: int, best_matched: int) -> None:
+        """A router's replica answered a lookup of blocks, the best worker holding best_matched
+        (the hit figures, as lookup() counts its own)."""
+        self.lookups += 1
+        self.lookup_blocks += blocks
+        self.hit_blocks += min(best_matched, blocks)
+
+    def snapshot(self):
+        """Everything held now, as the first messages of a follower's stream (follow.py)."""
+        self.expire()
+        return snapshot_messages({wid: list(w.blocks) for wid, w in self._workers.items() if w.blocks},
+                                 {wid: list(w.provisional) for wid, w in self._workers.items() if w.provisional},
+                                 self._ttl)
 
     def _unprovision(self, h: BlockHash, worker: WorkerId) -> None:
         workers = self._provisioned.get(h)

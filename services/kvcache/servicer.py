@@ -1,4 +1,4 @@
-"""gaas.v1.KVCache: protobuf <-> BlockDirectory."""
+"""gaas.v1.KVCache: protobuf <-> BlockDirectory, and its change feed to the routers' replicas."""
 
 from __future__ import annotations
 
@@ -63,7 +63,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         if len(request.block_hashes) > MAX_BLOCKS:
             raise errors.InvalidArgument(f"at most {MAX_BLOCKS} block hashes per provision", param="block_hashes")
         self._dir.provision(WorkerId(request.worker_id), request.block_hashes, request.tenant)
+        if request.best_matched_blocks:
+            self._dir.looked_up(len(request.block_hashes), request.best_matched_blocks)
         return pb.ProvisionResponse()
+
+    async def Follow(self, request: pb.FollowRequest, context):
+        """What the directory holds, then each change (follow.py): a router's read replica."""
+        async for msg in self._dir.feed.follow(self._dir.snapshot()):
+            yield msg
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.DirectoryStats:
         return stats_pb(self._dir)

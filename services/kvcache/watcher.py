@@ -141,4 +141,5 @@ class WorkerWatcher:
                 continue  # a heartbeat
             if not self._dir.note_seq(w.worker_id, batch.epoch, batch.seq):
                 raise Resync(f"batch {batch.seq} of epoch {batch.epoch} does not follow the last one")
+            self._dir.feed.event_emitted(batch.emitted_unix)
             apply(self._dir, w.worker_id, batch, w.block_size)

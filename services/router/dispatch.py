@@ -41,7 +41,6 @@ from services.router.scheduling.hooks.adapters_sent import AdaptersSent
 from services.router.scheduling.hooks.flow_accounting import FlowAccounting
 from services.router.scheduling.hooks.inflight import InflightSince
 from services.router.scheduling.hooks.prediction import PredictionCheck
-from services.router.scheduling.hooks.prefix_lookup import PrefixLookup
 from services.router.scheduling.hooks.provision import Provision
 from services.router.scheduling.hooks.routed import Routed
 
@@ -76,7 +75,7 @@ class Dispatcher:
         self._inflight = Inflight()
         adapters_sent = AdaptersSent()
         self.hooks = Hooks(
-            pre=[PrefixLookup(), InflightSince(self._inflight.since), adapters_sent],
+            pre=[InflightSince(self._inflight.since), adapters_sent],
             post=[adapters_sent, *([Provision(kv)] if kv is not None else []),
                   *([Routed(metrics.routed, scheduler.name)] if metrics.routed is not None else [])],
             response=[FlowAccounting(self._flow), PredictionCheck(self.outcomes.check_prediction)],

@@ -1,8 +1,9 @@
-"""The router's view of the KV directory: the prefix lookup made before scheduling, and the
-provision made after it, as plain callables over the kvcache service. The directory is an
-optimisation: when it does not answer in time (a busy host, kvcache restarting), requests are
-scheduled on this router's own memory of where it recently sent which blocks (what the SGLang
-router keeps as its approximate tree), and the logs say so, rather than failed."""
+"""The router's view of the KV directory: the prefix lookup made before scheduling, answered from
+this router's read replica of the directory (kvreplica.py: no remote call), and the provision
+made after it, filed in the replica at once and sent to the kvcache service without waiting. Until
+the replica has had its first snapshot (kvcache not reachable yet), requests are scheduled on this
+router's own memory of where it recently sent which blocks (what the SGLang router keeps as its
+approximate tree), and the logs say so, rather than failed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import grpc
 
 from gaas.v1 import kvcache_pb2, kvcache_pb2_grpc
 from gaas.contracts.ids import WorkerId
+from services.router.kvreplica import NO_MATCH, PrefixMatch, Replica
 
 log = logging.getLogger(__name__)
 
@@ -52,49 +54,48 @@ class RecentPlacements:
 
 
 class KVDirectoryClient:
-    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, timeout_seconds: float = 0.05) -> None:
+    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, replica: Replica | None = None) -> None:
         self._stub = stub
-        self._timeout = timeout_seconds
+        self.replica = replica or Replica()
         self._tasks: set[asyncio.Task] = set()
         self._warned_at = 0.0
         self.recent = RecentPlacements()
-        # Lookups the directory did not answer in time (answered from self.recent).
+        # Lookups the replica could not answer (answered from self.recent).
         self.unanswered = 0
 
     def _warn(self, what: str, exc: grpc.aio.AioRpcError) -> None:
         now = time.monotonic()
         if now - self._warned_at > 30:
             self._warned_at = now
-            log.warning("the KV directory %s (%s: %s); routing on this router's own recent placements meanwhile",
-                        what, exc.code().name, exc.details())
+            log.warning("the KV directory %s (%s: %s)", what, exc.code().name, exc.details())
 
-    async def lookup(self, hashes: Sequence[int]) -> tuple[dict[WorkerId, int], dict[WorkerId, int]]:
-        """(leading blocks each worker holds, of which its engine confirmed); when the directory
-        does not answer in time, where this router recently sent the leading blocks (none
-        confirmed)."""
+    def follow(self):
+        """The kvcache service's stream of what it holds and each change (kvreplica.Follower)."""
+        return self._stub.Follow(kvcache_pb2.FollowRequest())
+
+    def lookup(self, hashes: Sequence[int]) -> PrefixMatch:
+        """What each worker holds of the prompt's leading blocks; before the replica's first
+        snapshot, where this router recently sent them (none confirmed)."""
         if not hashes:
-            return {}, {}
-        try:
-            resp = await self._stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=hashes), timeout=self._timeout)
-        except grpc.aio.AioRpcError as exc:
-            self._warn("did not answer a lookup", exc)
+            return NO_MATCH
+        if not self.replica.synced:
             self.unanswered += 1
-            return self.recent.leading(hashes), {}
-        matched = {WorkerId(m.worker_id): m.matched_blocks for m in resp.matches}
-        confirmed = {WorkerId(m.worker_id): m.confirmed_blocks for m in resp.matches}
-        return matched, confirmed
+            return PrefixMatch(self.recent.leading(hashes))
+        return self.replica.lookup(hashes)
 
-    def provision(self, worker: WorkerId, hashes: Sequence[int], tenant: str) -> None:
-        """Tell the directory, without waiting, that worker will hold these blocks (and remember
-        it here)."""
+    def provision(self, worker: WorkerId, hashes: Sequence[int], tenant: str, best_matched: int = 0) -> None:
+        """File these blocks under worker here (the replica, and the recent placements), and tell
+        the directory without waiting (with the lookup's best match, for its hit figures)."""
         if not hashes:
             return
         self.recent.placed(worker, hashes)
+        self.replica.provision(worker, hashes)
 
         async def send() -> None:
             try:
                 await self._stub.Provision(
-                    kvcache_pb2.ProvisionRequest(worker_id=worker, block_hashes=hashes, tenant=tenant), timeout=1.0
+                    kvcache_pb2.ProvisionRequest(worker_id=worker, block_hashes=hashes, tenant=tenant,
+                                                 best_matched_blocks=best_matched), timeout=1.0
                 )
             except grpc.aio.AioRpcError as exc:
                 self._warn("refused a provision", exc)

@@ -127,14 +127,15 @@ class Placer:
         self._inflight = inflight
 
     async def context(self, prepared: Prepared, principal: Principal, workers) -> RequestContext:
-        """The scheduler's view of the request, gathered by the pre-cycle hooks (the directory's
-        prefix answer, the requests sent each worker since its last report)."""
+        """The scheduler's view of the request: what the KV directory knows of its prompt, and
+        what the pre-cycle hooks gather (the requests sent each worker since its last report)."""
         req = prepared.request
         ctx = RequestContext(
             model=prepared.model.name, tenant=principal.tenant, tier=principal.tier,
             prompt_tokens=prepared.prompt_tokens, max_tokens=req.max_tokens,
             session_worker=WorkerId(prepared.session_worker), block_hashes=prepared.block_hashes,
-            prefix_lookup=prepared.prefix_lookup,
+            prefix=prepared.prefix.matched if prepared.prefix else {},
+            confirmed=prepared.prefix.confirmed if prepared.prefix else {},
             cache_owner=principal.tenant if prepared.cache_salt == principal.cache_salt else PUBLIC_OWNER,
             adapter=prepared.model.adapter.name if prepared.model.adapter is not None else "",
         )

@@ -20,6 +20,7 @@ from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.holding import deciding_for_ingress
 from services.router.kvclient import KVDirectoryClient
+from services.router.kvreplica import PrefixMatch
 from services.router.scheduling import Scheduler
 from services.router.versions import VersionChooser
 
@@ -38,11 +39,10 @@ class Prepared:
     prompt_tokens: int
     # The prefix-cache salt: the tenant's, or a public prefix's when the prompt begins with one.
     cache_salt: str
-    # The prompt's block hashes, and the KV directory's answer for them: asked for as soon as the
-    # prompt is tokenized, so that it overlaps the tenant's admission (None: not asked, when
-    # routing has no use for it).
+    # The prompt's block hashes, and what the KV directory knows of them (this router's replica
+    # of it; None: not looked up, when routing has no use for it).
     block_hashes: list[int] = field(default_factory=list)
-    prefix_lookup: asyncio.Task | None = None
+    prefix: PrefixMatch | None = None
     # A session turn: the worker that served the session's last turn ("": none).
     session_worker: str = ""
     # Under a public prefix's salt: the prompt's leading tokens that are the prefix's own, the
@@ -212,9 +212,9 @@ class Preparer:
                         retry_after=5.0) from None
 
     def _ask_prefix(self, prepared: Prepared, workers) -> None:
-        """Hash the prompt's blocks and start the KV directory lookup without waiting for it.
-        With one worker to choose from its answer could change nothing: neither is done (5 ms of
-        hashing for a 32K-token prompt)."""
+        """Hash the prompt's blocks and look them up in this router's replica of the KV
+        directory. With one worker to choose from its answer could change nothing: neither is
+        done (5 ms of hashing for a 32K-token prompt)."""
         block_size = workers[0].block_size if workers else 0
         if self._kv is None or not self._scheduler.needs_prefix or not block_size or len(workers) < 2:
             return
@@ -222,17 +222,10 @@ class Preparer:
         prepared.block_hashes = kvhash.prefix_hashes(prepared.request.prompt_token_ids, block_size, prepared.cache_salt,
                                                      adapter)
         if prepared.block_hashes:
-            task = asyncio.create_task(self._lookup(prepared.block_hashes))
-            # A request refused at admission never reads it.
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            prepared.prefix_lookup = task
-
-    async def _lookup(self, hashes: list[int]) -> tuple[dict, dict]:
-        started = time.perf_counter()
-        found = await self._kv.lookup(hashes)
-        if self._lookup_seconds is not None:
-            self._lookup_seconds.observe(time.perf_counter() - started)
-        return found
+            started = time.perf_counter()
+            prepared.prefix = self._kv.lookup(prepared.block_hashes)
+            if self._lookup_seconds is not None:
+                self._lookup_seconds.observe(time.perf_counter() - started)
 
     async def tokenize(self, tok: Tokenizer, request: inference_pb2.GenerateRequest,
                        prefix: PromptPrefix | None = None) -> list[int]:

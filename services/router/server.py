@@ -42,6 +42,7 @@ from services.router.extproc import ExternalProcessor
 from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
+from services.router.kvreplica import Follower
 from services.router.openai_servicer import OpenAIServicer
 from services.router.responses import ResponseStore
 from services.router.demand import Demand
@@ -81,7 +82,10 @@ async def serve(cfg: RouterSettings) -> None:
         "scheduler_plugin_seconds", "Time each scheduling plugin took per request", ("plugin",), buckets=FAST_BUCKETS
     )
     scheduler = make_scheduler(cfg.policy, cfg.weights, lambda plugin, s: plugin_seconds.labels(plugin).observe(s))
-    kv = KVDirectoryClient(kvcache_pb2_grpc.KVCacheStub(channel), cfg.kv_lookup_timeout_seconds)
+    kv = KVDirectoryClient(kvcache_pb2_grpc.KVCacheStub(channel))
+    follower = Follower(kv.replica, kv.follow, staleness=rt.metrics.histogram(
+        "kv_replica_staleness_seconds", "From an engine's KV event to its change in this router's replica of the "
+        "KV directory (the oldest event of each change applied)", buckets=FAST_BUCKETS).observe)
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     # The outcomes of requests of models under a roll-out, for control's SLO guard.
     reporter = RolloutReporter(redis)
@@ -185,6 +189,7 @@ async def serve(cfg: RouterSettings) -> None:
                    listed=False)  # reached through the router's sidecar only, never the ingress
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
+    following = asyncio.create_task(follower.run(), name="kv-replica")
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")
     membership = asyncio.create_task(peers.run(), name="router-peers")
     reports = asyncio.create_task(extproc.run_reports(cfg.redis_url), name="direct-reports")
@@ -200,7 +205,7 @@ async def serve(cfg: RouterSettings) -> None:
 
     async def stop_refreshing() -> None:
         await runner.drain(cfg.grace_seconds / 2)
-        tasks = (refresher, spool, membership, reports, sweep, reporting, changes, *([batches] if batches else []))
+        tasks = (refresher, following, spool, membership, reports, sweep, reporting, changes, *([batches] if batches else []))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

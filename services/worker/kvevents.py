@@ -48,6 +48,8 @@ class RawBatch:
     seq: int
     # RawStored, ("removed", [hashes]) or ("cleared",)
     events: list
+    # When the engine emitted it, Unix seconds (0: unknown).
+    emitted_unix: float = 0.0
 
 
 class EventSource(ABC):
@@ -87,7 +89,7 @@ def from_vllm(seq: int, batch) -> RawBatch:
             events.append(("removed", list(e.block_hashes)))
         elif kind == "AllBlocksCleared":
             events.append(("cleared",))
-    return RawBatch(seq, events)
+    return RawBatch(seq, events, float(getattr(batch, "ts", 0.0) or 0.0))
 
 
 class ZmqEventSource(EventSource):
@@ -188,7 +190,8 @@ class KVEventRelay:
     def _apply(self, batch: RawBatch) -> None:
         self.last_seq = batch.seq
         self.batches += 1
-        out = pb.KVEventBatch(worker_id=self.worker_id, seq=batch.seq, epoch=self.epoch)
+        out = pb.KVEventBatch(worker_id=self.worker_id, seq=batch.seq, epoch=self.epoch,
+                              emitted_unix=batch.emitted_unix)
         for e in batch.events:
             if isinstance(e, RawStored):
                 parent = e.parent

@@ -55,6 +55,31 @@ def test_a_repeated_long_prompt_lands_where_it_is_cached_and_the_hashes_agree(me
     assert s["hit_ratio"] > 0
 
 
+def test_each_router_follows_the_directory_and_looks_prompts_up_in_its_own_replica(mesh):
+    import re
+    import urllib.request
+
+    from gaas.ops import topology
+    from tests.conftest import MESH_WORKERS, ROOT
+
+    topo = topology.load(ROOT / "deploy" / "topology.yaml", env={}, port_base=mesh.port_base, workers=MESH_WORKERS)
+    router = topo.instance("router-0")
+    generate(mesh, prompt="Followed by every router, block after block after block after block. " * 8, max_tokens=1)
+
+    def metric(name: str) -> float:
+        body = urllib.request.urlopen(f"http://{router.host}:{router.metrics_port}/metrics", timeout=5).read().decode()
+        found = re.search(rf"^{name} (\S+)$", body, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    # The engines' events reached the router's replica (each change's age recorded), and placements
+    # were looked up there.
+    deadline = time.monotonic() + 20
+    while metric("gaas_router_kv_replica_staleness_seconds_count") == 0:
+        assert time.monotonic() < deadline, "no change of the directory reached the router's replica"
+        time.sleep(0.3)
+    assert metric("gaas_router_kv_lookup_seconds_count") > 0
+
+
 def test_other_tenants_never_score_on_a_tenants_blocks(mesh):
     keys = {}
     suffix = str(time.time_ns() % 10**8)

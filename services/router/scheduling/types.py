@@ -6,7 +6,7 @@ Pure data, no I/O."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -71,8 +71,9 @@ class RequestContext:
     blocked: frozenset[WorkerId] = frozenset()
     # Requests of this band each worker's batching window has room for now; None: no windows.
     room: Mapping[WorkerId, int] | None = None
-    # Gathered before scheduling: leading blocks of the prompt each worker holds (the directory's
-    # answer), and requests this router sent each worker since its last load report.
+    # Gathered before scheduling: leading blocks of the prompt each worker holds (the KV
+    # directory's, in this router's replica), and requests this router sent each worker since its
+    # last load report.
     prefix: Mapping[WorkerId, int] = field(default_factory=dict)
     inflight: Mapping[WorkerId, int] = field(default_factory=dict)
     # A session's turn: the worker that served its last turn (its prefix is likely there).
@@ -81,10 +82,8 @@ class RequestContext:
     # sent each worker lately (which its load report may not list yet).
     adapter: str = ""
     adapters_sent: Mapping[WorkerId, frozenset[str]] = field(default_factory=dict)
-    # The KV directory's answer for block_hashes, asked for before the cycle (None: not asked), and
-    # the leading blocks it confirmed each worker holds; whom the blocks are cached for (the
-    # tenant, or a public prefix's owner), which the directory files provisioned blocks under.
-    prefix_lookup: Awaitable | None = None
+    # Of those leading blocks, the ones each worker's engine confirmed; whom the blocks are cached
+    # for (the tenant, or a public prefix's owner), which the directory files provisioned blocks under.
     confirmed: Mapping[WorkerId, int] = field(default_factory=dict)
     cache_owner: str = ""
 

@@ -15,7 +15,6 @@ from services.router.scheduling.hooks import Hooks
 from services.router.scheduling.hooks.flow_accounting import FlowAccounting
 from services.router.scheduling.hooks.inflight import InflightSince
 from services.router.scheduling.hooks.prediction import PredictionCheck
-from services.router.scheduling.hooks.prefix_lookup import PrefixLookup
 from services.router.scheduling.hooks.provision import Provision
 from services.router.scheduling.types import PostResponse, Response
 
@@ -47,32 +46,26 @@ def test_response_hooks_run_in_their_order_for_each_event():
     assert len(seen) == 6
 
 
-async def test_pre_cycle_hooks_gather_the_kv_answer_and_the_requests_sent_since_each_report():
-    async def answer():
-        return {W1: 3}, {W1: 2}
-
-    ctx = RequestContext(model="tiny", prefix_lookup=asyncio.ensure_future(answer()))
+async def test_pre_cycle_hooks_gather_the_requests_sent_since_each_report():
+    ctx = RequestContext(model="tiny")
     sent_since = {W0: 4, W1: 0}
-    await Hooks(pre=[PrefixLookup(), InflightSince(lambda w, reported_ms: sent_since[w])]).before(ctx, CANDS)
-    assert ctx.prefix == {W1: 3} and ctx.confirmed == {W1: 2} and ctx.inflight == {W0: 4, W1: 0}
-    ctx = RequestContext(model="tiny")  # not asked: nothing to wait for
-    await PrefixLookup().before(ctx, CANDS)
-    assert ctx.prefix == {} and ctx.confirmed == {}
+    await Hooks(pre=[InflightSince(lambda w, reported_ms: sent_since[w])]).before(ctx, CANDS)
+    assert ctx.inflight == {W0: 4, W1: 0}
 
 
 def test_blocks_are_provisioned_under_their_owner_only_when_the_cycle_had_a_choice():
     class KV:
         calls: list = []
 
-        def provision(self, worker, hashes, owner):
-            self.calls.append((worker, list(hashes), owner))
+        def provision(self, worker, hashes, owner, best_matched=0):
+            self.calls.append((worker, list(hashes), owner, best_matched))
 
     kv = KV()
-    ctx = RequestContext(model="tiny", block_hashes=[1, 2], cache_owner="acme")
+    ctx = RequestContext(model="tiny", block_hashes=[1, 2], cache_owner="acme", prefix={W0: 1})
     Provision(kv).picked(ctx, CANDS[1], CANDS)
     Provision(kv).picked(ctx, CANDS[0], CANDS[:1])  # one candidate: the engine's events tell the directory
     Provision(kv).picked(RequestContext(model="tiny"), CANDS[0], CANDS)  # no full block
-    assert kv.calls == [(W1, [1, 2], "acme")]
+    assert kv.calls == [(W1, [1, 2], "acme", 1)]
 
 
 def test_the_flow_learns_first_tokens_failures_and_ends_through_its_hook():

@@ -269,24 +269,21 @@ async def test_the_engine_gets_the_tiers_band_whatever_priority_the_client_asks_
     assert gold_low < bronze_high  # vLLM serves lower values first
 
 
-class SlowKV:
-    """KVDirectoryClient stand-in: w1 holds every block; each lookup takes `delay` seconds."""
+class HeldKV:
+    """KVDirectoryClient stand-in: w1 holds every block."""
 
-    def __init__(self, delay):
-        self.delay = delay
-        self.asked = []  # perf_counter when each lookup began
+    def __init__(self):
+        self.asked = []  # the hashes of each lookup
         self.provisioned = []
 
-    async def lookup(self, hashes):
-        import asyncio
-        import time
+    def lookup(self, hashes):
+        from services.router.kvreplica import PrefixMatch
 
-        self.asked.append(time.perf_counter())
-        await asyncio.sleep(self.delay)
-        return {WorkerId("w1"): len(hashes)}, {WorkerId("w1"): len(hashes)}
+        self.asked.append(list(hashes))
+        return PrefixMatch({WorkerId("w1"): len(hashes)}, {WorkerId("w1"): len(hashes)})
 
-    def provision(self, worker, hashes, owner):
-        self.provisioned.append((worker, len(hashes)))
+    def provision(self, worker, hashes, owner, best_matched=0):
+        self.provisioned.append((worker, len(hashes), best_matched))
 
 
 async def _prepared(workers, kv):
@@ -306,29 +303,24 @@ async def _prepared(workers, kv):
     return dispatcher, principal, prepared, time.perf_counter()
 
 
-async def test_the_kv_lookup_starts_with_preparing_so_it_overlaps_admission_and_still_routes():
-    import asyncio
+async def test_the_kv_lookup_is_made_in_process_as_the_prompt_is_prepared_and_routes_where_the_prefix_is():
     import time
 
-    kv = SlowKV(delay=0.2)
+    kv = HeldKV()
     dispatcher, principal, prepared, prepared_at = await _prepared(("w0", "w1"), kv)
-    assert len(prepared.block_hashes) == 3 and prepared.prefix_lookup is not None
-    await asyncio.sleep(0.2)  # the tenant's admission, meanwhile
-    assert kv.asked and kv.asked[0] - prepared_at < 0.05, "asked as soon as the caller awaited anything"
-    streaming = time.perf_counter()
+    assert len(prepared.block_hashes) == 3 and prepared.prefix.matched == {"w1": 3} and len(kv.asked) == 1
     chunks = [c async for c in dispatcher.stream(prepared, principal, "req-x", None, time.perf_counter())]
-    assert time.perf_counter() - streaming < 0.15, "the lookup's time was not spent a second time"
     assert [c.text for c in chunks] == ["a", "b"]
     assert [a for a, _ in dispatcher._workers.calls] == ["w1"]  # routed where the prefix is
-    assert kv.provisioned == [("w1", 3)]
+    assert kv.provisioned == [("w1", 3, 3)]
 
 
 async def test_with_one_worker_the_kv_directory_is_not_asked():
     import time
 
-    kv = SlowKV(delay=0.2)
+    kv = HeldKV()
     dispatcher, principal, prepared, _ = await _prepared(("w0",), kv)
-    assert prepared.prefix_lookup is None and kv.asked == []
+    assert prepared.prefix is None and kv.asked == []
     chunks = [c async for c in dispatcher.stream(prepared, principal, "req-y", None, time.perf_counter())]
     assert [c.text for c in chunks] == ["a", "b"]
     assert kv.provisioned == []  # nothing to predict for: the engine's events tell the directory

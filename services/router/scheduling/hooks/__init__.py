@@ -1,8 +1,8 @@
 """The hooks around a scheduling cycle, one plugin per file (as the Inference Extension's director
 runs its PreRequest and PostResponse plugins around its scheduler):
 
-  pre-cycle      prefix_lookup (the KV directory's answer), inflight (requests sent since each
-                 worker's last load report), adapters_sent (LoRA adapters sent each worker lately)
+  pre-cycle      inflight (requests sent since each worker's last load report), adapters_sent
+                 (LoRA adapters sent each worker lately)
   post-cycle     adapters_sent (the send noted), provision (the prompt's blocks filed where they will
                  be), routed (the count by policy and worker)
   post-response  flow_accounting (batching windows and circuit breakers), prediction (the KV

@@ -18,4 +18,4 @@ class Provision(PostCycle):
 
     def picked(self, ctx: RequestContext, worker: Candidate, candidates: Sequence[Candidate]) -> None:
         if ctx.block_hashes and len(candidates) > 1:
-            self._kv.provision(worker.worker_id, ctx.block_hashes, ctx.cache_owner)
+            self._kv.provision(worker.worker_id, ctx.block_hashes, ctx.cache_owner, max(ctx.prefix.values(), default=0))
