@@ -126,8 +126,9 @@ class Dispatcher:
         return await self.preparer.tokenize(tok, request, prefix)
 
     async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal,
-                      prefix: PromptPrefix | None = None, session_version: str = "") -> Prepared:
-        return await self.preparer.prepare(request, principal, prefix, session_version)
+                      prefix: PromptPrefix | None = None, session_version: str = "", *,
+                      for_ingress: bool = False) -> Prepared:
+        return await self.preparer.prepare(request, principal, prefix, session_version, for_ingress=for_ingress)
 
     # ------------------------------------------------------------ stage 5: relay.py, placement.py
 

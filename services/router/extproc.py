@@ -51,7 +51,6 @@ from gaas.v1 import ext_proc_pb2_grpc, inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
-from services.router.holding import deciding_for_ingress
 from services.router.prepare import ScalingUp
 from services.router.sessions import Held
 
@@ -340,7 +339,6 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         # The ingress is not held on a decision long (services/router/holding.py): a request for an
         # autoscaled model none of whose workers serves yet is passed on to the router's own route
         # and waits there (ScalingUp).
-        deciding_for_ingress.set(True)
         try:
             placement = await (self._decide_native(principal, headers, bytes(body), timing) if native
                                else self._decide(principal, headers, bytes(body), timing))

@@ -26,7 +26,6 @@ from gaas.contracts.tenancy import DEFAULT_TIER
 from gaas.contracts.ids import WorkerId
 from services.router.breakers import Breakers
 from services.router.scheduling import Candidate, Decision, RequestContext, Scheduler
-from services.router.holding import DECISION_HOLD_S, deciding_for_ingress
 from services.router.scheduling.types import NoCapacity
 from services.router.waitqueue import WaitQueue
 from services.router.windows import Windows
@@ -75,11 +74,12 @@ class Flow:
 
     async def place(
         self, scheduler: Scheduler, ctx: RequestContext, workers: Sequence[Candidate], tier: str, tenant: str,
-        time_remaining: float | None,
+        time_remaining: float | None, hold_s: float | None = None,
     ) -> Decision:
         """The worker for the request, with room taken in its window (wait for it in the queue when
-        every window is full). errors.Unavailable when no worker may take it, DeadlineExceeded when
-        none had room in time, Unavailable ("overloaded") when shed."""
+        every window is full, hold_s at most: the ingress's wait on a decision). errors.Unavailable
+        when no worker may take it, DeadlineExceeded when none had room in time, Unavailable
+        ("overloaded") when shed."""
         band = qos.band(tier) if self.settings.enabled else 0
         ctx.band = band
         worker_ids = [w.worker_id for w in workers]
@@ -104,8 +104,8 @@ class Flow:
         why = f"the {tier} tier's queue timeout is {policy.queue_timeout_s:g} s"
         if time_remaining is not None and time_remaining < wait:
             wait, why = time_remaining, "the request's deadline"
-        if deciding_for_ingress.get() and DECISION_HOLD_S < wait:
-            wait, why = DECISION_HOLD_S, f"the ingress waits on a decision at most {DECISION_HOLD_S:g} s"
+        if hold_s is not None and hold_s < wait:
+            wait, why = hold_s, f"the ingress waits on a decision at most {hold_s:g} s"
         return await self.queue.wait(
             band, tenant, ctx.model, self._clock() + wait, place_now, why,
             abandon=lambda decision: self.finished(decision.worker.worker_id, batch=tier == qos.BATCH),

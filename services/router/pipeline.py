@@ -135,11 +135,12 @@ class Pipeline:
             raise errors.InvalidArgument("a session turn is one prompt, not a batch", param="prompt")
         plan = None
         if len(requests) == 1 and check_turn(requests[0]):
-            plan = await plan_turn(available(self.sessions), self.dispatcher, requests[0], principal, request_id)
+            plan = await plan_turn(available(self.sessions), self.dispatcher, requests[0], principal, request_id,
+                                   for_ingress=direct)
             prepared = [plan.prepared]
             timing.tenant_s += plan.tenant_s
         else:
-            prepared = [await self.dispatcher.prepare(r, principal) for r in requests]
+            prepared = [await self.dispatcher.prepare(r, principal, for_ingress=direct) for r in requests]
         g = Generation(principal, request_id, prepared, timing, plan.held.session_id if plan else "", plan,
                        price_factor=price_factor)
         try:

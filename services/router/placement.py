@@ -23,6 +23,7 @@ from services.router.breakers import prompt_work
 from services.router.coalescing import Coalescing
 from services.router.directory import MeshDirectory
 from services.router.flow import Flow
+from services.router.holding import DECISION_HOLD_S
 from services.router.outcomes import Outcomes, RouterMetrics
 from services.router.prepare import Prepared
 from services.router.scheduling import Candidate, RequestContext, Scheduler, WorkerId
@@ -113,6 +114,17 @@ class DirectPlacement:
         self.placer.end_direct(self, code, detail, final, by or (final.worker_id if final is not None else ""))
 
 
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """One placement (Placer.place): the worker, the seconds the request waited in the queue for
+    it, the token of its room there (Inflight), and every candidate's score."""
+
+    worker: Candidate
+    queued_s: float
+    token: int
+    scores: dict[WorkerId, float]
+
+
 class Placer:
     def __init__(self, directory: MeshDirectory, scheduler: Scheduler, flow: Flow, hooks: Hooks, inflight: Inflight,
                  metrics: RouterMetrics, outcomes: Outcomes, activity: TenantActivity, coalescing: Coalescing) -> None:
@@ -144,15 +156,14 @@ class Placer:
 
     async def place(
         self, prepared: Prepared, principal: Principal, ctx: RequestContext, workers, time_remaining: float | None,
-        span, attempt: int = 0,
-    ):
+        span, attempt: int = 0, hold_s: float | None = None,
+    ) -> Placed:
         """One placement: the scheduler's pick within the windows (waiting in the queue when they
-        are full), the decision on the request's span, the post-cycle hooks (the prefix's blocks
-        provisioned where they will be...), the request counted in flight there. Returns (worker, seconds queued, in-flight token,
-        every candidate's score)."""
+        are full, hold_s at most), the decision on the request's span, the post-cycle hooks (the
+        prefix's blocks provisioned where they will be...), the request counted in flight there."""
         placing = time.perf_counter()
         decision = await self._flow.place(self._scheduler, ctx, workers, principal.band_name, principal.tenant,
-                                          time_remaining)
+                                          time_remaining, hold_s)
         queued_s = time.perf_counter() - placing
         worker = decision.worker
         if span.is_recording():
@@ -163,7 +174,7 @@ class Placer:
                 "gaas.scores": ", ".join(f"{w}={s:.3g}" for w, s in sorted(decision.scores.items())),
             })
         self._hooks.picked(ctx, worker, workers)
-        return worker, queued_s, self._inflight.start(worker.worker_id), decision.scores
+        return Placed(worker, queued_s, self._inflight.start(worker.worker_id), decision.scores)
 
     def worker_request(self, prepared: Prepared, principal: Principal, request_id: str) -> worker_pb2.WorkerGenerateRequest:
         """What the worker is sent: the prepared request, with the tier's engine priority and the
@@ -198,11 +209,12 @@ class Placer:
         ctx = await self.context(prepared, principal, workers)
         self.activity.started(principal.tenant, principal.tier)
         try:
-            worker, queued_s, token, scores = await self.place(prepared, principal, ctx, workers, time_remaining,
-                                                                trace.get_current_span())
+            placed = await self.place(prepared, principal, ctx, workers, time_remaining, trace.get_current_span(),
+                                      hold_s=DECISION_HOLD_S)
         except BaseException:
             self.activity.finished(principal.tenant, 0)
             raise
+        worker, scores = placed.worker, placed.scores
         # The other workers whose breakers let requests through, best-scored first: the second
         # choice, should the first not take the request (the ingress then sends it there), and
         # where the worker carries its stream on should its engine stop mid-stream.
@@ -211,7 +223,7 @@ class Placer:
                         key=lambda w: scores.get(w.worker_id, float("-inf")), reverse=True)
         last_resort = None if others else next((w for w in workers if w.worker_id != worker.worker_id), None)
         return DirectPlacement(self, prepared, principal, worker, self.worker_request(prepared, principal, request_id),
-                               queued_s, token, ctx.confirmed.get(worker.worker_id, 0), others=others,
+                               placed.queued_s, placed.token, ctx.confirmed.get(worker.worker_id, 0), others=others,
                                last_resort=last_resort)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,

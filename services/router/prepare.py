@@ -18,7 +18,6 @@ from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer, template_
 from gaas.v1 import inference_pb2
 from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
-from services.router.holding import deciding_for_ingress
 from services.router.kvclient import KVDirectoryClient
 from services.router.kvreplica import PrefixMatch
 from services.router.scheduling import Scheduler
@@ -138,23 +137,25 @@ class Preparer:
         return model.at(self._versions.choose(model.split, principal.tenant, session_version, available or None))
 
     async def prepare(self, request: inference_pb2.GenerateRequest, principal: Principal,
-                      prefix: PromptPrefix | None = None, session_version: str = "") -> Prepared:
+                      prefix: PromptPrefix | None = None, session_version: str = "", *,
+                      for_ingress: bool = False) -> Prepared:
         """Resolve the model and its version, tokenize the prompt (chat template applied), check
         what the worker will get: the prompt as token ids and an explicit max_tokens. prefix: the
         token ids of how a session's last prompt began, reused when this one begins the same way
-        (and updated); session_version: the version a session's first turn took."""
+        (and updated); session_version: the version a session's first turn took; for_ingress: the
+        ingress waits on this decision (direct path: never held while a pool scales up)."""
         if len(request.model) > genrequest.MAX_MODEL_NAME:
             raise errors.InvalidArgument(f"'model' is at most {genrequest.MAX_MODEL_NAME} characters", param="model")
         model = self.version(await self.resolve_model(request.model, principal.tenant), principal, session_version)
-        return await self.prepare_at(request, principal, model, prefix)
+        return await self.prepare_at(request, principal, model, prefix, for_ingress=for_ingress)
 
     async def prepare_at(self, request: inference_pb2.GenerateRequest, principal: Principal, model: ModelEntry,
-                         prefix: PromptPrefix | None = None) -> Prepared:
+                         prefix: PromptPrefix | None = None, *, for_ingress: bool = False) -> Prepared:
         """prepare() for the given model version (a shadow copy's: services/router/shadow.py)."""
         genrequest.check(request, model.max_model_len or None)
         # A model (version) nobody serves is refused before any work (an autoscaled one's waits
         # for a worker to start first).
-        workers = await self.serving(model, principal)
+        workers = await self.serving(model, principal, for_ingress)
         tok = await self.tokenizer(model)
         forwarded = inference_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
@@ -184,16 +185,17 @@ class Preparer:
         self._ask_prefix(prepared, workers)
         return prepared
 
-    async def serving(self, model: ModelEntry, principal: Principal):
+    async def serving(self, model: ModelEntry, principal: Principal, for_ingress: bool = False):
         """The workers serving model's pool; for an autoscaled model none of whose workers serves,
         the autoscaler is told and the request waits up to its tier's queue timeout for one
-        (errors.Unavailable, with Retry-After, past it)."""
+        (errors.Unavailable, with Retry-After, past it), unless the ingress waits on this decision
+        (ScalingUp: passed on to the router's own route, to wait there; holding.py)."""
         try:
             return await self._directory.workers(model.name, model.pool)
         except errors.Unavailable:
             if not model.autoscaled or self._demand is None:
                 raise
-        if deciding_for_ingress.get():  # (services/router/holding.py: passed on to wait on the router's route)
+        if for_ingress:
             await self._demand.mark(model.name)
             raise ScalingUp(f"no worker serves {model.name!r} yet; its pool is scaling up")
         wait = self._queue_timeout(principal.tier)

@@ -155,8 +155,8 @@ class Relay:
             ctx.tried = frozenset(tried)
             moved = carried.moves > 0
             try:
-                worker, queued_s, token, _ = await self._placer.place(prepared, principal, ctx, workers, remaining(),
-                                                                      span, attempt + carried.moves)
+                placed = await self._placer.place(prepared, principal, ctx, workers, remaining(), span,
+                                                  attempt + carried.moves)
             except errors.GaasError:
                 if not moved:
                     raise
@@ -164,6 +164,7 @@ class Relay:
                 raise errors.Unavailable(
                     f"the worker serving this request failed after it had streamed tokens, and no other worker could "
                     f"carry it on (request id {request_id}); the request may be retried") from None
+            worker, queued_s, token = placed.worker, placed.queued_s, placed.token
             tried.add(worker.worker_id)
             left = remaining()
             timeout = self._max_stream_seconds if left is None else min(left, self._max_stream_seconds)

@@ -366,15 +366,16 @@ def check_turn(request: inference_pb2.GenerateRequest) -> str:
 
 
 async def plan_turn(store: SessionStore, dispatcher, request: inference_pb2.GenerateRequest, principal: Principal,
-                    request_id: str) -> TurnPlan:
+                    request_id: str, for_ingress: bool = False) -> TurnPlan:
     """Take the session's turn and prepare its request: the stored context, then the turn's new
-    part; the context's oldest turns dropped while the prompt leaves the reply no room."""
+    part; the context's oldest turns dropped while the prompt leaves the reply no room
+    (for_ingress: as Preparer.prepare's)."""
     check_turn(request)
     started = time.perf_counter()
     held = await store.begin(principal.tenant, request.session_id, request_id)
     began = time.perf_counter() - started
     try:
-        plan = await _plan(store, dispatcher, request, principal, held)
+        plan = await _plan(store, dispatcher, request, principal, held, for_ingress)
     except BaseException:
         store.release_later(held)
         raise
@@ -383,7 +384,7 @@ async def plan_turn(store: SessionStore, dispatcher, request: inference_pb2.Gene
 
 
 async def _plan(store: SessionStore, dispatcher, request: inference_pb2.GenerateRequest, principal: Principal,
-                held: Held) -> TurnPlan:
+                held: Held, for_ingress: bool) -> TurnPlan:
     messages = [(m.role, m.content) for m in request.messages] if request.messages else None
     prompt = request.prompt if not request.messages else None
     if held.context is not None:
@@ -407,7 +408,8 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
     for _ in range(FIT_ATTEMPTS):
         full = turn_request(request, context, new, held.keep_from)
         try:
-            plan.prepared = await dispatcher.prepare(full, principal, held.prefix, context.model_version)
+            plan.prepared = await dispatcher.prepare(full, principal, held.prefix, context.model_version,
+                                                     for_ingress=for_ingress)
             room, too_long = limit - plan.prepared.prompt_tokens, None
         except genrequest.ContextTooLong as exc:
             plan.prepared, room, too_long = None, limit - exc.prompt_tokens, exc

@@ -341,20 +341,13 @@ def test_a_worker_that_left_and_came_back_starts_with_a_closed_breaker_and_a_fre
     assert w not in flow.breakers.blocked() and w not in flow.windows.state()
 
 
-async def test_while_deciding_for_the_ingress_a_request_waits_at_most_the_decision_hold(monkeypatch):
+async def test_while_deciding_for_the_ingress_a_request_waits_at_most_the_decision_hold():
     """The direct path: the ingress's Envoy must not wait on a decision for long
     (services/router/holding.py), whatever the tier's queue timeout."""
-    from services.router import flow as flow_module
-    from services.router.holding import deciding_for_ingress
-
-    monkeypatch.setattr(flow_module, "DECISION_HOLD_S", 0.05)
     policies = {**qos.DEFAULT_POLICIES, "bronze": replace(qos.DEFAULT_POLICIES["bronze"], queue_timeout_s=600)}
     flow = Flow(policies, FlowSettings(window_initial=2))
     s = make_scheduler("round_robin")
     await flow.place(s, RequestContext(model="m"), [cand("w0")], "bronze", "t", None)  # bronze's half is full
-    token = deciding_for_ingress.set(True)
-    try:
-        with pytest.raises(errors.DeadlineExceeded, match="the ingress waits on a decision at most 0.05 s"):
-            await asyncio.wait_for(flow.place(s, RequestContext(model="m"), [cand("w0")], "bronze", "t", None), 2)
-    finally:
-        deciding_for_ingress.reset(token)
+    with pytest.raises(errors.DeadlineExceeded, match="the ingress waits on a decision at most 0.05 s"):
+        await asyncio.wait_for(flow.place(s, RequestContext(model="m"), [cand("w0")], "bronze", "t", None,
+                                          hold_s=0.05), 2)

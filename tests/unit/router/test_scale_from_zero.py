@@ -15,7 +15,6 @@ from gaas.contracts.principal import Principal
 from services.router import prepare
 from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
-from services.router.holding import deciding_for_ingress
 from services.router.prepare import Preparer
 from services.router.scheduling import Candidate, WorkerId
 
@@ -71,10 +70,6 @@ async def test_while_the_ingress_waits_on_a_decision_it_is_passed_on_at_once_hav
     """The direct path: the ingress is not held on the router's decision while a worker starts
     (the request goes on to the router's own route and waits there)."""
     p, _, _ = setup
-    token = deciding_for_ingress.set(True)
-    try:
-        with pytest.raises(prepare.ScalingUp):
-            await asyncio.wait_for(p.serving(SCALED, GOLD), 0.5)
-    finally:
-        deciding_for_ingress.reset(token)
+    with pytest.raises(prepare.ScalingUp):
+        await asyncio.wait_for(p.serving(SCALED, GOLD, for_ingress=True), 0.5)
     assert await redis.exists(DEMAND_KEY.format("tiny"))
