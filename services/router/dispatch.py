@@ -1,6 +1,6 @@
 """Taking a generation to a worker, in its stages (services/router/pipeline.py calls them):
 
-  prepare.py    the model resolved, the prompt tokenized once and checked, the KV lookup started
+  prepare.py    the model resolved, the prompt tokenized once and checked, its blocks looked up in the KV replica
   placement.py  the scheduler's pick within the batching windows (or a wait in the router's queue),
                 what the worker is sent; on the direct path, the placement held until the worker's report
   relay.py      the worker's stream relayed, retried on another worker while no token has gone out
@@ -8,8 +8,8 @@
 
 The Dispatcher is their one front: built once by the router's server with the mesh's view, the
 scheduler, the flow and the worker channel, and shared by every API the router serves. It assembles
-the hooks around the scheduler's cycles (services/router/scheduling/hooks/): the KV lookup and the
-in-flight counts before a cycle, provisioning and the routed count after it, and the windows',
+the hooks around the scheduler's cycles (services/router/scheduling/hooks/): the in-flight counts
+before a cycle, provisioning and the routed count after it, and the windows',
 breakers' and prediction accounting after each response. Failures are
 gaas.contracts.errors, which the server interceptor turns into statuses.
 """
@@ -113,7 +113,7 @@ class Dispatcher:
         versions = sorted({w.engine_version for w in (await self._directory.snapshot()).workers if w.engine_version})
         return versions[0] if versions else "unknown"
 
-    # ------------------------------------------------------------ stage 2: prepare.py
+    # ------------------------------------------------------------ stage 3, prepare: prepare.py
 
     async def resolve_model(self, name: str, tenant: str | None = None) -> ModelEntry:
         return await self.preparer.resolve_model(name, tenant)
@@ -130,7 +130,7 @@ class Dispatcher:
                       for_ingress: bool = False) -> Prepared:
         return await self.preparer.prepare(request, principal, prefix, session_version, for_ingress=for_ingress)
 
-    # ------------------------------------------------------------ stage 5: relay.py, placement.py
+    # ------------------------------------------------------------ stages 5-6, place and stream: placement.py, relay.py
 
     def stream(self, prepared: Prepared, principal: Principal, request_id: str, time_remaining: float | None,
                arrived: float, tenant_s: float = 0.0, ingress_s: float = 0.0,
@@ -150,7 +150,7 @@ class Dispatcher:
                    final: common_pb2.GenerateChunk | None) -> None:
         self.placer.end_direct(p, code, detail, final)
 
-    # ------------------------------------------------------------ stage 6: outcomes.py
+    # ------------------------------------------------------------ stage 7, meter: outcomes.py
 
     def observe_latency(self, t: common_pb2.Timings, tier: str) -> None:
         self.outcomes.observe_latency(t, tier)

@@ -1,20 +1,22 @@
 """One generation's way through the router, for every front that serves one: the native gRPC API
 (servicer.py), the OpenAI routes (openai_servicer.py) and the ingress's decision on the direct path
 (extproc.py). An adapter translates its wire format into engine requests and the chunks back into
-its answers; everything between is here, in this order:
+its answers; everything between is here, in this order (the stages as docs/architecture.md numbers
+them):
 
   1. authenticate  the caller's key; its tenant refused at once, before its body is even parsed,
                    when this router's own count says it cannot be admitted (Meter.precheck)
-     (the adapter parses its body into engine requests)
-  2. prepare       each prompt resolved to its model, tokenized and checked (dispatch.Dispatcher.prepare);
-                   a session's turn with its stored context before it, the session then held
-  3. check         what the adapter's own API limits (an OpenAI answer's size)
+  2. parse         (the adapter's) its body into engine requests, one per prompt
+  3. prepare       each prompt resolved to its model, tokenized and checked (prepare.Preparer), and
+                   what the adapter's own API limits (an OpenAI answer's size); a session's turn
+                   with its stored context before it, the session then held
   4. admit         the tenant's quotas and budget checked, the request's most possible cost reserved
                    (gaas.metering.meter: one Redis script, shared by every router replica)
-  5. place/stream  the scheduler's pick and the worker's stream relayed (Dispatcher.stream), a
-                   session's reply committed before its last chunk; on the direct path the request
-                   is only placed, and the worker streams and meters it (Dispatcher.place_direct)
-  6. meter         one usage event before the last chunk is released, its latency decomposition observed
+  5. place         the scheduler's pick within the batching windows (placement.Placer); on the
+                   direct path the request is only placed, and the worker streams and meters it
+  6. stream        the worker's stream relayed (relay.Relay), a session's reply committed before
+                   its last chunk
+  7. meter         one usage event before the last chunk is released, its latency decomposition observed
 
 A failure at any stage gives back what the stages before it took (a session's turn, a reservation)
 and is raised as a gaas.contracts.errors error, which the adapter's server interceptor answers.
@@ -67,7 +69,7 @@ class Timing:
 
 @dataclass(slots=True)
 class Generation:
-    """A request through stage 4: admitted, each prompt ready for a worker."""
+    """A request through stage 4 (admit): each prompt ready for a worker."""
 
     principal: Principal
     request_id: str
@@ -121,7 +123,7 @@ class Pipeline:
                 self.meter.precheck(principal)
         return principal
 
-    # ------------------------------------------------------------ 2-4. prepare, check, admit
+    # ------------------------------------------------------------ 3-4. prepare, admit
 
     async def start(
         self, principal: Principal, requests: list[inference_pb2.GenerateRequest], timing: Timing, *,
@@ -174,7 +176,7 @@ class Pipeline:
         m.adapter = model.adapter.name if model.adapter is not None else ""
         return m
 
-    # ------------------------------------------------------------ 5-6. stream and meter
+    # ------------------------------------------------------------ 5-7. place, stream and meter
 
     def stream(self, g: Generation, time_remaining: float | None,
                metadata: Mapping[str, str]) -> AsyncIterator[tuple[int, common_pb2.GenerateChunk]]:
