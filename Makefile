@@ -8,7 +8,8 @@ help:
 	@echo "make run     install what is missing, build the local model, start the mesh (Ctrl-C stops it)"
 	@echo "make test    install, then run the whole test suite (starts its own Redis, Envoys, vLLM workers), then"
 	@echo "             the end-to-end half again on the router path (make test-router runs that alone)"
-	@echo "make bench   serving figures against vLLM's server (vllm bench serve), each hop's cost, the routing comparison, the"
+	@echo "make bench   serving figures against vLLM's server (vllm bench serve), where the mesh's own CPU goes process by"
+	@echo "             process (py-spy on the router and the worker's front end), each hop's cost, the routing comparison, the"
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, a soak killing every kind of process in turn, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge, roll-outs (a breach back to 0%, failed requests"
 	@echo "             while promoting and switching, the cost of an apply), autoscaling (a step served by a new worker, scale-in, scale from zero),"
@@ -49,6 +50,7 @@ test-router: proto
 
 bench: proto
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.cost
 	$(BIN)/python -m bench.hops
 	$(BIN)/python -m bench.routing
 	$(BIN)/python -m bench.kvbench
