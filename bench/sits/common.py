@@ -32,3 +32,21 @@ def histogram_delta(before: dict, after: dict, name: str, label: str | None = No
 
     a, b = read(before), read(after)
     return {k: (v[0] - a.get(k, [0.0, 0.0])[0], v[1] - a.get(k, [0.0, 0.0])[1]) for k, v in b.items()}
+
+
+def histogram_quantile(before: dict, after: dict, name: str, q: float) -> float | None:
+    """The upper bound (seconds) of the bucket holding the q-quantile of what histogram `name`
+    gained between two router_metrics() readings (inf: past the last bucket; None: no samples)."""
+    def buckets(m: dict) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for labels, value in m.get(name + "_bucket", ()):
+            le = float(labels.get("le", "inf"))
+            out[le] = out.get(le, 0.0) + value
+        return out
+
+    a, b = buckets(before), buckets(after)
+    gained = sorted((le, n - a.get(le, 0.0)) for le, n in b.items())
+    total = gained[-1][1] if gained else 0.0
+    if total <= 0:
+        return None
+    return next(le for le, n in gained if n >= q * total)

@@ -16,7 +16,7 @@ import random
 import time
 
 from bench.sits.card import Dimension, Unmeasured
-from bench.sits.common import histogram_delta, ttft_summary
+from bench.sits.common import histogram_delta, histogram_quantile, ttft_summary
 from bench.sits.load import open_loop, poisson, stream, text
 from bench.sits.target import OwnMeshOnly, Target
 
@@ -120,8 +120,14 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
     if decisions:
         per_plugin = {p: round(s / decisions * 1000, 4) for p, (s, c) in sorted(plugins.items()) if c}
         lookup_ms = sum(s for s, _ in lookup.values()) / max(1.0, sum(c for _, c in lookup.values())) * 1000
+        lookup_p99 = histogram_quantile(before, after, "gaas_router_kv_lookup_seconds", 0.99)
+        stale_p99 = histogram_quantile(before, after, "gaas_router_kv_replica_staleness_seconds", 0.99)
         d.figures["decision"] = {"decisions": int(decisions), "scheduler_ms": round(sum(per_plugin.values()), 4),
                                  "kv_lookup_ms": round(lookup_ms, 4),
+                                 # Bucket bounds: the p99 is at most this (the router's own replica,
+                                 # and how stale it was: an engine's event to its change there).
+                                 "kv_lookup_p99_ms_at_most": None if lookup_p99 is None else lookup_p99 * 1000,
+                                 "kv_replica_staleness_p99_ms_at_most": None if stale_p99 is None else stale_p99 * 1000,
                                  "total_ms": round(sum(per_plugin.values()) + lookup_ms, 4),
                                  "per_plugin_ms": per_plugin}
     else:

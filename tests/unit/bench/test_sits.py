@@ -150,3 +150,14 @@ def test_a_histograms_gain_between_two_readings_is_read_by_label():
              "h_count": [({"plugin": "a"}, 20.0), ({"plugin": "b"}, 4.0)]}
     assert histogram_delta(before, after, "h", "plugin") == {"a": (0.5, 10.0), "b": (0.2, 4.0)}
     assert histogram_delta({}, after, "h") == {"": (pytest.approx(1.7), 24.0)}
+
+
+def test_a_histograms_quantile_between_two_readings_is_the_bound_of_its_bucket():
+    from bench.sits.common import histogram_quantile
+
+    before = {"h_bucket": [({"le": "0.001"}, 1.0), ({"le": "0.01"}, 1.0), ({"le": "+Inf"}, 1.0)]}
+    after = {"h_bucket": [({"le": "0.001"}, 91.0), ({"le": "0.01"}, 100.0), ({"le": "+Inf"}, 101.0)]}
+    assert histogram_quantile(before, after, "h", 0.5) == 0.001
+    assert histogram_quantile(before, after, "h", 0.99) == 0.01
+    assert histogram_quantile(before, after, "h", 1.0) == float("inf")
+    assert histogram_quantile(after, after, "h", 0.99) is None
