@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # them (one read, one transaction, one acknowledgement), so billing's cost per event does not
 # depend on how requests arrive (one at a time, each would be all of these alone). What it adds to
 # metering's lag, at most.
-GATHER_SECONDS = 0.25
+GATHER_SECONDS = 0.5
 
 
 class UsageConsumer:
