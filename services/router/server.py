@@ -85,7 +85,7 @@ async def serve(cfg: RouterSettings) -> None:
     kv = KVDirectoryClient(kvcache_pb2_grpc.KVCacheStub(channel))
     follower = Follower(kv.replica, kv.follow, staleness=rt.metrics.histogram(
         "kv_replica_staleness_seconds", "From an engine's KV event to its change in this router's replica of the "
-        "KV directory (the oldest event of each change applied)", buckets=FAST_BUCKETS).observe)
+        "KV directory (the oldest event of each change applied)", buckets=DECOMPOSITION_BUCKETS).observe)
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     # The outcomes of requests of models under a roll-out, for control's SLO guard.
     reporter = RolloutReporter(redis)
