@@ -1,12 +1,16 @@
 """Streams of a request taken together, for whoever serves one: a request's several prompts'
-streams as one (the router on its own route, the worker on the direct path)."""
+streams as one (the router on its own route, the worker on the direct path); and a subscriber's
+queue as a stream with heartbeats (a watch of KV events, a follow of the KV directory)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from gaas.v1 import common_pb2
+
+T = TypeVar("T")
 
 # The prompts of one request that are generated at once (the others wait their turn here, not in
 # the workers' queues).
@@ -52,3 +56,17 @@ async def merge(streams: list[AsyncIterator[common_pb2.GenerateChunk]],
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_cut_off(q: asyncio.Queue, heartbeat_s: float, heartbeat: Callable[[], T]) -> AsyncIterator[T]:
+    """A subscriber's queue as a stream: its items as they come, heartbeat() after heartbeat_s of
+    quiet (so no proxy takes the stream for an idle one), until None (its producer cut it off)."""
+    while True:
+        try:
+            item = await asyncio.wait_for(q.get(), heartbeat_s)
+        except asyncio.TimeoutError:
+            yield heartbeat()
+            continue
+        if item is None:
+            return
+        yield item

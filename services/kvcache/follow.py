@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 
 from gaas.contracts.ids import WorkerId
+from gaas.runtime.streams import until_cut_off
 from gaas.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -105,13 +106,7 @@ class Feed:
         try:
             for msg in snapshot:
                 yield msg
-            while True:
-                try:
-                    msg = await asyncio.wait_for(q.get(), HEARTBEAT_SECONDS)
-                except asyncio.TimeoutError:
-                    msg = pb.DirectoryChanges()
-                if msg is None:
-                    return
+            async for msg in until_cut_off(q, HEARTBEAT_SECONDS, pb.DirectoryChanges):
                 yield msg
         finally:
             self.unsubscribe(q)

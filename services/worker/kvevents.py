@@ -21,6 +21,7 @@ from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from gaas.runtime.streams import until_cut_off
 from gaas.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -267,14 +268,8 @@ class KVEventRelay:
         try:
             for b in snapshot:
                 yield b
-            while True:
-                try:
-                    b = await asyncio.wait_for(q.get(), HEARTBEAT_SECONDS)
-                except asyncio.TimeoutError:
-                    yield pb.KVEventBatch(worker_id=self.worker_id, seq=self.last_seq + 1, epoch=self.epoch)
-                    continue
-                if b is None:
-                    return
+            async for b in until_cut_off(q, HEARTBEAT_SECONDS, lambda: pb.KVEventBatch(
+                    worker_id=self.worker_id, seq=self.last_seq + 1, epoch=self.epoch)):
                 yield b
         finally:
             self._watchers.discard(q)
