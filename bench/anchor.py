@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from bench import cost
-from bench.common.output import RESULTS, progress, write_json
+from bench.common.output import RESULTS, closing, failed_requests, progress, write_json
 from bench.common.stats import percentile
 
 say = progress("anchor")
@@ -223,14 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     results["issue_45"] = {"vllm_router_ratio_was": ROUTER_RATIO_WAS,
                            "vllm_router_ttft_added_ms_was": ROUTER_TTFT_ADDED_WAS_MS, "gaas_ratio_goal": GAAS_RATIO_GOAL}
     runs = [*results["streams"].values(), *results["one_at_a_time"].values()]
-    failed = results["failed"] = sum(c["failed"] for c in runs)
+    results["failed"] = failed_requests(runs)
     out = write_json(args.out, results)
     report(results)
-    for c in runs:
-        for why in c["failures"]:
-            print(f"  failed: {why}")
-    print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
-    return 1 if failed else 0
+    return closing(out, runs)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from bench import footprint
 from bench.common import proccpu
-from bench.common.output import RESULTS, ROOT, progress, write_json
+from bench.common.output import RESULTS, ROOT, closing, failed_requests, progress, write_json
 from bench.common.pyspy import Profiler, merged
 
 say = progress("cost")
@@ -478,15 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["goals"] = goals(results)
     runs = [*results["one_at_a_time"].values(), *(c for r in results["streams"].values() for c in r.values())]
-    failed = sum(c["failed"] for c in runs)
-    results["failed"] = failed
+    results["failed"] = failed_requests(runs)
     out = write_json(args.out, results)
     report(results)
-    for c in runs:
-        for why in c["failures"]:
-            print(f"  failed: {why}")
-    print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
-    return 1 if failed else 0
+    return closing(out, runs)
 
 
 if __name__ == "__main__":

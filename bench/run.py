@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common.output import RESULTS, progress, write_json
+from bench.common.output import RESULTS, closing, progress, write_json
 from bench.common.stats import percentile
 from bench.common.vllm import free_port, merge_detailed, start_vllm_server, stop_group, wait_http
 
@@ -339,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nthe mesh's own cost against issue 11's goals:")
         for g in goals:
             print(f"  {g['what']:<80} {g['shown']:>12}  goal {g['goal']:<10} {'met' if g['met'] else 'NOT MET'}")
-    failed = sum(s["failed"] for s in results["serving"].values())
-    print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
-    return 1 if failed else 0
+    return closing(out, results["serving"].values())
 
 
 # The mesh as each ingress path runs it (the topology's ingress.path).

@@ -28,3 +28,19 @@ def write_json(path: str | Path, doc: object) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
+
+
+def failed_requests(runs) -> int:
+    """The requests that failed across runs (each a dict with "failed")."""
+    return sum(r["failed"] for r in runs)
+
+
+def closing(out: Path, runs) -> int:
+    """A serving benchmark's last lines: each failed request's reason (a run's "failures"), where
+    its JSON went, how many requests failed; its exit status (1: some failed)."""
+    for r in runs:
+        for why in r.get("failures", ()):
+            print(f"  failed: {why}")
+    failed = failed_requests(runs)
+    print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
+    return 1 if failed else 0
