@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import trace
 
 from gaas.contracts import batches as batch_terms
-from gaas.contracts import finish
+from gaas.contracts import errors, finish
 from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.activity import TenantActivity
@@ -221,10 +221,27 @@ class Placer:
         blocked = self._flow.breakers.blocked()
         others = sorted((w for w in workers if w.worker_id != worker.worker_id and w.worker_id not in blocked),
                         key=lambda w: scores.get(w.worker_id, float("-inf")), reverse=True)
-        last_resort = None if others else next((w for w in workers if w.worker_id != worker.worker_id), None)
+        last_resort = None if others else await self._last_resort(prepared, worker, workers)
         return DirectPlacement(self, prepared, principal, worker, self.worker_request(prepared, principal, request_id),
                                placed.queued_s, placed.token, ctx.confirmed.get(worker.worker_id, 0), others=others,
                                last_resort=last_resort)
+
+    async def _last_resort(self, prepared: Prepared, worker: Candidate, workers: list[Candidate]) -> Candidate | None:
+        """The second choice when no other worker of the request's pool lets requests through: one
+        whose breaker is open, else a worker of another version of the model (a canary's only
+        worker draining or full: the stable version serves it, and the reverse). Without one the
+        ingress's retry reaches any worker of the mesh, which refuses what it was not sent."""
+        if (w := next((w for w in workers if w.worker_id != worker.worker_id), None)) is not None:
+            return w
+        if not prepared.model.pool:
+            return None
+        blocked = self._flow.breakers.blocked()
+        try:
+            model_workers = await self._directory.workers(prepared.model.name)
+        except errors.Unavailable:
+            return None
+        return next((w for w in model_workers if w.worker_id != worker.worker_id and w.worker_id not in blocked),
+                    next((w for w in model_workers if w.worker_id != worker.worker_id), None))
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None, by: str = "") -> None:

@@ -258,6 +258,30 @@ async def test_a_worker_whose_breaker_is_open_is_the_second_choice_only_when_the
     assert p.others == []  # (no stream is carried on at it)
 
 
+async def test_a_version_with_one_worker_names_a_worker_of_the_other_version_second():
+    from gaas.contracts.rollout import Split
+    from services.router.directory import VersionEntry
+
+    models = [ModelEntry("tiny", "1.0", 64, True, versions={"1.0": VersionEntry("", 64), "2.0": VersionEntry("", 64, "canary")},
+                         split=Split("tiny", stable="1.0", canary="2.0", weight=50))]
+    cands = [Candidate(WorkerId("w0"), "w0:1", "tiny", "1.0", 64), Candidate(WorkerId("w1"), "w1:1", "tiny", "2.0", 64)]
+
+    async def fetch():
+        return models, cands
+
+    d = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), None, lambda m: FakeTokenizer(),
+                   retries=2, max_stream_seconds=30, metrics=metrics())
+    seen = set()
+    for i in range(8):
+        p = await placed(d, f"req-{i}")
+        # The canary's only worker draining or full: the stable version serves it, and the reverse.
+        assert p.fallback is not None and p.fallback.worker_id != p.worker.worker_id, p.addresses
+        assert p.others == []  # a stream is carried on within its version only
+        seen.add(p.worker.worker_id)
+        p.ended(None)
+    assert seen == {"w0", "w1"}
+
+
 def test_a_native_grpc_refusal_at_the_ingress_is_a_trailers_only_grpc_status_with_its_details():
     import base64
 
