@@ -124,11 +124,13 @@ class MeshDirectory:
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._lock = asyncio.Lock()
+        self._viewed = asyncio.Event()
 
     async def _refresh_now(self) -> Snapshot:
         async with self._lock:
             models, workers = await self._fetch()
             self._snapshot = Snapshot(models, workers, self._clock())
+            self._viewed.set()
             if self._on_refresh is not None:
                 self._on_refresh(self._snapshot)
             return self._snapshot
@@ -152,6 +154,11 @@ class MeshDirectory:
                                 exc, self._max_stale)
                 failing = True
             await asyncio.sleep(self._refresh)
+
+    async def first_view(self) -> None:
+        """Returns once a view has been read (run() reads it): a router that cannot see the mesh
+        cannot route, nor, with control away, verify a key it has not seen."""
+        await self._viewed.wait()
 
     @property
     def latest(self) -> Snapshot | None:

@@ -219,7 +219,17 @@ async def serve(cfg: RouterSettings) -> None:
         await redis.aclose()
 
     rt.on_stop(stop_refreshing)
-    await rt.set_serving(True)
+    # SERVING once it sees the mesh: a router restarted while control is away takes no request it
+    # could only refuse (the ingress's other routers take them).
+    viewed = asyncio.create_task(directory.first_view())
+    stopping = asyncio.create_task(rt.wait_stop_requested())
+    await asyncio.wait({viewed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if viewed.done():
+        await rt.set_serving(True)
+    else:
+        log.warning("stopping before the first view of the mesh was read")
+    for task in (viewed, stopping):
+        task.cancel()
     try:
         await rt.run_until_stopped()
     finally:

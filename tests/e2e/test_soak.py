@@ -78,5 +78,5 @@ def test_each_kind_of_process_killed_under_load_loses_no_usage_refuses_no_one_an
         # A lone ingress Envoy refuses connections until it is back, longer than the client's
         # retries wait; with two or more, the others take every new connection.
         if not (r["kind"] == "ingress" and lone_ingress):
-            assert r["failed_before_first_token"] == 0, r
+            assert r["failed_before_first_token"] == 0, json.dumps(r)
     assert [p for p in seen if alive(p)] == [], "processes of the mesh outlived it"

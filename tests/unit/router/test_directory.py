@@ -48,6 +48,19 @@ async def test_the_background_refresh_keeps_the_last_view_when_control_fails(set
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_the_first_view_is_awaited_until_control_answers(setup):
+    d, _, calls, fetch = setup
+    fetch.fail = errors.Unavailable("control down")
+    task = asyncio.create_task(d.run())
+    waiting = asyncio.create_task(d.first_view())
+    await asyncio.sleep(0.05)  # several refreshes, every one failing
+    assert len(calls) >= 2 and not waiting.done()
+    fetch.fail = None
+    await asyncio.wait_for(waiting, 1.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_resolve_model(setup):
     d, _, _, _ = setup
     assert (await d.resolve_model("")).name == "tiny"
