@@ -230,6 +230,20 @@ class MeshDirectory:
             raise errors.Unavailable(f"no worker is serving {which} right now; retry in a few seconds")
         return serving
 
+    async def serving(self) -> list[tuple[ModelEntry, int, dict[str, int]]]:
+        """The deployed models, each with how many serving workers it has now, in all and by version."""
+        snap = await self.snapshot()
+        ready: dict[str, dict[str, int]] = {}
+        for w in snap.workers:
+            by_version = ready.setdefault(w.model, {})
+            by_version[w.model_version] = by_version.get(w.model_version, 0) + 1
+        return [(m, sum(ready.get(m.name, {}).values()), ready.get(m.name, {})) for m in snap.models]
+
+    async def engine_version(self) -> str:
+        """The engine version the serving workers report (one of them, should they differ)."""
+        versions = sorted({w.engine_version for w in (await self.snapshot()).workers if w.engine_version})
+        return versions[0] if versions else "unknown"
+
     def versions_serving(self, model: str) -> set[str]:
         """The versions of model with a serving worker in the current view."""
         snap = self._snapshot

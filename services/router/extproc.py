@@ -340,18 +340,18 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         # autoscaled model none of whose workers serves yet is passed on to the router's own route
         # and waits there (ScalingUp).
         try:
-            placement = await (self._decide_native(principal, headers, bytes(body), timing) if native
-                               else self._decide(principal, headers, bytes(body), timing))
+            decided = await (self._decide_native(principal, headers, bytes(body), timing) if native
+                             else self._decide(principal, headers, bytes(body), timing))
         except ScalingUp:
-            placement = None
+            decided = None
         except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
             yield self._refusal(exc, headers)
             return
-        if placement is None:
+        if decided is None:
             for r in _passed_on(bytes(body)):
                 yield r
             return
-        direct, p, g = placement
+        direct, p, g = decided.direct, decided.placement, decided.generation
         message = direct.SerializeToString()
         if not native:
             message = httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE, data=message).SerializeToString()
@@ -382,9 +382,9 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         native = headers.get(":path", "") == NATIVE_GENERATE
         return immediate_grpc(err) if native and TRANSCODED_HEADER not in headers else immediate(err)
 
-    async def _decide(self, principal, headers: dict[str, str], body: bytes, timing: Timing):
-        """(DirectGenerate, DirectPlacement, Generation) for the worker; None: the router's own
-        route serves it (a path this router does not decide)."""
+    async def _decide(self, principal, headers: dict[str, str], body: bytes, timing: Timing) -> Decided | None:
+        """The request decided for its worker; None: the router's own route serves it (a path this
+        router does not decide)."""
         parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
         if parse is None:
             return None
@@ -396,7 +396,7 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                                   client_id or parsed.client_request_id, parsed.client_request_id, http.data, chat,
                                   check=answer_check(parsed))
 
-    async def _decide_native(self, principal, headers: dict[str, str], body: bytes, timing: Timing):
+    async def _decide_native(self, principal, headers: dict[str, str], body: bytes, timing: Timing) -> Decided:
         """_decide for the native API's Generate, whose body is the GenerateRequest."""
         client_id = client_request_id_var.get()
         request = _message(inference_pb2.GenerateRequest, body)
@@ -411,13 +411,13 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
         return await self._pipeline.authenticate(timing, headers.get(edge.CLIENT_ADDRESS_HEADER, ""))
 
     async def _placed(self, principal, requests, timing: Timing, headers: dict[str, str], client_id: str,
-                      body_client_id: str, body: bytes = b"", chat: bool = False, check=None):
-        """A request admitted and placed: (DirectGenerate, DirectPlacement, Generation).
-        body_client_id: the client's id for its request as its body named it (for the logs)."""
+                      body_client_id: str, body: bytes = b"", chat: bool = False, check=None) -> Decided:
+        """A request admitted and placed. body_client_id: the client's id for its request as its
+        body named it (for the logs)."""
         note_client_id(body_client_id)
         g = await self._pipeline.start(principal, requests, timing, check=check, direct=True)
         p = await self._pipeline.place_direct(g)
-        return self._direct(g, p, body, chat, headers, client_id), p, g
+        return Decided(self._direct(g, p, body, chat, headers, client_id), p, g)
 
     def _direct(self, g: Generation, p: DirectPlacement, body: bytes, chat: bool, headers: dict[str, str],
                 client_id: str) -> worker_pb2.DirectGenerate:
@@ -454,6 +454,16 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
                                - direct.router_queue_ms)
         direct.decided_unix = time.time()
         return direct
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """A generation decided at the ingress: what the worker is sent, where, and the request as the
+    pipeline admitted it."""
+
+    direct: worker_pb2.DirectGenerate
+    placement: DirectPlacement
+    generation: Generation
 
 
 @dataclass(slots=True)

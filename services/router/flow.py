@@ -5,7 +5,7 @@ first and fair between tenants (services/router/waitqueue.py), until their tier'
 workers that fail in bursts or slow down past their own p99 are cut off by circuit breakers
 (services/router/breakers.py) and probed back.
 
-The dispatcher calls place() to get a worker (the scheduler decides; this only says whether there
+The placement (placement.Placer) calls place() to get a worker (the scheduler decides; this only says whether there
 is room, and waits for it), then started / first_token / failed / finished as the stream goes.
 With QoS off (GAAS_QOS=off: for comparison) there are no bands, windows or queue: every request
 goes to a worker at once, at the priority its client asked for.

@@ -37,7 +37,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         self._responses = responses
         # Background responses running here.
         self._running: set[asyncio.Task] = set()
-        self._dispatcher = pipeline.dispatcher
+        self._stages = pipeline.stages
         self._max_body = max_body_bytes
         self._metrics = metrics
 
@@ -45,7 +45,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
-        served = [(m, n, by_version) for m, n, by_version in await self._dispatcher.models() if n > 0]
+        served = [(m, n, by_version) for m, n, by_version in await self._stages.directory.serving() if n > 0]
         listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}) for m, n, by_version in served]
         adapters = [(a.name, m.name, n, m.max_model_len) for m, n, _ in served for a in m.adapters.values()
                     if a.may_use(principal.tenant)]
@@ -295,8 +295,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         timing = Timing()
         principal = await self._pipeline.authenticate(timing)
         t = openai_api.parse_tokenize(jsonbody.parse(request.data, self._max_body))
-        model = await self._dispatcher.resolve_model(t.model, principal.tenant)
-        tok = await self._dispatcher.tokenizer(model)
+        model = await self._stages.preparer.resolve_model(t.model, principal.tenant)
+        tok = await self._stages.preparer.tokenizer(model)
         text = inference_pb2.GenerateRequest(add_special_tokens=t.add_special_tokens)
         if t.prompt is not None:
             text.prompt = t.prompt
@@ -310,7 +310,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         m = await self._pipeline.counted(principal, model.name, model.version, most + 16, timing)
         ids: list[int] = []
         try:
-            ids = await self._dispatcher.tokenize(tok, text)  # (a long one off the event loop)
+            ids = await self._stages.preparer.tokenize(tok, text)  # (a long one off the event loop)
         finally:
             self._pipeline.settle(m, len(ids))
         strs = [tok.id_to_token(i) or "" for i in ids] if t.return_token_strs else None
@@ -319,8 +319,8 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     async def Detokenize(self, request: httpbody_pb2.HttpBody, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
         name, tokens = openai_api.parse_detokenize(jsonbody.parse(request.data, self._max_body))
-        model = await self._dispatcher.resolve_model(name, principal.tenant)
-        tok = await self._dispatcher.tokenizer(model)
+        model = await self._stages.preparer.resolve_model(name, principal.tenant)
+        tok = await self._stages.preparer.tokenizer(model)
         for i, t in enumerate(tokens):
             if t >= tok.vocab_size:
                 raise errors.InvalidArgument(
@@ -332,7 +332,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     # ------------------------------------------------------------ probes (no API key, as on vLLM)
 
     async def Health(self, request, context) -> httpbody_pb2.HttpBody:
-        if not any(n for _, n, _ in await self._dispatcher.models()):
+        if not any(n for _, n, _ in await self._stages.directory.serving()):
             raise errors.Unavailable("no model has a ready worker")
         return httpbody_pb2.HttpBody(content_type="text/plain", data=b"")
 
@@ -340,10 +340,10 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         return await self.Health(request, context)
 
     async def Version(self, request, context) -> httpbody_pb2.HttpBody:
-        return openai_stream.json_body({"version": await self._dispatcher.engine_version()})
+        return openai_stream.json_body({"version": await self._stages.directory.engine_version()})
 
     async def Load(self, request, context) -> httpbody_pb2.HttpBody:
-        return openai_stream.json_body({"server_load": self._dispatcher.in_flight})
+        return openai_stream.json_body({"server_load": self._stages.in_flight})
 
     async def Metrics(self, request, context) -> httpbody_pb2.HttpBody:
         return httpbody_pb2.HttpBody(content_type=CONTENT_TYPE_LATEST, data=generate_latest(self._metrics))

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RouterMetrics:
-    """What the dispatcher records, when the server gives it a registry."""
+    """What the router's stages record, when the server gives it a registry."""
 
     # Requests sent, by policy and worker.
     routed: Counter | None = None

@@ -37,7 +37,7 @@ from gaas.runtime.context import client_request_id_var, current_authorization, c
     sanitize_client_id, tenant_var
 from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Authenticator, Principal
-from services.router.dispatch import Dispatcher
+from services.router.stages import Stages
 from services.router.placement import DirectPlacement
 from services.router.prepare import Prepared
 from gaas.runtime.streams import merge
@@ -96,9 +96,9 @@ def note_client_id(client_id: str) -> None:
 
 
 class Pipeline:
-    def __init__(self, dispatcher: Dispatcher, authenticator: Authenticator, meter: Meter | None = None,
+    def __init__(self, stages: Stages, authenticator: Authenticator, meter: Meter | None = None,
                  sessions: SessionStore | None = None) -> None:
-        self.dispatcher = dispatcher
+        self.stages = stages
         self.meter = meter
         self.sessions = sessions
         self._auth = authenticator
@@ -137,12 +137,12 @@ class Pipeline:
             raise errors.InvalidArgument("a session turn is one prompt, not a batch", param="prompt")
         plan = None
         if len(requests) == 1 and check_turn(requests[0]):
-            plan = await plan_turn(available(self.sessions), self.dispatcher, requests[0], principal, request_id,
+            plan = await plan_turn(available(self.sessions), self.stages.preparer, requests[0], principal, request_id,
                                    for_ingress=direct)
             prepared = [plan.prepared]
             timing.tenant_s += plan.tenant_s
         else:
-            prepared = [await self.dispatcher.prepare(r, principal, for_ingress=direct) for r in requests]
+            prepared = [await self.stages.preparer.prepare(r, principal, for_ingress=direct) for r in requests]
         g = Generation(principal, request_id, prepared, timing, plan.held.session_id if plan else "", plan,
                        price_factor=price_factor)
         try:
@@ -156,7 +156,7 @@ class Pipeline:
             raise
         if plan is None and len(requests) == 1:
             # While the model's new version shadows, a share of its requests is copied to it.
-            self.dispatcher.shadow.maybe_copy(requests[0], principal, prepared[0].model, request_id)
+            self.stages.shadow.maybe_copy(requests[0], principal, prepared[0].model, request_id)
         return g
 
     async def _admit(self, g: Generation, direct: bool = False) -> Metered | None:
@@ -187,18 +187,18 @@ class Pipeline:
         streams = []
         for i, p in enumerate(g.prepared):
             request_id = g.request_id if len(g.prepared) == 1 else f"{g.request_id}-{i}"
-            chunks = self.dispatcher.stream(p, g.principal, request_id, time_remaining, g.timing.arrived,
-                                            g.timing.tenant_s, ingress_s, on_abandoned=on_abandoned)
+            chunks = self.stages.relay.stream(p, g.principal, request_id, time_remaining, g.timing.arrived,
+                                              g.timing.tenant_s, ingress_s, on_abandoned)
             streams.append(chunks if g.plan is None else committing(self.sessions, g.plan, chunks))
         return metered(self.meter, g.metered, merge(streams), chunk_of=lambda pair: pair[1],
-                       on_last=lambda c: self.dispatcher.observe_latency(c.timings, g.principal.tier))
+                       on_last=lambda c: self.stages.outcomes.observe_latency(c.timings, g.principal.tier))
 
     async def place_direct(self, g: Generation) -> DirectPlacement:
         """Stage 5 of the direct path: the request placed on a worker, which the ingress then sends
         it to (a prompt list whole, its prompts' engine requests beside the first); its reservation
         and its session's turn given back if it cannot be placed."""
         try:
-            p = await self.dispatcher.place_direct(g.prepared[0], g.principal, g.request_id, None)
+            p = await self.stages.placer.place_direct(g.prepared[0], g.principal, g.request_id, None)
         except BaseException:
             if g.metered is not None:
                 await self.meter.release(g.metered)
@@ -206,7 +206,7 @@ class Pipeline:
                 self.sessions.release_later(g.plan.held)
             raise
         if len(g.prepared) > 1:
-            p.requests = [self.dispatcher.worker_request(pp, g.principal, f"{g.request_id}-{i}")
+            p.requests = [self.stages.placer.worker_request(pp, g.principal, f"{g.request_id}-{i}")
                           for i, pp in enumerate(g.prepared)]
         return p
 

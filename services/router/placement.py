@@ -246,7 +246,7 @@ class Placer:
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None, by: str = "") -> None:
         """A direct generation is over: the flow learns how its worker did, and the request is
-        recorded as one of the router's own streams is (Dispatcher.stream), from the worker's final."""
+        recorded as one of the router's own streams is (Relay.stream), from the worker's final."""
         worker, m, labels = p.worker.worker_id, self._metrics, (p.prepared.model.name, p.principal.band_name)
         tokens = 0
         if by and by != worker:

@@ -36,7 +36,7 @@ from services.router.coalescing import Coalescing
 from services.router.controlclient import control_fetcher, key_lookup
 from services.router import registry_changes
 from services.router.directory import DirectoryCollector, MeshDirectory
-from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.stages import RouterMetrics, Stages
 from services.router.edgeauth import EdgeAuthorizer
 from services.router.extproc import ExternalProcessor
 from services.router.flow import Flow, FlowCollector, FlowSettings
@@ -89,7 +89,7 @@ async def serve(cfg: RouterSettings) -> None:
     redis = redisconn.connect(cfg.redis_url, timeout=1.0)
     # The outcomes of requests of models under a roll-out, for control's SLO guard.
     reporter = RolloutReporter(redis)
-    dispatcher = Dispatcher(
+    stages = Stages(
         directory,
         scheduler,
         worker_pb2_grpc.WorkerStub(channel),
@@ -165,7 +165,7 @@ async def serve(cfg: RouterSettings) -> None:
     billing = billing_pb2_grpc.BillingStub(channel)
     read_usage = usage_reader(billing)
     # One request pipeline; each API below is an adapter of it.
-    pipeline = Pipeline(dispatcher, auth, meter, sessions)
+    pipeline = Pipeline(stages, auth, meter, sessions)
     rt.add_service(
         inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(pipeline, read_usage), "gaas.v1.Inference",
     )
@@ -185,7 +185,7 @@ async def serve(cfg: RouterSettings) -> None:
         EXT_PROC_SERVICE,
         listed=False,
     )
-    rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, dispatcher.activity, sessions), "gaas.v1.Router",
+    rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, stages.activity, sessions), "gaas.v1.Router",
                    listed=False)  # reached through the router's sidecar only, never the ingress
     await rt.start()
     refresher = asyncio.create_task(directory.run(), name="mesh-view")

@@ -12,7 +12,7 @@ from services.router.sessions import delete_response, get_response, list_respons
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, pipeline: Pipeline, read_usage=None) -> None:
         self._pipeline = pipeline
-        self._dispatcher = pipeline.dispatcher
+        self._directory = pipeline.stages.directory
         self._read_usage = read_usage
         self._sessions = pipeline.sessions
 
@@ -27,7 +27,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context) -> inference_pb2.ListModelsResponse:
         principal = await self._pipeline.caller()
-        models = await self._dispatcher.models()
+        models = await self._directory.serving()
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(name=m.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len,

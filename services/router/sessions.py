@@ -24,7 +24,7 @@ from gaas.contracts.sessions import Context, SessionPolicy
 from gaas.model.tokenizer import PromptPrefix
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.principal import Principal
-from services.router.prepare import Prepared
+from services.router.prepare import Prepared, Preparer
 from gaas.runtime.redisconn import Script
 from gaas.sessions.turns import OpenTurn, TurnEnds, committing as committing_turn, unavailable
 
@@ -365,7 +365,8 @@ def check_turn(request: inference_pb2.GenerateRequest) -> str:
     return request.session_id
 
 
-async def plan_turn(store: SessionStore, dispatcher, request: inference_pb2.GenerateRequest, principal: Principal,
+async def plan_turn(store: SessionStore, preparer: Preparer, request: inference_pb2.GenerateRequest,
+                    principal: Principal,
                     request_id: str, for_ingress: bool = False) -> TurnPlan:
     """Take the session's turn and prepare its request: the stored context, then the turn's new
     part; the context's oldest turns dropped while the prompt leaves the reply no room
@@ -375,7 +376,7 @@ async def plan_turn(store: SessionStore, dispatcher, request: inference_pb2.Gene
     held = await store.begin(principal.tenant, request.session_id, request_id)
     began = time.perf_counter() - started
     try:
-        plan = await _plan(store, dispatcher, request, principal, held, for_ingress)
+        plan = await _plan(store, preparer, request, principal, held, for_ingress)
     except BaseException:
         store.release_later(held)
         raise
@@ -383,20 +384,20 @@ async def plan_turn(store: SessionStore, dispatcher, request: inference_pb2.Gene
     return plan
 
 
-async def _plan(store: SessionStore, dispatcher, request: inference_pb2.GenerateRequest, principal: Principal,
+async def _plan(store: SessionStore, preparer: Preparer, request: inference_pb2.GenerateRequest, principal: Principal,
                 held: Held, for_ingress: bool) -> TurnPlan:
     messages = [(m.role, m.content) for m in request.messages] if request.messages else None
     prompt = request.prompt if not request.messages else None
     if held.context is not None:
         context = held.context
-        model = await dispatcher.resolve_model(request.model or context.model, principal.tenant)
+        model = await preparer.resolve_model(request.model or context.model, principal.tenant)
         if model.name != context.model:
             raise errors.InvalidArgument(
                 f"session {held.session_id!r} is a conversation with {context.model}; continue it with that "
                 "model (or leave model out), or start another session", param="model")
         new = context.new_part(messages, prompt)
     else:
-        model = await dispatcher.resolve_model(request.model, principal.tenant)
+        model = await preparer.resolve_model(request.model, principal.tenant)
         context, new = Context.new(model.name, "chat" if messages is not None else "text", messages or [("prompt", prompt)])
         if not new:
             raise errors.InvalidArgument("a session's first turn needs a message besides the system prompt",
@@ -408,8 +409,8 @@ async def _plan(store: SessionStore, dispatcher, request: inference_pb2.Generate
     for _ in range(FIT_ATTEMPTS):
         full = turn_request(request, context, new, held.keep_from)
         try:
-            plan.prepared = await dispatcher.prepare(full, principal, held.prefix, context.model_version,
-                                                     for_ingress=for_ingress)
+            plan.prepared = await preparer.prepare(full, principal, held.prefix, context.model_version,
+                                                   for_ingress=for_ingress)
             room, too_long = limit - plan.prepared.prompt_tokens, None
         except genrequest.ContextTooLong as exc:
             plan.prepared, room, too_long = None, limit - exc.prompt_tokens, exc

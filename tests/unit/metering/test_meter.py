@@ -178,7 +178,7 @@ async def _agen(items):
 async def test_a_request_retried_on_another_worker_before_its_first_token_is_one_event(meter, redis):
     import grpc
 
-    from tests.unit.router.test_servicer import OK, collect, rpc_error, serve
+    from tests.unit.router.support import OK, collect, rpc_error, serve
 
     rt, fake = await serve({"w0": [rpc_error(grpc.StatusCode.UNAVAILABLE)], "w1": OK}, meter=meter)
     try:
@@ -194,7 +194,7 @@ async def test_a_request_retried_on_another_worker_before_its_first_token_is_one
 async def test_a_request_that_fails_after_tokens_is_billed_for_them_as_failed(meter, redis):
     import grpc
 
-    from tests.unit.router.test_servicer import chunk as worker_chunk, collect, rpc_error, serve
+    from tests.unit.router.support import chunk as worker_chunk, collect, rpc_error, serve
 
     died = [worker_chunk("a"), worker_chunk("b"), rpc_error(grpc.StatusCode.UNAVAILABLE, "engine died")]
     rt, _ = await serve({"w0": died, "w1": died}, meter=meter)
@@ -237,8 +237,8 @@ async def test_a_client_that_hangs_up_before_its_first_token_is_billed_for_the_p
     import grpc
 
     from gaas.v1 import inference_pb2, inference_pb2_grpc
-    from tests.unit.router.test_servicer import AUTH, serve
-    from tests.unit.router.test_servicer import chunk as worker_chunk
+    from tests.unit.router.support import AUTH, serve
+    from tests.unit.router.support import chunk as worker_chunk
 
     async def prefilled():
         await asyncio.sleep(0.4)  # the engine computes the prompt

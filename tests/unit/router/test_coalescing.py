@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.router.coalescing import Coalescing
 from services.router.scheduling import WorkerId
-from tests.unit.router.test_servicer import KEYS, FakeTokenizer, FakeWorkers, OK
+from tests.unit.router.support import KEYS, FakeTokenizer, FakeWorkers, OK
 
 
 @pytest.mark.parametrize("in_flight, interval", [(0, 1), (3, 1), (7, 1), (8, 2), (12, 3), (31, 7), (32, 8), (500, 8)])
@@ -30,7 +30,7 @@ def test_the_interval_is_monotone_and_bounded(a, b, per_step, cap):
 
 async def test_a_busy_router_asks_the_worker_for_fuller_messages():
     from services.router.directory import MeshDirectory, ModelEntry
-    from services.router.dispatch import Dispatcher
+    from services.router.stages import Stages
     from services.router.scheduling import Candidate, make_scheduler
     from gaas.v1 import inference_pb2
 
@@ -38,16 +38,16 @@ async def test_a_busy_router_asks_the_worker_for_fuller_messages():
         return [ModelEntry("tiny", "1.0", 4096, True)], [Candidate(WorkerId("w0"), "w0", "tiny", "1.0", 4096)]
 
     workers = FakeWorkers({"w0": OK})
-    dispatcher = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), workers, lambda m: FakeTokenizer(),
+    dispatcher = Stages(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), workers, lambda m: FakeTokenizer(),
                             retries=0, max_stream_seconds=30, coalescing=Coalescing(per_step=2, max_interval=8))
     principal = KEYS["key-acme"]
 
     async def one():
-        prepared = await dispatcher.prepare(inference_pb2.GenerateRequest(prompt="hi", max_tokens=2), principal)
-        return [c async for c in dispatcher.stream(prepared, principal, "req", None, time.perf_counter())]
+        prepared = await dispatcher.preparer.prepare(inference_pb2.GenerateRequest(prompt="hi", max_tokens=2), principal)
+        return [c async for c in dispatcher.relay.stream(prepared, principal, "req", None, time.perf_counter())]
 
     await one()
     for _ in range(6):  # six streams of this router already running
-        dispatcher._inflight.start(WorkerId("w0"))
+        dispatcher.inflight.start(WorkerId("w0"))
     await one()
     assert [req.stream_interval for _, req in workers.calls] == [0, 3]

@@ -1,10 +1,9 @@
 """The hooks around a scheduling cycle: each kind runs in order, and the router's own plugins do
-what the dispatcher did inline before (the KV answer into the context, in-flight counts, blocks
+what the router's stages did inline before (the KV answer into the context, in-flight counts, blocks
 provisioned only when a choice was made, the flow told of each response)."""
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 

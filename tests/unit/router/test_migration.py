@@ -6,7 +6,7 @@ import pytest
 
 from gaas.v1 import common_pb2
 from tests.unit.contracts.test_continuation import tok
-from tests.unit.router.test_servicer import FakeTokenizer, collect, rpc_error, serve
+from tests.unit.router.support import FakeTokenizer, collect, rpc_error, serve
 
 
 def worker_dies_after(*tokens):

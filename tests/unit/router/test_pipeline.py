@@ -13,8 +13,8 @@ ACME = Principal("acme", "gold", "key-1", "salt-acme")
 
 
 async def test_a_session_turn_of_several_prompts_is_refused_before_anything_is_prepared():
-    # (no dispatcher: nothing may be prepared, tokenized or admitted for it)
-    pipeline = Pipeline(dispatcher=None, authenticator=None)
+    # (no stages: nothing may be prepared, tokenized or admitted for it)
+    pipeline = Pipeline(stages=None, authenticator=None)
     turn = [inference_pb2.GenerateRequest(prompt=p, session_id="chat-1") for p in ("a", "b")]
     with pytest.raises(errors.InvalidArgument, match="a session turn is one prompt, not a batch"):
         await pipeline.start(ACME, turn, Timing())

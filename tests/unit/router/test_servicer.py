@@ -5,122 +5,13 @@ error codes."""
 import grpc
 import pytest
 
-from gaas.runtime.server import ServerOptions, ServiceRuntime
-from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.router.auth import Authenticator, Principal
+from gaas.v1 import common_pb2, inference_pb2
+from services.router.auth import Principal
 from services.router.directory import MeshDirectory, ModelEntry
-from services.router.dispatch import Dispatcher
+from services.router.stages import Stages
 from services.router.scheduling import Candidate, WorkerId, make_scheduler
-from services.router.pipeline import Pipeline
-from services.router.servicer import InferenceServicer
 from gaas.model.tokenizer import ChatMessage
-
-KEYS = {"key-acme": Principal("acme", "gold", "key_1", "salt-acme")}
-AUTH = (("authorization", "Bearer key-acme"),)
-
-
-def rpc_error(code, details="boom"):
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
-class FakeCall:
-    """A grpc.aio stream call's read(): the script's chunks, then EOF (or its error)."""
-
-    def __init__(self, script, request):
-        self._steps = iter(script)
-        self._request = request
-        self.cancelled = False
-
-    def cancel(self):
-        self.cancelled = True
-
-    async def read(self):
-        step = next(self._steps, grpc.aio.EOF)
-        if callable(step) and not isinstance(step, grpc.aio.AioRpcError):
-            step = await step()  # (a step that takes its time)
-        if isinstance(step, grpc.aio.AioRpcError):
-            raise step
-        return step
-
-
-class FakeWorkers:
-    """WorkerStub stand-in: each address follows its script (chunks, then maybe an error)."""
-
-    def __init__(self, scripts):
-        self.scripts = scripts
-        self.calls = []  # (address, request)
-        self.tenants = []
-        self.made: list[FakeCall] = []
-
-    def Generate(self, request, timeout=None, metadata=()):
-        from gaas.runtime.context import current_tenant
-
-        address = dict(metadata)["x-gaas-worker"]
-        self.calls.append((address, request))
-        self.tenants.append(current_tenant())  # what the channel's interceptor would send on
-        call = FakeCall(self.scripts[address], request)
-        self.made.append(call)
-        return call
-
-
-def chunk(text, final=False):
-    c = common_pb2.GenerateChunk(text=text, token_ids=[1])
-    if final:
-        c.finish_reason = common_pb2.FINISH_REASON_LENGTH
-        c.usage.completion_tokens = 2
-    return c
-
-
-OK = [chunk("a"), chunk("b", final=True)]
-
-
-class FakeTokenizer:
-    """One token per character (the real tokenizer is tested in tests/unit/model/test_tokenizer.py)."""
-
-    vocab_size = 1000
-
-    def encode(self, text, add_special_tokens=True):
-        return ([0] if add_special_tokens else []) + [1 + ord(c) % 900 for c in text]
-
-    def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None):
-        return "".join(f"<{m.role}>{m.content}" for m in messages)
-
-    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, add_special_tokens=False, tools=None):
-        return self.encode(self.render_chat(messages), add_special_tokens)
-
-    def encode_continuing(self, text, prefix):
-        return self.encode(text, False)
-
-    def continued_chars(self, text, prefix):
-        return len(text)
-
-
-async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None, moves=0):
-    models = [ModelEntry("tiny", "1.0", 64, True)]
-    cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 64) for w in workers]
-
-    async def fetch():
-        return models, cands
-
-    async def lookup(key):
-        return KEYS.get(key)
-
-    fake = FakeWorkers(scripts)
-    dispatcher = Dispatcher(
-        MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
-        retries=retries, moves=moves, max_stream_seconds=30,
-    )
-    servicer = InferenceServicer(Pipeline(dispatcher, Authenticator(lookup, 2.0), meter))
-    rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, edge=True))
-    rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
-    await rt.start()
-    return rt, fake
-
-
-async def collect(rt, metadata=AUTH, **req):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
-        stub = inference_pb2_grpc.InferenceStub(ch)
-        return [c async for c in stub.Generate(inference_pb2.GenerateRequest(**req), timeout=5, metadata=metadata)]
+from tests.unit.router.support import AUTH, KEYS, OK, FakeTokenizer, FakeWorkers, chunk, collect, rpc_error, serve
 
 
 async def test_streams_and_alternates_workers():
@@ -269,63 +160,6 @@ async def test_the_engine_gets_the_tiers_band_whatever_priority_the_client_asks_
     assert gold_low < bronze_high  # vLLM serves lower values first
 
 
-class HeldKV:
-    """KVDirectoryClient stand-in: w1 holds every block."""
-
-    def __init__(self):
-        self.asked = []  # the hashes of each lookup
-        self.provisioned = []
-
-    def lookup(self, hashes):
-        from services.router.kvreplica import PrefixMatch
-
-        self.asked.append(list(hashes))
-        return PrefixMatch({WorkerId("w1"): len(hashes)}, {WorkerId("w1"): len(hashes)})
-
-    def provision(self, worker, hashes, owner, best_matched=0):
-        self.provisioned.append((worker, len(hashes), best_matched))
-
-
-async def _prepared(workers, kv):
-    import time
-
-    models = [ModelEntry("tiny", "1.0", 4096, True)]
-    cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 4096, block_size=64) for w in workers]
-
-    async def fetch():
-        return models, cands
-
-    dispatcher = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), FakeWorkers({w: OK for w in workers}),
-                            lambda model: FakeTokenizer(), retries=0, max_stream_seconds=30, kv=kv)
-    principal = KEYS["key-acme"]
-    prepared = await dispatcher.prepare(
-        inference_pb2.GenerateRequest(prompt_token_ids=list(range(1, 200)), max_tokens=4), principal)
-    return dispatcher, principal, prepared, time.perf_counter()
-
-
-async def test_the_kv_lookup_is_made_in_process_as_the_prompt_is_prepared_and_routes_where_the_prefix_is():
-    import time
-
-    kv = HeldKV()
-    dispatcher, principal, prepared, prepared_at = await _prepared(("w0", "w1"), kv)
-    assert len(prepared.block_hashes) == 3 and prepared.prefix.matched == {"w1": 3} and len(kv.asked) == 1
-    chunks = [c async for c in dispatcher.stream(prepared, principal, "req-x", None, time.perf_counter())]
-    assert [c.text for c in chunks] == ["a", "b"]
-    assert [a for a, _ in dispatcher._workers.calls] == ["w1"]  # routed where the prefix is
-    assert kv.provisioned == [("w1", 3, 3)]
-
-
-async def test_with_one_worker_the_kv_directory_is_not_asked():
-    import time
-
-    kv = HeldKV()
-    dispatcher, principal, prepared, _ = await _prepared(("w0",), kv)
-    assert prepared.prefix is None and kv.asked == []
-    chunks = [c async for c in dispatcher.stream(prepared, principal, "req-y", None, time.perf_counter())]
-    assert [c.text for c in chunks] == ["a", "b"]
-    assert kv.provisioned == []  # nothing to predict for: the engine's events tell the directory
-
-
 async def test_merged_streams_wait_for_a_slow_consumer_instead_of_piling_up():
     """A batch of prompts is several workers' streams merged for one client: while the client is
     behind, the streams are read no further than a small bound ahead of it."""
@@ -360,15 +194,15 @@ async def test_under_a_public_prefix_the_worker_is_told_the_most_cached_tokens_u
         return models, cands
 
     fake = FakeWorkers({"w0": OK})
-    d = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
+    d = Stages(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
                    retries=0, max_stream_seconds=30)
     acme = KEYS["key-acme"]
-    shared = await d.prepare(inference_pb2.GenerateRequest(prompt="You are helpful. Tell me a secret."), acme)
+    shared = await d.preparer.prepare(inference_pb2.GenerateRequest(prompt="You are helpful. Tell me a secret."), acme)
     assert shared.cache_salt == "public:pub_1"
     assert shared.cached_cap == len(FakeTokenizer().encode("You are helpful."))
-    own = await d.prepare(inference_pb2.GenerateRequest(prompt="Tell me a secret."), acme)
+    own = await d.preparer.prepare(inference_pb2.GenerateRequest(prompt="Tell me a secret."), acme)
     assert own.cache_salt == acme.cache_salt and own.cached_cap is None
-    chat = await d.prepare(inference_pb2.GenerateRequest(messages=[
+    chat = await d.preparer.prepare(inference_pb2.GenerateRequest(messages=[
         inference_pb2.ChatMessage(role="system", content="You are helpful."),
         inference_pb2.ChatMessage(role="user", content="A secret.")]), acme)
     assert chat.cached_cap == len(FakeTokenizer().encode_chat([ChatMessage("system", "You are helpful.")], False))

@@ -1,5 +1,5 @@
 """Sessions (gaas/contracts/sessions.py, gaas/sessions/turns.py, services/router/sessions.py) against a
-real Redis, with the router's real dispatcher and the workers faked: a turn gets the stored context
+real Redis, with the router's real stages and the workers faked: a turn gets the stored context
 before its new part, the version compare-and-set under turns racing through two router replicas, a
 concurrent turn refused, a lapsed hold, TTL expiry, the truncation policy, tenant isolation, a
 replica's stale copy reloaded, session affinity in the scheduler, and on the direct path a turn
@@ -19,7 +19,7 @@ from gaas.contracts.sessions import Context, SessionPolicy, Turn
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.principal import Principal
 from services.router.directory import MeshDirectory, ModelEntry
-from services.router.dispatch import Dispatcher
+from services.router.stages import Stages
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
 from gaas.metering import direct
 from gaas.sessions.turns import OpenTurn, TurnEnds, committing as committing_turn
@@ -28,7 +28,7 @@ from services.router.extproc import ExternalProcessor, _Pending
 from services.router.pipeline import Pipeline
 from services.router.sessions import SessionStore, committing, plan_turn
 from tests.fakeclock import FakeClock
-from tests.unit.router.test_servicer import FakeTokenizer, FakeWorkers, chunk
+from tests.unit.router.support import FakeTokenizer, FakeWorkers, chunk
 
 ACME = Principal("acme", "gold", "key_1", "salt-acme")
 OTHER = Principal("other", "gold", "key_2", "salt-other")
@@ -74,7 +74,7 @@ class SlowWorkers(FakeWorkers):
         return Call()
 
 
-def dispatcher(workers=("w0",), max_model_len=4096, pause=0.0):
+def stages(workers=("w0",), max_model_len=4096, pause=0.0):
     models = [ModelEntry("tiny", "1.0", max_model_len, True)]
     cands = [Candidate(WorkerId(w), w, "tiny", "1.0", max_model_len) for w in workers]
 
@@ -82,7 +82,7 @@ def dispatcher(workers=("w0",), max_model_len=4096, pause=0.0):
         return models, cands
 
     fake = SlowWorkers(workers, pause)
-    d = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), fake, lambda model: FakeTokenizer(),
+    d = Stages(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), fake, lambda model: FakeTokenizer(),
                    retries=0, max_stream_seconds=30)
     return d, fake
 
@@ -91,8 +91,8 @@ async def turn(store, disp, principal=ACME, request_id=None, **req):
     """One turn, start to commit: the chunks the client gets."""
     request = inference_pb2.GenerateRequest(**req)
     rid = request_id or f"req-{time.perf_counter_ns()}"
-    plan = await plan_turn(store, disp, request, principal, rid)
-    stream = disp.stream(plan.prepared, principal, rid, None, time.perf_counter())
+    plan = await plan_turn(store, disp.preparer, request, principal, rid)
+    stream = disp.relay.stream(plan.prepared, principal, rid, None, time.perf_counter())
     return [c async for c in committing(store, plan, stream)]
 
 
@@ -104,7 +104,7 @@ def chat(*pairs):
 
 
 async def test_a_turn_sends_only_its_new_message_and_gets_the_stored_context_before_it(redis):
-    store, (disp, fake) = SessionStore(redis), dispatcher()
+    store, (disp, fake) = SessionStore(redis), stages()
     first = await turn(store, disp, session_id="s1", messages=chat(("system", "S"), ("user", "hi")), max_tokens=4)
     second = await turn(store, disp, session_id="s1", messages=chat(("user", "again")), max_tokens=4)
     assert decode(fake.calls[0][1].request.prompt_token_ids) == "<system>S<user>hi"
@@ -119,7 +119,7 @@ async def test_a_turn_sends_only_its_new_message_and_gets_the_stored_context_bef
 
 
 async def test_a_client_that_resends_the_whole_conversation_does_not_get_it_twice(redis):
-    store, (disp, fake) = SessionStore(redis), dispatcher()
+    store, (disp, fake) = SessionStore(redis), stages()
     await turn(store, disp, session_id="s1", messages=chat(("user", "hi")), max_tokens=4)
     await turn(store, disp, session_id="s1", messages=chat(("user", "hi"), ("assistant", "ab"), ("user", "more")),
                max_tokens=4)
@@ -127,7 +127,7 @@ async def test_a_client_that_resends_the_whole_conversation_does_not_get_it_twic
 
 
 async def test_a_text_session_continues_its_prompt(redis):
-    store, (disp, fake) = SessionStore(redis), dispatcher()
+    store, (disp, fake) = SessionStore(redis), stages()
     await turn(store, disp, session_id="t1", prompt="Once", max_tokens=4)
     await turn(store, disp, session_id="t1", prompt=" then", max_tokens=4)
     assert decode(fake.calls[1][1].request.prompt_token_ids) == "Onceab then"
@@ -141,7 +141,7 @@ async def test_a_text_session_continues_its_prompt(redis):
     ({"prompt": "x", "session_id": "bad id!"}, "letters, digits"),
 ])
 async def test_what_a_turn_cannot_be_is_refused_before_any_work(redis, req, message):
-    store, (disp, fake) = SessionStore(redis), dispatcher()
+    store, (disp, fake) = SessionStore(redis), stages()
     with pytest.raises(errors.InvalidArgument, match=message):
         await turn(store, disp, **{"session_id": "s1", **req})
     assert fake.calls == []
@@ -151,7 +151,7 @@ async def test_what_a_turn_cannot_be_is_refused_before_any_work(redis, req, mess
 
 
 async def test_a_second_turn_while_one_streams_is_aborted_and_the_first_commits(redis):
-    store, (disp, _) = SessionStore(redis), dispatcher(pause=0.3)
+    store, (disp, _) = SessionStore(redis), stages(pause=0.3)
     running = asyncio.create_task(turn(store, disp, session_id="s1", messages=chat(("user", "one"))))
     await asyncio.sleep(0.1)
     with pytest.raises(errors.Aborted, match="turn in progress") as caught:
@@ -165,7 +165,7 @@ async def test_turns_racing_through_two_router_replicas_are_neither_lost_nor_dup
     replicas = []
     for _ in range(2):
         client = redisconn.connect(redis_url)
-        replicas.append((client, SessionStore(client), dispatcher(pause=0.01)[0]))
+        replicas.append((client, SessionStore(client), stages(pause=0.01)[0]))
     committed: list[tuple[int, str]] = []
     refused = 0
 
@@ -201,7 +201,7 @@ async def test_a_replica_whose_copy_is_older_reloads_it(redis_url, redis):
     other = redisconn.connect(redis_url)
     try:
         a, b = SessionStore(redis), SessionStore(other)
-        (da, fa), (db, _) = dispatcher(), dispatcher()
+        (da, fa), (db, _) = stages(), stages()
         await turn(a, da, session_id="s", messages=chat(("user", "one")), max_tokens=2)
         await turn(b, db, session_id="s", messages=chat(("user", "two")), max_tokens=2)
         assert b.reloads == 1
@@ -217,7 +217,7 @@ async def test_a_replica_whose_copy_is_older_reloads_it(redis_url, redis):
 async def test_a_hold_whose_router_died_lapses_and_its_late_commit_is_refused(redis):
     clock = FakeClock(1_800_000_000)
     store = SessionStore(redis, SessionPolicy(lease_seconds=1), clock=clock.millis)
-    disp, _ = dispatcher()
+    disp, _ = stages()
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     lost = await store.begin("acme", "s", "req-lost")
     lost.renewing.cancel()  # the router died: nobody renews it
@@ -231,7 +231,7 @@ async def test_a_hold_whose_router_died_lapses_and_its_late_commit_is_refused(re
 
 
 async def test_a_turn_that_ends_without_a_reply_leaves_the_session_as_it_was(redis):
-    store, (disp, _) = SessionStore(redis), dispatcher(pause=0.5)
+    store, (disp, _) = SessionStore(redis), stages(pause=0.5)
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     task = asyncio.create_task(turn(store, disp, session_id="s", messages=chat(("user", "cut"))))
     await asyncio.sleep(0.1)
@@ -255,7 +255,7 @@ async def test_a_turn_that_ends_without_a_reply_leaves_the_session_as_it_was(red
 
 async def test_a_session_expires_its_ttl_after_its_last_turn(redis):
     # Real time: a session's TTL is its key's expiry in Redis (PEXPIRE), which no fake clock moves.
-    store, (disp, _) = SessionStore(redis, SessionPolicy(ttl_seconds=1)), dispatcher()
+    store, (disp, _) = SessionStore(redis, SessionPolicy(ttl_seconds=1)), stages()
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     await asyncio.sleep(0.6)
     await turn(store, disp, session_id="s", messages=chat(("user", "two")), max_tokens=2)  # renews
@@ -271,7 +271,7 @@ async def test_a_session_expires_its_ttl_after_its_last_turn(redis):
 
 async def test_a_context_past_the_window_drops_its_oldest_turns_and_keeps_the_system_prompt(redis):
     store = SessionStore(redis, SessionPolicy(reply_reserve_tokens=8))
-    disp, fake = dispatcher(max_model_len=120)
+    disp, fake = stages(max_model_len=120)
     system = ("system", "You are terse.")
     for i in range(6):
         chunks = await turn(store, disp, session_id="long", messages=chat(*([system] if i == 0 else []),
@@ -294,7 +294,7 @@ async def test_a_context_past_the_window_drops_its_oldest_turns_and_keeps_the_sy
 
 
 async def test_another_tenants_session_is_not_found_and_its_id_is_its_own(redis):
-    store, (disp, _) = SessionStore(redis), dispatcher()
+    store, (disp, fake) = SessionStore(redis), stages()
     await turn(store, disp, session_id="shared-name", messages=chat(("user", "acme's secret")), max_tokens=2)
     with pytest.raises(errors.NotFound):
         await store.get("other", "shared-name")
@@ -303,7 +303,7 @@ async def test_another_tenants_session_is_not_found_and_its_id_is_its_own(redis)
     assert await store.list("other") == []
     chunks = await turn(store, disp, OTHER, session_id="shared-name", messages=chat(("user", "hello")), max_tokens=2)
     assert chunks[-1].session.created and chunks[-1].session.turns == 1
-    assert "secret" not in decode(disp._workers.calls[-1][1].request.prompt_token_ids)
+    assert "secret" not in decode(fake.calls[-1][1].request.prompt_token_ids)
     assert (await store.get("acme", "shared-name"))[0]["version"] == 1
     await store.delete("acme", "shared-name")
     with pytest.raises(errors.NotFound):
@@ -318,7 +318,7 @@ async def test_a_session_keeps_its_model(redis):
     async def fetch():
         return models, cands
 
-    disp = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), SlowWorkers(("w0", "w1")),
+    disp = Stages(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), SlowWorkers(("w0", "w1")),
                       lambda model: FakeTokenizer(), retries=0, max_stream_seconds=30)
     store = SessionStore(redis)
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
@@ -414,7 +414,7 @@ async def test_a_tenant_keeps_at_most_its_sessions_and_one_more_is_refused_namin
     """Sessions (and the Redis memory they hold) are bounded per tenant: a turn that would start
     one session more is refused before any work; turns of the kept ones go on; a deleted one frees
     its room."""
-    store, (disp, _) = SessionStore(redis, SessionPolicy(max_per_tenant=2)), dispatcher()
+    store, (disp, _) = SessionStore(redis, SessionPolicy(max_per_tenant=2)), stages()
     for sid in ("k1", "k2"):
         await turn(store, disp, session_id=sid, prompt="Once", max_tokens=2)
     with pytest.raises(errors.ResourceExhausted) as info:
@@ -432,8 +432,8 @@ async def worker_turn(store, disp, redis, request_id, **req):
     """A turn as the direct path serves it: the router plans it (and holds it), a worker streams
     and commits it with gaas.sessions.turns (its own TurnEnds, as services/worker/direct.py does),
     and the router then follows the worker's report (ExternalProcessor.reported)."""
-    plan = await plan_turn(store, disp, inference_pb2.GenerateRequest(**req), ACME, request_id)
-    p = await disp.place_direct(plan.prepared, ACME, request_id, None)
+    plan = await plan_turn(store, disp.preparer, inference_pb2.GenerateRequest(**req), ACME, request_id)
+    p = await disp.placer.place_direct(plan.prepared, ACME, request_id, None)
     ep = ExternalProcessor(Pipeline(disp, Authenticator(None, 1.0), sessions=store), 1 << 20, instance="router-0")
     ep._pending[request_id] = _Pending(p, None, plan.held)
     # The worker's copy of the turn: what the DirectGenerate carries.
@@ -447,14 +447,14 @@ async def worker_turn(store, disp, redis, request_id, **req):
         at.append(ctx.updated_ms)
         return await ends.commit(mine, ctx, store.ttl_ms)
 
-    stream = disp.stream(plan.prepared, ACME, request_id, None, time.perf_counter())
+    stream = disp.relay.stream(plan.prepared, ACME, request_id, None, time.perf_counter())
     chunks = [c async for c in committing_turn(mine, stream, commit, ends.now_ms)]
     ep.reported(direct.report(chunks[-1], session_reply="".join(mine.reply), committed_ms=at[0], request_id=request_id))
     return chunks
 
 
 async def test_a_turn_the_worker_committed_is_the_routers_copy_without_reading_it_again(redis):
-    store, (disp, fake) = SessionStore(redis), dispatcher()
+    store, (disp, fake) = SessionStore(redis), stages()
     first = await worker_turn(store, disp, redis, "req-d1", session_id="d", messages=chat(("user", "one")), max_tokens=2)
     second = await worker_turn(store, disp, redis, "req-d2", session_id="d", messages=chat(("user", "two")), max_tokens=2)
     assert (first[-1].session.version, second[-1].session.version) == (1, 2)
@@ -467,11 +467,11 @@ async def test_a_turn_the_worker_committed_is_the_routers_copy_without_reading_i
 
 
 async def test_a_turn_whose_worker_never_reports_is_given_back_unchanged(redis):
-    store, (disp, _) = SessionStore(redis), dispatcher()
+    store, (disp, _) = SessionStore(redis), stages()
     await turn(store, disp, session_id="g", messages=chat(("user", "one")), max_tokens=2)
-    plan = await plan_turn(store, disp, inference_pb2.GenerateRequest(session_id="g", messages=chat(("user", "lost"))),
+    plan = await plan_turn(store, disp.preparer, inference_pb2.GenerateRequest(session_id="g", messages=chat(("user", "lost"))),
                            ACME, "req-lost")
-    p = await disp.place_direct(plan.prepared, ACME, "req-lost", None)
+    p = await disp.placer.place_direct(plan.prepared, ACME, "req-lost", None)
     ep = ExternalProcessor(Pipeline(disp, Authenticator(None, 1.0), sessions=store), 1 << 20, instance="router-0")
     ep._pending["req-lost"] = _Pending(p, None, plan.held)
     ep._lost("req-lost")  # (its worker died: the sweep found its progress unwritten)

@@ -65,7 +65,7 @@ def test_each_caller_states_its_own_policy():
     assert status.from_peer(broken, "control", **cli).message == "the peer's text"
     # A handler that left a peer's failure to the interceptor: none of the peer's words pass.
     assert isinstance(status.from_peer(refused, "a peer", passes=(), request_id="req-9"), errors.Internal)
-    # The router's workers (services/router/dispatch.py): a cancelled call is a worker gone.
+    # The router's workers (services/router/relay.py): a cancelled call is a worker gone.
     worker = dict(passes=status.PEER_ANSWERS - {"CANCELLED"}, unanswered=status.UNANSWERED | {"CANCELLED"},
                   message="no worker could take the request right now; retry shortly")
     assert isinstance(status.from_peer(peer_error(grpc.StatusCode.CANCELLED), "worker", **worker), errors.Unavailable)

@@ -14,7 +14,7 @@ from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.engine import Delta, EngineUnavailable
 from services.worker.servicer import WorkerServicer
 from tests.unit.contracts.test_continuation import tok
-from tests.unit.router.test_servicer import rpc_error
+from tests.unit.router.support import rpc_error
 from tests.unit.worker.test_servicer import FakeEngine, wreq
 
 

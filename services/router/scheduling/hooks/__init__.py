@@ -8,8 +8,8 @@ runs its PreRequest and PostResponse plugins around its scheduler):
   post-response  flow_accounting (batching windows and circuit breakers), prediction (the KV
                  directory's predictions the engines did not bear out)
 
-Hooks runs each kind in order; the router's Dispatcher assembles them (services/router/dispatch.py).
-A new policy around placement is a new plugin here, not a branch in the dispatcher.
+Hooks runs each kind in order; the router's Stages assembles them (services/router/stages.py).
+A new policy around placement is a new plugin here, not a branch in the router's stages.
 """
 
 from __future__ import annotations

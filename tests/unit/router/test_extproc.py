@@ -1,51 +1,32 @@
-"""The router's side of the direct path (ingress.path: direct), with the directory and tokenizer
-faked: a placement holds its worker's room until the request ends; the worker's report records it
-as one of the router's own streams; a request no worker streams any more (its progress goes
-unwritten) is swept: its room and reservation freed; a worker's failure counts against its breaker."""
+"""The router's decision at the ingress (services/router/extproc.py; ingress.path: direct), with the
+directory and tokenizer faked: a key judged on the headers, before the body; a placement holds its
+worker's room until the request ends; the worker's report records it as one of the router's own
+streams; a request no worker streams any more (its progress goes unwritten) is swept: its room and
+reservation freed; a worker's failure counts against its breaker."""
 
 import time
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gaas.metering import admission, direct
 from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, inference_pb2
 from services.router.auth import Authenticator
-from services.router.directory import MeshDirectory, ModelEntry
-from services.router.dispatch import Dispatcher, RouterMetrics
+from services.router.stages import Stages
 from services.router.extproc import ExternalProcessor, _Pending
 from services.router.pipeline import Pipeline
-from services.router.scheduling import Candidate, WorkerId, make_scheduler
-from tests.unit.router.test_servicer import FakeTokenizer
+from services.router.scheduling import WorkerId
+from tests.unit.router import support
 
 ACME = Principal("acme", "gold", "key_1", "salt-acme")
 
 
-def metrics() -> RouterMetrics:
-    r = CollectorRegistry()
-    return RouterMetrics(
-        requests=Counter("requests", "", ("model", "tier", "outcome"), registry=r),
-        tokens=Counter("tokens", "", ("model", "tier", "kind"), registry=r),
-        ttft_seconds=Histogram("ttft", "", ("model", "tier"), registry=r),
-        tpot_seconds=Histogram("tpot", "", ("model", "tier"), registry=r),
-        latency_seconds=Histogram("latency", "", ("part", "tier"), registry=r),
-    )
+def stages(workers=("w0",)) -> Stages:
+    return support.stages(workers, metrics=support.metrics())
 
 
-def dispatcher(workers=("w0",)) -> Dispatcher:
-    models = [ModelEntry("tiny", "1.0", 64, True)]
-    cands = [Candidate(WorkerId(w), f"{w}:1", "tiny", "1.0", 64) for w in workers]
-
-    async def fetch():
-        return models, cands
-
-    return Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), None, lambda m: FakeTokenizer(),
-                      retries=2, max_stream_seconds=30, metrics=metrics())
-
-
-def in_flight(d: Dispatcher, worker: str = "w0") -> int:
+def in_flight(d: Stages, worker: str = "w0") -> int:
     return d.flow.windows.state()[WorkerId(worker)].in_flight
 
 
@@ -56,13 +37,13 @@ def final(request_id: str) -> common_pb2.GenerateChunk:
     return c
 
 
-async def placed(d: Dispatcher, request_id: str = "req-1"):
-    prepared = await d.prepare(inference_pb2.GenerateRequest(model="tiny", prompt="hi", max_tokens=4), ACME)
-    return await d.place_direct(prepared, ACME, request_id, None)
+async def placed(d: Stages, request_id: str = "req-1"):
+    prepared = await d.preparer.prepare(inference_pb2.GenerateRequest(model="tiny", prompt="hi", max_tokens=4), ACME)
+    return await d.placer.place_direct(prepared, ACME, request_id, None)
 
 
 async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     assert p.worker.address == "w0:1" and p.request.request_id == "req-1" and p.request.cache_salt == "salt-acme"
     assert p.fallback is None and p.addresses == "w0:1"  # no other worker to fall back on
@@ -71,7 +52,7 @@ async def test_a_placement_holds_its_room_until_the_workers_report_records_it():
     ep._pending["req-1"] = _Pending(p, None)
     ep.reported(direct.report(final("req-1")))
     assert in_flight(d) == 0 and d.in_flight == 0 and ep.pending == 0
-    m = d._metrics
+    m = d.metrics
     assert m.requests.labels("tiny", "gold", "length")._value.get() == 1
     assert m.tokens.labels("tiny", "gold", "completion")._value.get() == 4
     # The TTFT the tenant saw: everything before the decode.
@@ -141,14 +122,14 @@ def pending(d, p, reservation, age_s: float) -> tuple[ExternalProcessor, FakeMet
 
 async def test_a_request_whose_progress_goes_unwritten_ends_lost_and_is_billed_from_that_progress():
     """Its worker's process died: no report will come; the sweep frees the room and claims the usage."""
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     reservation = object()
     ep, meter = pending(d, p, reservation, age_s=30)
     await ep._sweep_once(FakeRedis({"req-1": ("12 0 w0", written(admission.PROGRESS_STALE_SECONDS + 1))}))
     # Billed for what the worker's progress says was sent, unless the worker billed it itself.
     assert ep.pending == 0 and in_flight(d) == 0 and meter.claimed == [reservation] and meter.released == []
-    assert d._metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
+    assert d.metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
     # Nothing is counted against the worker (no report says what happened).
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
 
@@ -163,7 +144,7 @@ async def test_a_request_whose_progress_goes_unwritten_ends_lost_and_is_billed_f
     ("12 0 w0", written(30), 1, False),            # decided too lately to be looked at
 ])
 async def test_the_sweep_ends_only_the_requests_no_worker_serves(value, pttl, age_s, lost):
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     ep, meter = pending(d, p, "reservation", age_s)
     await ep._sweep_once(FakeRedis({"req-1": (value, pttl)}))
@@ -171,7 +152,7 @@ async def test_the_sweep_ends_only_the_requests_no_worker_serves(value, pttl, ag
 
 
 async def test_a_sweep_without_redis_goes_by_age_alone():
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     ep, _ = pending(d, p, "reservation", age_s=30)
     await ep._sweep_once(None)
@@ -179,28 +160,28 @@ async def test_a_sweep_without_redis_goes_by_age_alone():
 
 
 async def test_a_workers_failure_report_counts_against_it_and_frees_everything():
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     ep, meter = pending(d, p, "reservation", age_s=0)
     ep.reported(direct.failure("req-1", "w0", "INTERNAL", "boom"))
     # The worker settled the usage (recorded or released): the router only gives the place back.
     assert ep.pending == 0 and in_flight(d) == 0 and meter.done == ["reservation"] and meter.claimed == []
-    assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
+    assert d.metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 1
 
 
 async def test_a_client_gone_is_no_failure_of_the_worker():
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     ep, meter = pending(d, p, "reservation", age_s=0)
     ep.reported(direct.failure("req-1", "w0", "CANCELLED"))
     assert ep.pending == 0 and in_flight(d) == 0 and meter.done == ["reservation"]
-    assert d._metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
+    assert d.metrics.requests.labels("tiny", "gold", "cancelled")._value.get() == 1
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
 
 
 async def test_a_first_choice_refusing_untaken_leaves_the_request_to_the_second_choices_report():
-    d = dispatcher(("w0", "w1"))
+    d = stages(("w0", "w1"))
     p = await placed(d)
     first, second = p.worker.worker_id, p.fallback.worker_id
     ep, meter = pending(d, p, "reservation", age_s=0)
@@ -210,11 +191,11 @@ async def test_a_first_choice_refusing_untaken_leaves_the_request_to_the_second_
     served.worker_id = second
     ep.reported(direct.report(served))
     assert ep.pending == 0 and meter.done == ["reservation"]
-    assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
+    assert d.metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 
 async def test_a_second_choices_failure_counts_against_it_and_the_first_one_for_not_taking_it():
-    d = dispatcher(("w0", "w1"))
+    d = stages(("w0", "w1"))
     p = await placed(d)
     first, second = p.worker.worker_id, p.fallback.worker_id
     ep, _ = pending(d, p, "reservation", age_s=0)
@@ -223,11 +204,11 @@ async def test_a_second_choices_failure_counts_against_it_and_the_first_one_for_
     assert ep.pending == 0 and in_flight(d, first) == 0
     breakers = d.flow.breakers.state()
     assert breakers[first].consecutive == 1 and breakers[second].consecutive == 1
-    assert d._metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
+    assert d.metrics.requests.labels("tiny", "gold", "INTERNAL")._value.get() == 1
 
 
 async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_counts_against_the_first():
-    d = dispatcher(("w0", "w1"))
+    d = stages(("w0", "w1"))
     p = await placed(d)
     assert p.fallback is not None and p.fallback.worker_id != p.worker.worker_id
     assert p.addresses == f"{p.worker.address},{p.fallback.address}"
@@ -239,47 +220,7 @@ async def test_the_ingress_is_given_a_second_choice_and_a_request_it_served_coun
     # The room was the first choice's; the first did not take the request: a failure for its breaker.
     assert in_flight(d, first) == 0
     assert d.flow.breakers.state()[first].consecutive == 1
-    assert d._metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
-
-
-async def test_a_worker_whose_breaker_is_open_is_the_second_choice_only_when_there_is_no_other():
-    d = dispatcher(("w0", "w1", "w2"))
-    for _ in range(5):
-        d.flow.breakers.failure(WorkerId("w1"), "down")
-    assert WorkerId("w1") in d.flow.breakers.blocked()
-    p = await placed(d)
-    assert p.worker.worker_id != "w1" and p.fallback.worker_id not in ("w1", p.worker.worker_id)
-    d = dispatcher(("w0", "w1"))
-    for _ in range(5):
-        d.flow.breakers.failure(WorkerId("w1"), "down")
-    p = await placed(d)
-    # Named all the same: the ingress's retry would otherwise reach any worker, which refuses it.
-    assert p.worker.worker_id == "w0" and p.fallback.worker_id == "w1" and p.addresses == "w0:1,w1:1"
-    assert p.others == []  # (no stream is carried on at it)
-
-
-async def test_a_version_with_one_worker_names_a_worker_of_the_other_version_second():
-    from gaas.contracts.rollout import Split
-    from services.router.directory import VersionEntry
-
-    models = [ModelEntry("tiny", "1.0", 64, True, versions={"1.0": VersionEntry("", 64), "2.0": VersionEntry("", 64, "canary")},
-                         split=Split("tiny", stable="1.0", canary="2.0", weight=50))]
-    cands = [Candidate(WorkerId("w0"), "w0:1", "tiny", "1.0", 64), Candidate(WorkerId("w1"), "w1:1", "tiny", "2.0", 64)]
-
-    async def fetch():
-        return models, cands
-
-    d = Dispatcher(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), None, lambda m: FakeTokenizer(),
-                   retries=2, max_stream_seconds=30, metrics=metrics())
-    seen = set()
-    for i in range(8):
-        p = await placed(d, f"req-{i}")
-        # The canary's only worker draining or full: the stable version serves it, and the reverse.
-        assert p.fallback is not None and p.fallback.worker_id != p.worker.worker_id, p.addresses
-        assert p.others == []  # a stream is carried on within its version only
-        seen.add(p.worker.worker_id)
-        p.ended(None)
-    assert seen == {"w0", "w1"}
+    assert d.metrics.requests.labels("tiny", "gold", "length")._value.get() == 1
 
 
 def test_a_native_grpc_refusal_at_the_ingress_is_a_trailers_only_grpc_status_with_its_details():
@@ -306,7 +247,7 @@ async def test_a_router_that_cannot_hear_the_workers_holds_no_place_for_its_dire
     own count bounds them once it answers); the requests stay pending for their reports."""
     import asyncio
 
-    d = dispatcher()
+    d = stages()
     p = await placed(d)
     ep, meter = pending(d, p, "reservation", age_s=0)
     hearing = asyncio.create_task(ep.run_reports("redis://127.0.0.1:1/0"))
@@ -324,7 +265,7 @@ async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before
     async def unknown(key):
         return None
 
-    ep = ExternalProcessor(Pipeline(dispatcher(), Authenticator(unknown, 1.0)), 1 << 20, instance="router-0")
+    ep = ExternalProcessor(Pipeline(stages(), Authenticator(unknown, 1.0)), 1 << 20, instance="router-0")
     read_on = False
 
     async def messages():
