@@ -6,7 +6,10 @@ Each tier has a TTFT target (deploy/gaas.yaml, qos). When a tier's p95 TTFT on a
 target, that worker's window halves; when every tier is under 80% of its target while the window
 was full, it grows by a fifth (at least one); it grows too while every tier meets its target but
 a gold request found no room (gold waiting in the router's queue costs gold more than a fuller
-batch would). Priority bands share a window unequally: bronze may fill half of it, silver three
+batch would). Growing needs every tier seen in the last SAMPLE_SECONDS to have shown its p95 since
+the last change: a tier of few requests (gold beside a flood of bronze) would otherwise never have
+enough samples to count, and the flood's own fast first tokens would grow the window, change after
+change, past what the quiet tier's target allows. Priority bands share a window unequally: bronze may fill half of it, silver three
 quarters, so a flood of bronze never takes the room a gold request needs; gold may go past it, to
 twice the window, for the same reason: a window shrunk for gold's own target throttles the lower
 bands, not gold (measured: with gold held to the window, gold waited in the router's queue and
@@ -64,11 +67,24 @@ class Window:
         counted = self.in_flight if band == BATCH_BAND else self.in_flight - self.batch_in_flight
         return max(0, math.floor(self.limit * BAND_SHARE[band] + 1e-9) - counted)
 
-    def p95(self, tier: str, since: float) -> float | None:
-        values = [ms for t, tr, ms in self.samples if tr == tier and t >= since]
-        if len(values) < MIN_SAMPLES:
-            return None
-        return nearest_rank(values, 0.95)
+    def verdicts(self, targets: Mapping[str, float], since: float, recent: float) -> tuple[list[float], bool]:
+        """Each tier's p95 TTFT since `since` over its target, for the tiers with MIN_SAMPLES of them;
+        and whether every tier with a sample since `recent` (<= since) is among them (what growing needs)."""
+        values: dict[str, list[float]] = {}
+        active: set[str] = set()
+        for t, tier, ms in self.samples:
+            if t >= recent:
+                active.add(tier)
+                if t >= since:
+                    values.setdefault(tier, []).append(ms)
+        ratios, proven = [], True
+        for tier in active & targets.keys():
+            mine = values.get(tier, ())
+            if len(mine) >= MIN_SAMPLES:
+                ratios.append(nearest_rank(mine, 0.95) / targets[tier])
+            else:
+                proven = False
+        return ratios, proven
 
 
 class Windows:
@@ -119,13 +135,13 @@ class Windows:
         if now - w.changed_at < ADJUST_EVERY_SECONDS or now - w.evaluated_at < EVALUATE_EVERY_SECONDS:
             return
         w.evaluated_at = now
-        since = max(w.changed_at, now - SAMPLE_SECONDS)
-        ratios = [p / self._targets[t] for t in self._targets if (p := w.p95(t, since)) is not None]
+        recent = now - SAMPLE_SECONDS
+        ratios, proven = w.verdicts(self._targets, max(w.changed_at, recent), recent)
         if not ratios:
             return
         if max(ratios) > 1.0:
             self.shrink(worker)
-        elif w.starved or (max(ratios) < GROW_BELOW and w.full):
+        elif proven and (w.starved or (max(ratios) < GROW_BELOW and w.full)):
             self._grow(w, now)
 
     def _grow(self, w: Window, now: float) -> None:

@@ -155,6 +155,31 @@ def test_the_window_halves_when_a_tier_misses_its_target_and_grows_when_well_und
     assert w.state()[worker].limit == 2, "never below the floor"
 
 
+def test_a_flood_of_fast_bronze_does_not_grow_the_window_past_what_a_quiet_gold_has_shown():
+    """Gold at 2 requests/s beside bronze at 30/s: bronze's first tokens, fast, come by the dozen after
+    each change, gold's by two. Growing waits until gold too has shown its p95 since the change."""
+    clock = FakeClock(1000.0)
+    w = Windows({"gold": 100.0, "bronze": 1000.0}, initial=8, minimum=2, maximum=64, clock=clock)
+    worker = WorkerId("w0")
+    for _ in range(8):
+        w.acquire(worker)
+    for i in range(300):  # 10 s
+        clock.advance(1 / 30)
+        w.room([worker], qos.band("bronze"))  # bronze keeps finding it full
+        w.observe(worker, "bronze", 50.0)
+        if i % 15 == 0:
+            w.observe(worker, "gold", 85.0)  # within its target, not well under it
+    assert w.state()[worker].limit == 8 and w.state()[worker].grows == 0
+    # Gold well under its target over the last 10 s: now it may grow.
+    for i in range(330):
+        clock.advance(1 / 30)
+        w.room([worker], qos.band("bronze"))
+        w.observe(worker, "bronze", 50.0)
+        if i % 15 == 0:
+            w.observe(worker, "gold", 20.0)
+    assert w.state()[worker].grows >= 1
+
+
 def test_a_window_that_turns_gold_away_grows_while_every_tier_meets_its_target():
     """Not well under target (no ordinary growth), but gold is waiting in the router: make room."""
     clock = FakeClock(1000.0)
