@@ -38,8 +38,8 @@ run: proto
 	@$(BIN)/gaas up
 
 test: proto
-	$(BIN)/python -m pytest tests
-	GAAS_TEST_INGRESS_PATH=router $(BIN)/python -m pytest tests/e2e
+	$(BIN)/python -m pytest --durations=20 tests
+	GAAS_TEST_INGRESS_PATH=router $(BIN)/python -m pytest --durations=20 tests/e2e
 
 test-unit: proto
 	$(BIN)/python -m pytest tests/unit

@@ -23,9 +23,12 @@ from tests.e2e.test_frontdoor import _error_shaped, _send, conn  # noqa: F401 - 
 from tests.e2e.test_metering import (GOLD, children, instance, ledger_totals, needs_own_mesh, new_tenant,
                                      wait_restarted, wait_serving)
 from gaas.sdk.admin import Admin
+from tests.conftest import on_direct_path
 from tests.meshutil import wait_for_lines
 
-pytestmark = pytest.mark.mesh
+pytestmark = [pytest.mark.mesh,
+              on_direct_path("batch items are run by the routers' runner and files go to the routers on either path: "
+                             "once per suite, CI's budget")]
 
 MODEL = "gaas-tiny"
 CHAT = "/v1/chat/completions"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gaas.k8s import drill, pods
-from tests.conftest import INGRESS_PATH
+from tests.conftest import INGRESS_PATH, on_direct_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +27,8 @@ pytestmark = [
                        reason="the rehearsal needs root, iproute2's ip and util-linux's setpriv"),
     # Thirteen pods with two vLLM workers load this host as much as the shared mesh: run after its tests.
     pytest.mark.apart,
+    on_direct_path("the manifests and the pods' lives are the same whichever path serves (the paths themselves are "
+                   "tested on the shared mesh); once per suite, CI's budget"),
 ]
 
 

@@ -25,10 +25,11 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, process_alive
+from tests.conftest import ROOT, on_direct_path, process_alive
 from tests.meshutil import openai_client, start_mesh
 
-pytestmark = pytest.mark.mesh
+# Its meshes are its own, started on the default path whichever path the suite runs on: once per suite.
+pytestmark = [pytest.mark.mesh, on_direct_path("its meshes are the default path's, the same run on either half")]
 
 MODEL = "gaas-tiny"
 
