@@ -1,6 +1,10 @@
 """Who is calling: the API key from the Authorization header, looked up in the control plane and
 cached briefly (a revoked key stops working within the cache's TTL, a few seconds).
 
+While control cannot be asked, a key verified in the last stale_seconds is still accepted: by this
+router's own cache, else by the routers' shared one in Redis (SharedKeys), so that a router
+restarted while control is away serves the keys its peers verified.
+
 Verified keys and unknown ones are cached apart: a flood of made-up keys fills only the cache of
 unknown ones, never evicting the verified keys that keep tenants served while control is away.
 And a client address that keeps sending unknown keys is slowed (FailedAuthLimiter): past a burst,
@@ -9,7 +13,9 @@ before."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -18,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from gaas.contracts import edge
 from gaas.contracts.errors import GaasError, ResourceExhausted, Unauthenticated
 from gaas.contracts.principal import Principal
+from gaas.contracts.qos import Limits
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,35 @@ class FailedAuthLimiter:
             self._buckets.popitem(last=False)
 
 
+class SharedKeys:
+    """Keys any router verified with control in the last stale_seconds, in Redis by their sha256
+    (never in plain text), with whom they belong to and when they were verified; a revoked key is
+    forgotten at once. Read only while control cannot be asked."""
+
+    PREFIX = "gaas:auth:verified:"
+
+    def __init__(self, redis, stale_seconds: float) -> None:
+        self._redis = redis
+        self._stale_ms = max(1, int(stale_seconds * 1000))
+
+    async def remember(self, digest: str, p: Principal) -> None:
+        value = json.dumps({"tenant": p.tenant, "tier": p.tier, "key_id": p.key_id, "cache_salt": p.cache_salt,
+                            "limits": [p.limits.rpm, p.limits.tpm, p.limits.concurrency], "at": time.time()})
+        await self._redis.set(self.PREFIX + digest, value, px=self._stale_ms)
+
+    async def forget(self, digest: str) -> None:
+        await self._redis.delete(self.PREFIX + digest)
+
+    async def recall(self, digest: str) -> tuple[Principal, float] | None:
+        """(its Principal, seconds since a router verified it), or None."""
+        raw = await self._redis.get(self.PREFIX + digest)
+        if raw is None:
+            return None
+        v = json.loads(raw)
+        return (Principal(v["tenant"], v["tier"], v["key_id"], v["cache_salt"], Limits(*v["limits"])),
+                max(0.0, time.time() - v["at"]))
+
+
 class Authenticator:
     """lookup(key) returns the Principal of a live key, or None for an unknown or revoked one;
     answers are reused for ttl seconds (unknown keys for negative_ttl, in a cache of their own).
@@ -84,8 +120,11 @@ class Authenticator:
         stale_seconds: float = 60.0,
         limiter: FailedAuthLimiter | None = None,
         max_unknown: int = edge.FAILED_AUTH_ADDRESSES,
+        shared: SharedKeys | None = None,
     ) -> None:
         self._lookup = lookup
+        self._shared = shared
+        self._sharing: set[asyncio.Task] = set()
         self._ttl = ttl_seconds
         self._negative_ttl = negative_ttl_seconds
         self._stale = stale_seconds
@@ -125,7 +164,9 @@ class Authenticator:
         except GaasError as exc:
             self._failed_at = self._clock()
             if hit is None or now - hit[2] > self._stale:
-                raise
+                hit = await self._recall(digest, now)
+                if hit is None:
+                    raise
             if not self._degraded:
                 log.warning("cannot verify API keys (%s); accepting keys verified in the last %.0f s", exc, self._stale)
                 self._degraded = True
@@ -133,6 +174,7 @@ class Authenticator:
         if self._degraded:
             log.info("API keys are verified again")
             self._degraded = False
+        self._share(digest, principal)
         if principal is None:
             self._cache.pop(digest, None)  # revoked: not even while control is away
             self._unknown[digest] = now + self._negative_ttl
@@ -145,6 +187,35 @@ class Authenticator:
         while len(self._cache) > self._max:
             self._cache.popitem(last=False)
         return principal
+
+    async def _recall(self, digest: str, now: float) -> tuple[float, Principal, float] | None:
+        """The shared cache's entry for a key this router has not verified lately (cached here as
+        verified when its peer did), or None."""
+        if self._shared is None:
+            return None
+        try:
+            found = await self._shared.recall(digest)
+        except Exception as exc:  # noqa: BLE001 - Redis away too: the key cannot be checked
+            log.debug("cannot read the routers' verified keys: %s", exc)
+            return None
+        if found is None or found[1] > self._stale:
+            return None
+        hit = self._cache[digest] = (now + self._ttl, found[0], now - found[1])
+        return hit
+
+    def _share(self, digest: str, principal: Principal | None) -> None:
+        """Tell the other routers, in the background, what control said of a key."""
+        if self._shared is None:
+            return
+        task = asyncio.create_task(self._shared.remember(digest, principal) if principal is not None
+                                   else self._shared.forget(digest))
+        self._sharing.add(task)
+        task.add_done_callback(self._shared_done)
+
+    def _shared_done(self, task: asyncio.Task) -> None:
+        self._sharing.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.debug("cannot share a verified key with the other routers: %s", exc)
 
     def _refuse(self, client: str):
         self.limiter.failed(client)

@@ -29,7 +29,7 @@ from gaas.v1 import (
     billing_pb2_grpc, control_pb2_grpc, ext_authz_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,
 )
-from services.router.auth import Authenticator
+from services.router.auth import Authenticator, SharedKeys
 from services.router.batches import BatchFront, BatchRunner
 from services.router.billingclient import usage_reader
 from services.router.coalescing import Coalescing
@@ -142,7 +142,8 @@ async def serve(cfg: RouterSettings) -> None:
     )
     log.info("routing with the %s policy (scorers: %s)", scheduler.name,
              ", ".join(f"{s.name}={w:g}" for s, w in scheduler.scorers) or "none")
-    auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds)
+    auth = Authenticator(key_lookup(control), cfg.auth_cache_seconds, stale_seconds=cfg.max_stale_seconds,
+                         shared=SharedKeys(redis, cfg.max_stale_seconds))
     # Its own count of what it admitted: cheap refusals before parsing, and admission while Redis is
     # away (each tenant's quotas shared among the live routers). Its own client, whose calls fail at
     # once while Redis is away (a connection a restarted Redis closed is tried again once): the

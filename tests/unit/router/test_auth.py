@@ -1,7 +1,7 @@
 import pytest
 
 from gaas.contracts.errors import Unauthenticated
-from services.router.auth import Authenticator, Principal, bearer_key
+from services.router.auth import Authenticator, Principal, SharedKeys, bearer_key
 from tests.fakeclock import FakeClock
 
 ACME = Principal("acme", "gold", "key_1", "salt")
@@ -115,3 +115,96 @@ async def test_while_control_is_unreachable_only_one_request_a_second_waits_for_
     clock.now = 4.5
     await auth.authenticate("Bearer good")
     assert len(calls) == 3  # a second later, control is tried again
+
+
+class FakeRedis:
+    """The three calls SharedKeys makes, on a dict (a key's expiry is not modelled: `at` is)."""
+
+    def __init__(self):
+        self.data = {}
+
+    async def set(self, key, value, px=None):
+        self.data[key] = value
+
+    async def get(self, key):
+        return self.data.get(key)
+
+    async def delete(self, key):
+        self.data.pop(key, None)
+
+
+async def settled(auth):
+    import asyncio
+
+    while auth._sharing:
+        await asyncio.sleep(0)
+
+
+async def test_a_router_restarted_while_control_is_away_accepts_the_keys_its_peers_verified():
+    import dataclasses
+
+    from gaas.contracts.errors import Unavailable
+    from gaas.contracts.qos import Limits
+
+    gold = dataclasses.replace(ACME, limits=Limits(rpm=60, tpm=1000, concurrency=4))
+    down = False
+
+    async def lookup(key):
+        if down:
+            raise Unavailable("the control plane does not answer")
+        return gold if key == "good" else None
+
+    shared = SharedKeys(FakeRedis(), stale_seconds=60)
+    peer = Authenticator(lookup, ttl_seconds=2, shared=shared)
+    assert await peer.authenticate("Bearer good") == gold
+    await settled(peer)
+    down = True
+    restarted = Authenticator(lookup, ttl_seconds=2, shared=shared)  # nothing verified itself
+    assert await restarted.authenticate("Bearer good") == gold
+    with pytest.raises(Unavailable):  # a key no router verified is refused
+        await restarted.authenticate("Bearer other")
+    # Plain keys are never stored, only their digests.
+    assert not any("good" in k or "good" in v for k, v in shared._redis.data.items())
+
+
+async def test_a_key_control_says_is_revoked_is_forgotten_by_every_router():
+    from gaas.contracts.errors import Unavailable
+
+    keys, down = {"good": ACME}, False
+
+    async def lookup(key):
+        if down:
+            raise Unavailable("the control plane does not answer")
+        return keys.get(key)
+
+    shared = SharedKeys(FakeRedis(), stale_seconds=60)
+    first = Authenticator(lookup, ttl_seconds=2, shared=shared)
+    await first.authenticate("Bearer good")
+    await settled(first)
+    del keys["good"]
+    second = Authenticator(lookup, ttl_seconds=2, shared=shared)
+    with pytest.raises(Unauthenticated):
+        await second.authenticate("Bearer good")
+    await settled(second)
+    down = True
+    with pytest.raises(Unavailable):
+        await Authenticator(lookup, ttl_seconds=2, shared=shared).authenticate("Bearer good")
+
+
+async def test_a_peers_verification_older_than_the_bound_is_not_accepted():
+    import hashlib
+    import json
+
+    from gaas.contracts.errors import Unavailable
+
+    async def lookup(key):
+        raise Unavailable("the control plane does not answer")
+
+    redis = FakeRedis()
+    shared = SharedKeys(redis, stale_seconds=60)
+    digest = hashlib.sha256(b"good").hexdigest()
+    await shared.remember(digest, ACME)
+    entry = json.loads(redis.data[SharedKeys.PREFIX + digest])
+    redis.data[SharedKeys.PREFIX + digest] = json.dumps({**entry, "at": entry["at"] - 61})
+    with pytest.raises(Unavailable):
+        await Authenticator(lookup, ttl_seconds=2, stale_seconds=60, shared=shared).authenticate("Bearer good")
