@@ -51,6 +51,9 @@ STREAM_OUTPUTS = (32, 128, 256)
 # Issue 45's goals (and the figures it was opened with).
 MESH_PER_REQUEST_RATIO_GOAL = 2.0  # was 15.6 vs 4.2 ms, 3.7x
 ROUTER_MS_PER_DECISION_GOAL = 1.5  # was 5.2 ms
+# The same goal beside the vLLM server's own CPU per request (4.2 ms where the issue was measured):
+# this host's speed moves from day to day by up to 5x, and the ratio does not move with it.
+ROUTER_PER_SERVER_REQUEST_GOAL = round(ROUTER_MS_PER_DECISION_GOAL / 4.2, 2)
 BILLING_MS_PER_REQUEST_GOAL = 0.3  # was 1.5 ms
 PER_TOKEN_RATIO_GOALS = {32: 1.6, 256: 1.2}  # was 3.0x at 128+32
 
@@ -321,6 +324,10 @@ def goals(results: dict) -> list[dict]:
         goal(f"mesh CPU per request, one at a time ({total:.2f} ms), / vLLM server's ({server:.2f} ms)", ratio,
              f"{ratio:.2f}x", f"<= {MESH_PER_REQUEST_RATIO_GOAL}x", ratio <= MESH_PER_REQUEST_RATIO_GOAL,
              "3.7x (15.6 vs 4.2 ms)")
+        router_ratio = round(ms_per_request(mesh, "router-0") / server, 2)
+        goal("router CPU per decision / vLLM server's per request (the goal above at the issue's host speed)",
+             router_ratio, f"{router_ratio:.2f}x", f"<= {ROUTER_PER_SERVER_REQUEST_GOAL}x",
+             router_ratio <= ROUTER_PER_SERVER_REQUEST_GOAL, "1.24x (5.2 vs 4.2 ms)")
         front = ms_per_request(mesh, "worker-0")
         goal(f"worker front end CPU per request (vLLM server's: {server:.2f} ms)", front, f"{front:.2f} ms",
              "<= vLLM server's", front <= server, "4.9 ms")
