@@ -4,8 +4,11 @@ trickle to a flood and back. On: each worker's window (the requests a router let
 when a tier's TTFT p95 passes its target and grows back when it is met, and what does not fit waits
 in the router's queue, gold first. Off: every router restarted with the window fixed at its ceiling
 (GAAS_WINDOW_MIN = GAAS_WINDOW_MAX), so every request goes straight to its engine's own batching.
-Per phase and tier: TTFT p95 against the tier's target; throughput; and the windows' trace, read
-from the routers every half second."""
+Per phase and tier: TTFT p95 against the tier's target, as the client saw it and as the mesh measured
+it (x-gaas-explain: everything before the first token, from the ingress's arrival; on a host whose
+cores the mesh shares with the load generator, the client's own lag moves both tiers alike by
+seconds in some runs, and only the mesh's figure says what the loop did); throughput; and the
+windows' trace, read from the routers every half second."""
 
 from __future__ import annotations
 
@@ -75,10 +78,16 @@ class WindowTrace:
             self.points.append({"t": round(time.perf_counter() - self.started, 2), "workers": windows})
 
 
+def mesh_ttft_ms(parts: dict) -> float:
+    """A request's time to its first token as the mesh measured it (its latency decomposition less
+    the decode), from the ingress's arrival: the load generator's own lag left out."""
+    return parts["total"] - parts["decode"]
+
+
 def run(t: Target, keys: dict[str, str], quick: bool) -> dict:
     def send(tier: str, name: str, prompt: str):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": OUT_TOKENS, "ignore_eos": True, "temperature": 0}
-        return lambda c: stream(c, keys[tier], body, kind=f"{name}/{tier}")
+        return lambda c: stream(c, keys[tier], body, kind=f"{name}/{tier}", explain=True)
 
     schedule = plan(quick)
     with WindowTrace(t, {w["worker_id"] for w in t.workers(MODEL)}) as trace:
@@ -91,11 +100,13 @@ def run(t: Target, keys: dict[str, str], quick: bool) -> dict:
         for tier in ("gold", "bronze"):
             mine = [o for o in outcomes if o.kind == f"{name}/{tier}"]
             ok = [o.ttft_ms for o in mine if o.ok and o.ttft_ms]
+            mesh = [mesh_ttft_ms(o.parts) for o in mine if o.ok and o.parts]
             target = t.ttft_target_ms(tier)
             p95 = percentile(ok, 0.95)
+            mesh_p95 = percentile(mesh, 0.95) if mesh else None
             row[tier] = {"requests": len(mine), "served": len(ok), "refused": sum(1 for o in mine if not o.ok),
-                         "ttft_p95_ms": round(p95, 1), "target_ms": target,
-                         "within_target": bool(ok) and p95 <= target}
+                         "ttft_p95_ms": round(p95, 1), "mesh_ttft_p95_ms": round(mesh_p95, 1) if mesh else None,
+                         "target_ms": target, "within_target": bool(mesh) and mesh_p95 <= target}
         out["phases"][name] = row
     served = [o for o in outcomes if o.ok]
     out["requests_per_s"] = round(len(served) / elapsed, 2)
@@ -126,7 +137,13 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
         d.unmeasured.append(Unmeasured("the same load with the loop off", str(exc), "the scorecard's own mesh"))
     on = d.figures["loop_on"]["phases"]["step"]["gold"]
     off = (d.figures.get("loop_off") or {}).get("phases", {}).get("step", {}).get("gold")
-    d.cell = (f"yes (latency feedback loop): gold TTFT p95 in the step {on['ttft_p95_ms']:.0f} ms on"
-              + (f" / {off['ttft_p95_ms']:.0f} ms off" if off else "") + f" (target {on['target_ms']:.0f} ms); "
+
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    d.cell = (f"yes (latency feedback loop): gold TTFT p95 in the step {ms(on['mesh_ttft_p95_ms'])} ms on"
+              + (f" / {ms(off['mesh_ttft_p95_ms'])} ms off" if off else "") + f" (target {on['target_ms']:.0f} ms; "
+              f"as the mesh measured it; the client saw {on['ttft_p95_ms']:.0f}"
+              + (f" / {off['ttft_p95_ms']:.0f}" if off else "") + "); "
               f"window {d.figures['loop_on']['window_min']:g}-{d.figures['loop_on']['window_max']:g}")
     return d
