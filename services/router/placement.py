@@ -227,21 +227,21 @@ class Placer:
                                last_resort=last_resort)
 
     async def _last_resort(self, prepared: Prepared, worker: Candidate, workers: list[Candidate]) -> Candidate | None:
-        """The second choice when no other worker of the request's pool lets requests through: one
-        whose breaker is open, else a worker of another version of the model (a canary's only
-        worker draining or full: the stable version serves it, and the reverse). Without one the
-        ingress's retry reaches any worker of the mesh, which refuses what it was not sent."""
-        if (w := next((w for w in workers if w.worker_id != worker.worker_id), None)) is not None:
-            return w
-        if not prepared.model.pool:
-            return None
-        blocked = self._flow.breakers.blocked()
-        try:
-            model_workers = await self._directory.workers(prepared.model.name)
-        except errors.Unavailable:
-            return None
-        return next((w for w in model_workers if w.worker_id != worker.worker_id and w.worker_id not in blocked),
-                    next((w for w in model_workers if w.worker_id != worker.worker_id), None))
+        """The second choice when no other worker of the request's pool lets requests through: a
+        worker of another version of the model that does (a canary's only worker draining or full:
+        the stable version serves it, and the reverse), else one of the pool whose breaker is open.
+        Without one the ingress's retry reaches any worker of the mesh, which refuses what it was
+        not sent."""
+        if prepared.model.pool:
+            blocked = self._flow.breakers.blocked()
+            try:
+                model_workers = await self._directory.workers(prepared.model.name)
+            except errors.Unavailable:
+                model_workers = []
+            if (w := next((w for w in model_workers if w.worker_id != worker.worker_id and w.worker_id not in blocked),
+                          None)) is not None:
+                return w
+        return next((w for w in workers if w.worker_id != worker.worker_id), None)
 
     def end_direct(self, p: DirectPlacement, code: grpc.StatusCode | None, detail: str,
                    final: common_pb2.GenerateChunk | None, by: str = "") -> None:

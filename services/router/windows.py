@@ -9,11 +9,12 @@ a gold request found no room (gold waiting in the router's queue costs gold more
 batch would). Growing needs every tier seen in the last SAMPLE_SECONDS to have shown its p95 since
 the last change: a tier of few requests (gold beside a flood of bronze) would otherwise never have
 enough samples to count, and the flood's own fast first tokens would grow the window, change after
-change, past what the quiet tier's target allows. Priority bands share a window unequally: bronze may fill half of it, silver three
-quarters, so a flood of bronze never takes the room a gold request needs; gold may go past it, to
-twice the window, for the same reason: a window shrunk for gold's own target throttles the lower
-bands, not gold (measured: with gold held to the window, gold waited in the router's queue and
-its p95 TTFT at twice the fleet's load was 142 ms; allowed past it, 94 ms and no waits).
+change, past what the quiet tier's target allows. Priority bands share a window unequally: bronze
+may fill half of it, silver three quarters, so a flood of bronze never takes the room a gold
+request needs; gold may go past it, to twice the window, for the same reason: a window shrunk for
+gold's own target throttles the lower bands, not gold (measured: with gold held to the window, gold
+waited in the router's queue and its p95 TTFT at twice the fleet's load was 142 ms; allowed past
+it, 94 ms and no waits).
 Requests that find no room wait in the router's queue (services/router/waitqueue.py), in band
 order.
 """
