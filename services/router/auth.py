@@ -174,7 +174,8 @@ class Authenticator:
         if self._degraded:
             log.info("API keys are verified again")
             self._degraded = False
-        self._share(digest, principal)
+        if principal is not None or hit is not None:  # (an unknown key costs Redis nothing)
+            self._share(digest, principal)
         if principal is None:
             self._cache.pop(digest, None)  # revoked: not even while control is away
             self._unknown[digest] = now + self._negative_ttl
