@@ -5,7 +5,6 @@ over a real gRPC server."""
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gaas.model.tokenizer import ChatMessage  # noqa: F401 - (re-exported for the tests' chats)
 from gaas.runtime.server import ServerOptions, ServiceRuntime
 from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.router.auth import Authenticator, Principal
@@ -97,21 +96,12 @@ class FakeTokenizer:
 
 
 async def serve(scripts, workers=("w0", "w1"), retries=2, meter=None, moves=0):
-    models = [ModelEntry("tiny", "1.0", 64, True)]
-    cands = [Candidate(WorkerId(w), w, "tiny", "1.0", 64) for w in workers]
-
-    async def fetch():
-        return models, cands
-
     async def lookup(key):
         return KEYS.get(key)
 
     fake = FakeWorkers(scripts)
-    stages = Stages(
-        MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), fake, lambda model: FakeTokenizer(),
-        retries=retries, moves=moves, max_stream_seconds=30,
-    )
-    servicer = InferenceServicer(Pipeline(stages, Authenticator(lookup, 2.0), meter))
+    stages_ = stages(workers, address="{w}", workers_stub=fake, retries=retries, moves=moves)
+    servicer = InferenceServicer(Pipeline(stages_, Authenticator(lookup, 2.0), meter))
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1, edge=True))
     rt.add_service(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, "gaas.v1.Inference")
     await rt.start()
@@ -137,10 +127,11 @@ def metrics() -> RouterMetrics:
 
 
 def stages(workers=("w0",), *, models=None, candidates=None, workers_stub=None, scheduler="round_robin",
-           max_model_len=64, **kw) -> Stages:
-    """The router's stages over a mesh of workers (of model "tiny" 1.0 unless candidates are given)."""
+           max_model_len=64, address="{w}:1", **kw) -> Stages:
+    """The router's stages over a mesh of workers (of model "tiny" 1.0, each at address with its
+    name put in, unless candidates are given)."""
     models = models or [ModelEntry("tiny", "1.0", max_model_len, True)]
-    cands = candidates or [Candidate(WorkerId(w), f"{w}:1", "tiny", "1.0", max_model_len) for w in workers]
+    cands = candidates or [Candidate(WorkerId(w), address.format(w=w), "tiny", "1.0", max_model_len) for w in workers]
 
     async def fetch():
         return models, cands

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.router.coalescing import Coalescing
 from services.router.scheduling import WorkerId
-from tests.unit.router.support import KEYS, FakeTokenizer, FakeWorkers, OK
+from tests.unit.router.support import KEYS, FakeWorkers, OK
 
 
 @pytest.mark.parametrize("in_flight, interval", [(0, 1), (3, 1), (7, 1), (8, 2), (12, 3), (31, 7), (32, 8), (500, 8)])
@@ -29,17 +29,12 @@ def test_the_interval_is_monotone_and_bounded(a, b, per_step, cap):
 
 
 async def test_a_busy_router_asks_the_worker_for_fuller_messages():
-    from services.router.directory import MeshDirectory, ModelEntry
-    from services.router.stages import Stages
-    from services.router.scheduling import Candidate, make_scheduler
     from gaas.v1 import inference_pb2
-
-    async def fetch():
-        return [ModelEntry("tiny", "1.0", 4096, True)], [Candidate(WorkerId("w0"), "w0", "tiny", "1.0", 4096)]
+    from tests.unit.router import support
 
     workers = FakeWorkers({"w0": OK})
-    dispatcher = Stages(MeshDirectory(fetch, 1.0), make_scheduler("round_robin"), workers, lambda m: FakeTokenizer(),
-                            retries=0, max_stream_seconds=30, coalescing=Coalescing(per_step=2, max_interval=8))
+    dispatcher = support.stages(("w0",), address="{w}", max_model_len=4096, workers_stub=workers, retries=0,
+                                coalescing=Coalescing(per_step=2, max_interval=8))
     principal = KEYS["key-acme"]
 
     async def one():

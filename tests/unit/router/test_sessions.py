@@ -18,8 +18,7 @@ from gaas.runtime import redisconn
 from gaas.contracts.sessions import Context, SessionPolicy, Turn
 from gaas.v1 import common_pb2, inference_pb2
 from gaas.contracts.principal import Principal
-from services.router.directory import MeshDirectory, ModelEntry
-from services.router.stages import Stages
+from services.router.directory import ModelEntry
 from services.router.scheduling import Candidate, Load, RequestContext, WorkerId, make_scheduler
 from gaas.metering import direct
 from gaas.sessions.turns import OpenTurn, TurnEnds, committing as committing_turn
@@ -28,7 +27,8 @@ from services.router.extproc import ExternalProcessor, _Pending
 from services.router.pipeline import Pipeline
 from services.router.sessions import SessionStore, committing, plan_turn
 from tests.fakeclock import FakeClock
-from tests.unit.router.support import FakeTokenizer, FakeWorkers, chunk
+from tests.unit.router import support
+from tests.unit.router.support import FakeWorkers, chunk
 
 ACME = Principal("acme", "gold", "key_1", "salt-acme")
 OTHER = Principal("other", "gold", "key_2", "salt-other")
@@ -75,16 +75,9 @@ class SlowWorkers(FakeWorkers):
 
 
 def stages(workers=("w0",), max_model_len=4096, pause=0.0):
-    models = [ModelEntry("tiny", "1.0", max_model_len, True)]
-    cands = [Candidate(WorkerId(w), w, "tiny", "1.0", max_model_len) for w in workers]
-
-    async def fetch():
-        return models, cands
-
     fake = SlowWorkers(workers, pause)
-    d = Stages(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), fake, lambda model: FakeTokenizer(),
-                   retries=0, max_stream_seconds=30)
-    return d, fake
+    return support.stages(workers, address="{w}", max_model_len=max_model_len, workers_stub=fake,
+                          scheduler="kv_aware", retries=0), fake
 
 
 async def turn(store, disp, principal=ACME, request_id=None, **req):
@@ -314,12 +307,8 @@ async def test_another_tenants_session_is_not_found_and_its_id_is_its_own(redis)
 async def test_a_session_keeps_its_model(redis):
     models = [ModelEntry("tiny", "1.0", 4096, True), ModelEntry("big", "1.0", 4096, False)]
     cands = [Candidate(WorkerId("w0"), "w0", "tiny", "1.0", 4096), Candidate(WorkerId("w1"), "w1", "big", "1.0", 4096)]
-
-    async def fetch():
-        return models, cands
-
-    disp = Stages(MeshDirectory(fetch, 1.0), make_scheduler("kv_aware"), SlowWorkers(("w0", "w1")),
-                      lambda model: FakeTokenizer(), retries=0, max_stream_seconds=30)
+    disp = support.stages(models=models, candidates=cands, workers_stub=SlowWorkers(("w0", "w1")), scheduler="kv_aware",
+                          retries=0)
     store = SessionStore(redis)
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     await turn(store, disp, session_id="s", messages=chat(("user", "two")), max_tokens=2)  # no model: the session's
