@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from bench import cost
-from bench.common.output import RESULTS, closing, failed_requests, progress, write_json
+from bench.common.output import RESULTS, finish, progress
 from bench.common.stats import percentile
 
 say = progress("anchor")
@@ -222,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     results["table"] = table(results)
     results["issue_45"] = {"vllm_router_ratio_was": ROUTER_RATIO_WAS,
                            "vllm_router_ttft_added_ms_was": ROUTER_TTFT_ADDED_WAS_MS, "gaas_ratio_goal": GAAS_RATIO_GOAL}
-    runs = [*results["streams"].values(), *results["one_at_a_time"].values()]
-    results["failed"] = failed_requests(runs)
-    out = write_json(args.out, results)
-    report(results)
-    return closing(out, runs)
+    return finish(args.out, results, [*results["streams"].values(), *results["one_at_a_time"].values()], report)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from bench import footprint
 from bench.common import proccpu
-from bench.common.output import RESULTS, ROOT, closing, failed_requests, progress, write_json
+from bench.common.output import RESULTS, ROOT, finish, progress
 from bench.common.pyspy import Profiler, merged
 
 say = progress("cost")
@@ -485,10 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["goals"] = goals(results)
     runs = [*results["one_at_a_time"].values(), *(c for r in results["streams"].values() for c in r.values())]
-    results["failed"] = failed_requests(runs)
-    out = write_json(args.out, results)
-    report(results)
-    return closing(out, runs)
+    return finish(args.out, results, runs, report)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,13 @@ def closing(out: Path, runs) -> int:
     failed = failed_requests(runs)
     print(f"\nwritten: {out}" + (f"\n{failed} requests FAILED" if failed else "; no request failed"))
     return 1 if failed else 0
+
+
+def finish(path: str | Path, results: dict, runs, report) -> int:
+    """A serving benchmark's end: how many of its runs' requests failed, recorded in results, the
+    JSON written, report(results) printed, then closing()'s lines; its exit status."""
+    runs = list(runs)
+    results["failed"] = failed_requests(runs)
+    out = write_json(path, results)
+    report(results)
+    return closing(out, runs)
