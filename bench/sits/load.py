@@ -103,6 +103,26 @@ async def open_loop(base_url: str, schedule: Sequence[tuple[float, Callable]], t
         return list(await asyncio.gather(*tasks))
 
 
+async def closed_loop(base_url: str, concurrency: int, seconds: float, send: Callable,
+                      timeout: float = 300) -> list[Outcome]:
+    """concurrency clients each sending send(client) -> Outcome one after another for `seconds`: the
+    outcomes of the requests that ended within that time (the ones still running then are awaited,
+    not counted)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=concurrency + 10)) as client:
+        until = time.perf_counter() + seconds
+        ended: list[Outcome] = []
+
+        async def one_client() -> None:
+            while time.perf_counter() < until:
+                out = await send(client)
+                if time.perf_counter() <= until:
+                    ended.append(out)
+
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return ended
+
+
 def poisson(rng: random.Random, rate: float, seconds: float, start: float = 0.0) -> list[float]:
     """Arrival times of a Poisson process at rate per second over [start, start + seconds)."""
     times, t = [], start

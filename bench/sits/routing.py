@@ -3,10 +3,12 @@ workers report on this host), what one decision costs (the routers' own schedule
 histograms over the workload), and the TTFT gain over round robin on a skewed load.
 
 The skewed load: heavy requests (a ~1,500-token prompt, 192 tokens out) and light ones (~20 tokens,
-8 out) alternate, arriving as a Poisson stream at 12 a second. Round robin sends every heavy
-request to one worker and every light one to the other: more heavy work than one worker keeps up
-with (on this host's cores), while the other idles; a scheduler that reads the workers' queues and
-KV use spreads it. Measured on the scorecard's own mesh with its routers as deploy/'s settings make them, then
+8 out) alternate, arriving as a Poisson stream at a rate set by the fleet's measured capacity: the
+heavy ones at LOAD (70%) of the heavy requests a second the workers finish together, kept busy
+(calibrate). Round robin sends every heavy request to one worker and every light one to the other:
+more heavy work than one worker keeps up with, while the other idles; a scheduler that reads the
+workers' queues and KV use spreads it within what the fleet serves. (A fixed rate measured the
+host's speed that day instead: past the fleet's capacity every policy's queue grows alike.) Measured on the scorecard's own mesh with its routers as deploy/'s settings make them, then
 with every router restarted as round robin (and back)."""
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import time
 
 from bench.sits.card import Dimension, Unmeasured
 from bench.sits.common import histogram_delta, histogram_quantile, ttft_summary
-from bench.sits.load import open_loop, poisson, stream, text
+from bench.sits.load import closed_loop, open_loop, poisson, stream, text
 from bench.sits.target import OwnMeshOnly, Target
 
 MODEL = "gaas-tiny"
 HEAVY_TOKENS, HEAVY_OUT = 1500, 192
 LIGHT_TOKENS, LIGHT_OUT = 20, 8
+# The heavy requests' share of the fleet's capacity, the heavy streams a worker is kept busy with
+# while that is measured, for how long, and the most requests a second the load generator sends.
+LOAD, BUSY_PER_WORKER, CALIBRATE_S, MAX_RATE = 0.7, 4, 15.0, 50.0
 
 # The signals a scheduler could weigh: the scorer that weighs it (gaas/settings/router.py's
 # profiles) and whether a worker's load report carries it.
@@ -47,15 +52,37 @@ def skewed(seconds: float, rate: float, seed: int = 7) -> list[tuple[float, str,
     return out
 
 
+def _send(key: str, kind: str, prompt: str):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": HEAVY_OUT if kind == "heavy" else LIGHT_OUT,
+            "ignore_eos": True, "temperature": 0}
+    return lambda c: stream(c, key, body, kind=kind, explain=True)
+
+
+def calibrate(t: Target, key: str, workers: int, seconds: float = CALIBRATE_S) -> dict:
+    """The fleet's capacity for heavy requests (a second, BUSY_PER_WORKER streams a worker kept
+    busy, unique prompts) and the skewed load's rate from it."""
+    rng = random.Random(3)
+
+    def send(c):
+        return _send(key, "heavy", f"calibrate {rng.random()} " + text(rng, HEAVY_TOKENS))(c)
+
+    return load_rate(asyncio.run(closed_loop(t.base_url, BUSY_PER_WORKER * workers, seconds, send)))
+
+
+def load_rate(done: list) -> dict:
+    """The heavy requests a second the fleet finished (between the first one's end and the last's:
+    kept busy, not filling up) and the skewed load's rate at LOAD of it."""
+    ends = sorted(o.started + o.ms / 1000 for o in done if o.ok)
+    heavy_per_s = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 2 and ends[-1] > ends[0] else 0.0
+    # Heavy and light alternate: twice the heavy rate.
+    rate = min(MAX_RATE, max(0.5, round(2 * LOAD * heavy_per_s, 2)))
+    return {"heavy_per_s_at_capacity": round(heavy_per_s, 2), "load": LOAD, "per_s": rate}
+
+
 def run_load(t: Target, key: str, plan) -> tuple[list, float]:
     """The plan's requests as timed (the outcomes, and the seconds the load took)."""
-    def send(kind: str, prompt: str):
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": HEAVY_OUT if kind == "heavy" else LIGHT_OUT,
-                "ignore_eos": True, "temperature": 0}
-        return lambda c: stream(c, key, body, kind=kind, explain=True)
-
     started = time.perf_counter()
-    outcomes = asyncio.run(open_loop(t.base_url, [(at, send(kind, p)) for at, kind, p in plan]))
+    outcomes = asyncio.run(open_loop(t.base_url, [(at, _send(key, kind, p)) for at, kind, p in plan]))
     return outcomes, time.perf_counter() - started
 
 
@@ -83,15 +110,18 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
     from gaas.settings.router import PROFILES
 
     d = Dimension("gpu_aware_routing")
-    seconds, rate = (10.0, 12.0) if quick else (20.0, 12.0)
+    seconds = 10.0 if quick else 20.0
     _, key = t.tenant("routing", "gold")
     workers = t.workers(MODEL)
     if len(workers) < 2:
         d.error = f"the target serves {MODEL} on {len(workers)} worker(s); comparing routing needs two or more"
         return d
-    say(f"routing: warming up, then {seconds:.0f} s of skewed load at {rate:g} requests/s, "
-        f"{'once' if quick else 'twice'} with each policy")
+    say("routing: warming up, then the fleet's capacity for heavy requests")
     run_load(t, key, skewed(2.0, 2.0, seed=1))
+    capacity = calibrate(t, key, len(workers), CALIBRATE_S / 2 if quick else CALIBRATE_S)
+    rate = capacity["per_s"]
+    say(f"routing: {capacity['heavy_per_s_at_capacity']:g} heavy requests/s at capacity; {seconds:.0f} s of skewed "
+        f"load at {rate:g} requests/s, {'once' if quick else 'twice'} with each policy")
     before = t.router_metrics()
     aware = [run_load(t, key, skewed(seconds, rate))]
     after = t.router_metrics()
@@ -100,7 +130,7 @@ def measure(t: Target, say, quick: bool = False) -> Dimension:
     reported = {name: any(check(w) for w in t.workers(MODEL)) for name, (_, check) in SIGNALS.items()}
     on_cpu = all(w["load"].get("device_kind", "cpu") in ("", "cpu") for w in t.workers(MODEL))
     d.figures["policy"] = policy
-    d.figures["load"] = {"seconds": seconds, "per_s": rate, "heavy": [HEAVY_TOKENS, HEAVY_OUT],
+    d.figures["load"] = {"seconds": seconds, **capacity, "heavy": [HEAVY_TOKENS, HEAVY_OUT],
                          "light": [LIGHT_TOKENS, LIGHT_OUT]}
     d.figures["signals"] = [{"signal": name, "scorer": scorer or None,
                              "weight": weights.get(scorer) if scorer else None,

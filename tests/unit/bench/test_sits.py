@@ -161,3 +161,15 @@ def test_a_histograms_quantile_between_two_readings_is_the_bound_of_its_bucket()
     assert histogram_quantile(before, after, "h", 0.99) == 0.01
     assert histogram_quantile(before, after, "h", 1.0) == float("inf")
     assert histogram_quantile(after, after, "h", 0.99) is None
+
+
+def test_the_skewed_load_runs_at_a_share_of_the_fleets_measured_capacity():
+    from bench.sits.load import Outcome
+
+    # The fleet finished a heavy request every half second once busy (the first end is the start).
+    done = [Outcome(ok=True, started=10.0 + i * 0.5 - 3.0, ms=3000.0) for i in range(11)]
+    done.append(Outcome(ok=False, started=10.0, ms=1.0))
+    assert routing.load_rate(done) == {"heavy_per_s_at_capacity": 2.0, "load": routing.LOAD,
+                                       "per_s": round(2 * routing.LOAD * 2.0, 2)}
+    # Nothing measurable: the slowest load, not none.
+    assert routing.load_rate([])["per_s"] == 0.5
