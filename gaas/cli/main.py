@@ -13,11 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from gaas.cli import (
-    bench, billing, deploy, envoy, generate, k8s, kv, lora, model, models, placement, restart, sessions, status, tenants, top,
-    trace, up,
-)
-from gaas.cli.common import fail
+from gaas.ops import protogen
 
 # What `gaas --help` says above the list of commands.
 OVERVIEW = """gaas: run and use the GaaS inference mesh.
@@ -44,20 +40,49 @@ OVERVIEW = """gaas: run and use the GaaS inference mesh.
   gaas k8s render              the mesh as Kubernetes manifests (Kustomize); `gaas k8s validate` checks them
 """
 
-# The command modules, in the order `gaas --help` lists their commands.
-COMMANDS = (up, trace, generate, sessions, status, top, restart, models, deploy, placement, lora, tenants, billing, kv,
+
+def commands() -> tuple:
+    """The command modules, in the order `gaas --help` lists their commands (imported once the
+    gRPC modules they use exist: ensure_generated)."""
+    from gaas.cli import (
+        bench, billing, deploy, envoy, generate, k8s, kv, lora, model, models, placement, restart, sessions, status,
+        tenants, top, trace, up,
+    )
+
+    return (up, trace, generate, sessions, status, top, restart, models, deploy, placement, lora, tenants, billing, kv,
             model, bench, envoy, k8s)
+
+
+def ensure_generated() -> str | None:
+    """Generate gaas/v1 from protos/ when this checkout lacks it or a .proto changed since (what
+    `make proto` does); None, or what to run where it cannot."""
+    if not protogen.PROTO_DIR.is_dir():
+        return None  # an installed package: generated when it was built
+    try:
+        if not protogen.is_stale():
+            return None
+        print("gaas: generating the gRPC modules from protos/ (make proto) ...", file=sys.stderr, flush=True)
+        protogen.generate()
+    except ImportError as exc:
+        return (f"the gRPC modules are not generated and cannot be ({exc}): run `make install`, then `make proto`, "
+                "from the repository")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gaas", description=OVERVIEW, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
+    for module in commands():
         module.register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (missing := ensure_generated()) is not None:
+        print(f"gaas: {missing}", file=sys.stderr)
+        return 2
+    from gaas.cli.common import fail
+
     args = build_parser().parse_args(argv)
     if getattr(args, "run_dir", None):
         # Everything in this process reaches the mesh as the operator of this run directory
