@@ -1,4 +1,4 @@
-"""Placement, in one place for the launcher (gaas/launcher/mesh.py), the worker (services/worker/engine.py)
+"""Placement, in one place for the launcher (gaas/launcher/mesh.py), the worker (services/worker/vllm_engine.py)
 and the benchmarks. On a CPU host: which core each worker's engine computes on, where the rest of
 its processes go, and moving processes there (Linux). On a GPU host: which GPU each worker gets and
 what share of its memory.

@@ -1,6 +1,6 @@
 """The worker's settings (services/worker), read once at start-up from GAAS_* variables: `gaas up`
 writes them from the topology (services.worker in deploy/topology.yaml) and the deployment file's
-model; the worker hands them to its vLLM engine (services/worker/engine.py maps them to vLLM's
+model; the worker hands them to its vLLM engine (services/worker/vllm_engine.py maps them to vLLM's
 engine arguments)."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from gaas.settings.worker import WorkerSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
 from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to_server
-from services.worker.engine import KV_TOPIC, VllmEngine
+from services.worker.vllm_engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
 from services.worker.warmup import prime, warm_up

@@ -380,7 +380,7 @@ def test_worker_settings_by_device():
 
 
 def test_a_worker_refuses_a_vllm_build_for_the_other_device():
-    from services.worker.engine import check_build
+    from services.worker.vllm_engine import check_build
 
     check_build("cuda", "cuda")
     check_build("cpu", "")
@@ -430,7 +430,7 @@ async def test_load_reports_read_the_device_sample_without_touching_the_device()
 def test_the_engine_reads_its_load_from_older_vllms_too():
     """vLLM 0.26 (the last built for torch 2.11, what the GPU check ran on) has no
     AsyncLLM.get_num_unfinished_requests: the load report must not depend on it."""
-    from services.worker.engine import VllmEngine, _LoadTracker
+    from services.worker.vllm_engine import VllmEngine, _LoadTracker
 
     old = types.SimpleNamespace(output_processor=types.SimpleNamespace(get_num_unfinished_requests=lambda: 3))
     new = types.SimpleNamespace(get_num_unfinished_requests=lambda: 5)
@@ -442,7 +442,7 @@ def test_the_engine_reads_its_load_from_older_vllms_too():
 def test_the_engines_preemptions_are_counted_into_its_load_report():
     """Each engine step's preempted requests (vLLM's KV-cache allocation failures) add up in the
     load report, the scorecard's fragmentation figure reads them there."""
-    from services.worker.engine import VllmEngine, _LoadTracker
+    from services.worker.vllm_engine import VllmEngine, _LoadTracker
 
     tracker = _LoadTracker()
     logger = tracker.factory(None)
