@@ -21,7 +21,7 @@ from typing import Any
 from gaas.contracts import genrequest, jsonbody
 from gaas.contracts.errors import InvalidArgument, quote
 from gaas.contracts.jsonbody import Fields, type_name
-from gaas.openai.api import dumps
+from gaas.openai.stream import dumps
 from gaas.v1 import common_pb2
 
 MAX_METADATA = 16

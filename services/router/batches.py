@@ -207,7 +207,7 @@ class BatchRunner:
                 log.info("batch %s item %d given back: %s", item.batch_id, item.index, err.message)
                 await self._release([key], err.message)
                 return
-            code, body = err.info.http_status, openai_api.dumps(errors.openai_error(err))
+            code, body = err.info.http_status, openai_stream.dumps(errors.openai_error(err))
             if isinstance(err, errors.Unauthenticated):
                 await self._complete(item, code, body, request_id)
                 await self._cancel(item, err.message)
@@ -236,7 +236,7 @@ class BatchRunner:
         principal = Principal(now.tenant, now.tier, o.key_id, o.cache_salt, limits=now.limits, batch=True)
         g = await self._pipeline.start(principal, engine_requests(parsed), Timing(), check=answer_check(parsed),
                                        price_factor=item.price_factor)
-        fmt = openai_api.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
+        fmt = openai_stream.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
         usage = openai_stream.Usage(prompt=sum(p.prompt_tokens for p in g.prepared))
         chunks = bounded(self._pipeline.stream(g, None, {}))
         try:

@@ -69,7 +69,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         note_client_id(parsed.client_request_id)
         session_id_of(parsed, metadata)  # (on the engine requests: the pipeline reads it there)
         g = await self._pipeline.start(principal, engine_requests(parsed), timing, check=answer_check(parsed))
-        fmt = openai_api.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
+        fmt = openai_stream.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
         usage = openai_stream.Usage(prompt=sum(p.prompt_tokens for p in g.prepared),
                                     explain=metadata.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes"))
         chunks = self._pipeline.stream(g, context.time_remaining(), metadata)

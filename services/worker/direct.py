@@ -107,7 +107,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
             raise errors.InvalidArgument("the request is not a DirectGenerate") from None
         _check(d)
         parsed = parse(jsonbody.parse(d.openai_body, MAX_BODY_BYTES))
-        fmt = openai_api.Formatter(parsed, d.request_id, d.metering.adapter or d.metering.model)
+        fmt = openai_stream.Formatter(parsed, d.request_id, d.metering.adapter or d.metering.model)
         usage = openai_stream.Usage(prompt=d.metering.prompt_tokens, explain=d.explain)
         async for body in openai_stream.respond(parsed, fmt, usage, self._metered(d, context, arrived, arrived_unix),
                                                 d.session.truncation):

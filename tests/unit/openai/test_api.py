@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from gaas.contracts import errors
 from gaas.v1 import common_pb2
 from gaas.contracts import jsonbody
-from gaas.openai import api as openai_api
-from gaas.openai.api import Formatter, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from gaas.openai import api as openai_api, stream as openai_stream
+from gaas.openai.api import parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from gaas.openai.stream import Formatter
 
 
 def completion(**kw):
@@ -234,7 +235,7 @@ def final_chunk(index=0, text="!"):
 
 def test_formatter_shapes():
     f = Formatter(parse_chat(chat(stream=True, stream_options={"include_usage": True})), "req-0123abcd", "gaas-tiny")
-    r = json.loads(f.answer([(0, "hello", None, final_chunk(), [])], openai_api.usage(10, 3, 4)))
+    r = json.loads(f.answer([(0, "hello", None, final_chunk(), [])], openai_stream.usage_json(10, 3, 4)))
     assert r["id"] == "chatcmpl-0123abcd" and r["object"] == "chat.completion"
     assert r["choices"][0]["message"]["content"] == "hello" and r["choices"][0]["message"]["role"] == "assistant"
     assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == "END"
@@ -244,7 +245,7 @@ def test_formatter_shapes():
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "he"} and first["usage"] is None
     last = f.chunk(1, final_chunk(index=1, text=""), first=False)
     assert last["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop", "stop_reason": "END"}
-    assert f.usage_chunk(openai_api.usage(10, 3, 4))["choices"] == []
+    assert f.usage_chunk(openai_stream.usage_json(10, 3, 4))["choices"] == []
     c = Formatter(parse_completion(completion()), "req-1", "m")
     assert c.chunk(0, common_pb2.GenerateChunk(text="x"), True)["object"] == "text_completion"
     assert "usage" not in c.chunk(0, common_pb2.GenerateChunk(text="x"), True)
@@ -291,7 +292,7 @@ def test_an_answer_assembled_chunk_by_chunk_is_what_the_whole_would_be(kind):
         assembled[index].add(_logprob_chunk(index).logprobs)
         assembled[index].add(_logprob_chunk(index).logprobs)
     body = json.loads(f.answer([(1, "abab", assembled[1], final_chunk(1), []), (0, "abab", assembled[0], final_chunk(0), [])],
-                               openai_api.usage(3, 4, 0), {"gaas_session": {"id": "s"}}))
+                               openai_stream.usage_json(3, 4, 0), {"gaas_session": {"id": "s"}}))
     entries = list(_logprob_chunk().logprobs) * 2
     expected = whole.logprobs(0, entries)
     assert [c["index"] for c in body["choices"]] == [0, 1]
@@ -300,7 +301,7 @@ def test_an_answer_assembled_chunk_by_chunk_is_what_the_whole_would_be(kind):
 
 
 def test_sse_framing_and_errors():
-    assert openai_api.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert openai_stream.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     err = errors.Unavailable("worker died")
     event = errors.openai_error(err)
     assert event == {"error": {"message": "worker died", "type": "service_unavailable", "param": None, "code": "unavailable"}}

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from gaas.contracts import edge, errors, jsonbody
 from gaas.model.tokenizer import ChatMessage
 from gaas.openai import batches, responses
-from gaas.openai.api import dumps, parse_chat, parse_completion
+from gaas.openai.api import parse_chat, parse_completion
+from gaas.openai.stream import dumps
 from tests.hostile import at, fragments, splice
 
 MAX_BODY = edge.MAX_BODY_BYTES * 2
