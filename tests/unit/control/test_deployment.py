@@ -3,7 +3,6 @@ roll-outs, driven with a fake clock."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -11,7 +10,8 @@ from gaas.contracts import errors
 from gaas.contracts.rollout import State
 from gaas.runtime.sql import Database
 from services.control.catalog import ModelCatalog
-from services.control.deployment import TABLES, Deployment
+from services.control.deployment import Deployment
+from services.control.deploytables import TABLES
 from services.control.rollout.figures import Window
 from tests.fakeclock import FakeClock
 
