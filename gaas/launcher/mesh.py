@@ -1,9 +1,11 @@
 """Running the whole mesh on one machine: Redis (when none answers), every service instance of
 the topology, an Envoy sidecar per instance and the ingress's Envoys. What `gaas up` does.
 
-Beside it in gaas/launcher: the processes it runs and what a killed one left (children.py), the
-run directory and ports (rundir.py), Redis and each process's secrets (secrets.py), the rolling
-restart (supervisor.py).
+Beside it in gaas/launcher: what each process it starts is given (workerenv.py), the deployment's
+workers matched with control's pools (pools.py, which fleet.py decides), the processes it runs and
+what a killed one left (children.py), the run directory and ports (rundir.py), Redis and each
+process's secrets (secrets.py), the ingress's Envoys (ingress.py), the rolling restart
+(supervisor.py).
 """
 
 from __future__ import annotations
@@ -22,27 +24,23 @@ from urllib.parse import urlparse
 
 from gaas.envoy import config as envoyconf
 from gaas.envoy.binary import ENVOY_ARGS
-from gaas.launcher import fleet, ingress
+from gaas.host import placement
+from gaas.host.devices import visible_gpus
+from gaas.launcher import ingress
 from gaas.launcher.children import (
     RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_launch, signal_group, start_ticks, stop_leftovers,
 )
 from gaas.launcher.errors import MeshError
+from gaas.launcher.pools import PoolWorkers
 from gaas.launcher.rundir import STATE_FILE, port_in_use
 from gaas.launcher.secrets import (
-    BARE_ENV, REDIS_CLIENTS, REDIS_PASSWORD_FILE, SECRETS, private_secret, redis_answers, redis_server_command,
-    with_password, without_secrets,
+    BARE_ENV, REDIS_PASSWORD_FILE, private_secret, redis_answers, redis_server_command, with_password, without_secrets,
 )
+from gaas.launcher.workerenv import WorkerEnvironment
 from gaas.ops import pki, probe, promconf, protogen, redisacl
-from gaas.ops.serviceenv import Placement, placed_values
-from gaas.settings import deployspec
-from gaas.settings import worker as worker_settings
-from gaas.settings.env import env_of, value_from_env, variables
-from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
-from gaas.model.build import build_model, check_source, is_built, refresh_chat_template
-from gaas.host import placement
-from gaas.host.devices import visible_gpus
-from gaas.ops.topology import Instance, LocalSockets, Topology, TopologyError, sockets_root, with_workers
+from gaas.ops.topology import Instance, LocalSockets, Topology, sockets_root, with_workers
 from gaas.ops.traces import TRACES_FILE, TraceTarget
+from gaas.settings import deployspec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +60,7 @@ INGRESS_DRAIN_SECONDS = 20.0
 RECONCILE_SECONDS = 1.0
 
 
-class Mesh:
+class Mesh(WorkerEnvironment, PoolWorkers):
     def __init__(
         self,
         topo: Topology,
@@ -129,7 +127,7 @@ class Mesh:
         os.umask(0o077)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         stop_leftovers(self.run_dir, self.progress)
-        self._raise_open_files()
+        ingress.raise_open_files(self.progress)
         ports = self.topo.tcp_ports() + ([self.topo.trace_port] if self.trace_sink else [])
         busy = [p for p in ports if port_in_use(self.topo.host, p)]
         if busy:
@@ -161,25 +159,6 @@ class Mesh:
         for name, path in configs.items():
             self._spawn_envoy(name, path)
         self._write_state()
-
-    def _raise_open_files(self) -> None:
-        """Every connection the ingress holds is a file descriptor, and a shell's soft limit is often
-        1,024: raised, for what gaas starts, to what the ingress may hold (gaas.contracts.edge.MAX_CONNECTIONS,
-        its upstream connections too) where the hard limit allows; said when it does not."""
-        import resource
-
-        from gaas.contracts import edge
-
-        want = 2 * edge.MAX_CONNECTIONS + 1024
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft >= want:
-            return
-        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        if target > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        if target < 8 * 1024:  # (a few thousand connections are enough not to mention it)
-            self.progress(f"open files are limited to {target} (ulimit -Hn): the ingress holds at most about "
-                          f"{target // 2} client connections (raise the hard limit for {edge.MAX_CONNECTIONS})")
 
     @property
     def served_models(self) -> list[str]:
@@ -277,84 +256,6 @@ class Mesh:
         child.started = time.monotonic()
         child.restarts += 1
         child.restart_at = 0.0
-
-    def service_env(self, inst: Instance) -> dict[str, str]:
-        """What a service process gets: this environment without the secrets (each secret only
-        where its service needs it: SECRETS), its own Redis user, and the settings the mesh decides
-        for it, written as its settings class (gaas.settings) reads them."""
-        env = {**without_secrets(dict(os.environ)), "PYTHONUNBUFFERED": "1"}
-        for name, services in SECRETS.items():
-            if inst.service in services and name in os.environ:
-                env[name] = os.environ[name]
-        settings = SERVICE_SETTINGS[inst.service]
-        has = {v.field: v.name for v in variables(settings)}
-        sockets = LocalSockets.of(self.sockets, inst.name)
-        # Where it is in the mesh (gaas.ops.serviceenv, as the Kubernetes manifests place it too):
-        # service and sidecar meet on Unix sockets only the mesh's owner can reach.
-        values = placed_values(inst, Placement(
-            instance=inst.name, host=inst.host, advertise=inst.inbound, listen=f"unix:{sockets.service}",
-            outbound=f"unix:{sockets.outbound}", spool_dir=str(self.run_dir / "spool"),
-            deploy_file=str(self.deploy_file), files_dir=str(self.run_dir / "files")))
-        if inst.service in REDIS_CLIENTS:
-            user = self.redis_users.get(inst.service)
-            values["redis_url"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
-        if "database_url" in has and has["database_url"] not in os.environ:
-            # Its database in the run directory, unless the operator named one (a secret, passed above).
-            values["database_url"] = f"sqlite:///{self.run_dir / f'{inst.service}.db'}"
-        if self.trace is not None:
-            # gaas.runtime.telemetry exports there; the W3C context comes from the sidecars.
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.trace.endpoint
-            env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
-            # Follow the caller's decision; never start a trace of their own (background calls).
-            env["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
-        if inst.service == "worker":
-            if self.gpus:
-                slot = self._gpu_slot(inst)
-                values.update(device="cuda", gpu_memory_utilization=slot.memory_fraction)
-                # By UUID: the same GPU whatever order CUDA numbers them in; and CUDA's order is
-                # NVML's for anything else that counts them.
-                env.update(CUDA_VISIBLE_DEVICES=slot.uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID")
-            else:
-                values["device"] = "cpu"
-                # One worker per core: its engine computes there (see placement.worker_cpus).
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement.worker_cpus(inst.index, len(self.topo.of("worker")))[0])
-        env.update(env_of(settings, **values))
-        env.update(self.extra_env)
-        return env
-
-    def _gpu_slot(self, inst: Instance) -> placement.GpuSlot:
-        """The GPU a worker computes on, and its share of the GPU's memory: the workers share the
-        GPUs their pools fit in turn (gaas.host.placement.worker_gpus: each on the fitting GPU
-        with the fewest workers), those on one GPU splitting its memory budget as the workers
-        there now are counted (a worker started later on a GPU other workers hold takes a smaller
-        share; give the GPU room, or fewer workers, for a roll-out)."""
-        workers = self.topo.of("worker")
-        budget = value_from_env(worker_settings.WorkerSettings, "gpu_memory_utilization")
-        kv_bytes = max(int(w.options["kv_cache_gib"]) for w in workers) * 2**30
-        count = max(len(workers), inst.index + 1)
-        by_index = {w.index: w for w in workers}
-        fits = [self._fitting_gpus(by_index[i]) if i in by_index else None for i in range(count)]
-        try:
-            slots = placement.worker_gpus(self.gpus, count, budget=budget, kv_cache_bytes=kv_bytes, fits=fits)
-        except placement.PlacementError as exc:
-            raise MeshError(str(exc)) from None
-        return slots[inst.index]
-
-    def _fitting_gpus(self, inst: Instance) -> set[str] | None:
-        """The UUIDs of the GPUs a worker's pool fits (its device requirement; None: any GPU)."""
-        from gaas.contracts.device import DeviceRequirement, choose
-        from gaas.host.profiles import host_profiles
-
-        o = inst.options
-        try:
-            need = DeviceRequirement.parse(dict(o.get("device_needs") or {}) or o.get("device", "any"))
-        except ValueError:
-            return None  # (a pool's requirement was checked when applied)
-        if need.simple:
-            return None
-        if self._profiles is None:
-            self._profiles = host_profiles(self.gpus)
-        return {d.uuid for d in choose(need, self._profiles).fits if d.uuid}
 
     def _spawn_service(self, inst: Instance) -> None:
         cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]
@@ -542,173 +443,6 @@ class Mesh:
                 changed = self._reconcile(pools, report=report) or changed
         if changed:
             self._write_state()
-
-    # ----------------------------------------------------------------- the deployment's workers
-
-    def _control_stub(self):
-        from gaas.v1 import control_pb2_grpc
-
-        if self._control is None:
-            channel = pki.operator_channel(self.topo.of("control")[0].inbound, self.run_dir)
-            self._control = (channel, control_pb2_grpc.ControlStub(channel))
-        return self._control[1]
-
-    def _close_control(self) -> None:
-        """Close the channel to control. A child forked while a gRPC channel is open can abort
-        before it execs (gRPC's fork handlers): every start of a child closes it first."""
-        if self._control is not None:
-            self._control[0].close()
-            self._control = None
-
-    def _fetch_pools(self, timeout: float) -> list[fleet.PoolSpec]:
-        """The pools control says the mesh runs (MeshError when it does not answer)."""
-        import grpc
-
-        from gaas.v1 import control_pb2
-
-        try:
-            resp = self._control_stub().ListPools(control_pb2.ListPoolsRequest(), timeout=timeout)
-        except grpc.RpcError as exc:
-            raise MeshError(f"control did not say which workers to run: {exc.code().name}") from None
-        return [fleet.PoolSpec.from_pb(p) for p in resp.pools]
-
-    def _report_failure(self, pool: fleet.PoolSpec, reason: str) -> None:
-        """Tell control why a pool's workers cannot run here (a roll-out of it halts)."""
-        from gaas.v1 import control_pb2
-
-        self.progress(f"{pool.model} {pool.version}: {reason}")
-        try:
-            self._control_stub().ReportPoolFailure(control_pb2.ReportPoolFailureRequest(
-                model=pool.model, version=pool.version, reason=reason), timeout=2.0)
-        except Exception as exc:  # noqa: BLE001 - said above; control hears of it at its next report
-            self.progress(f"could not tell control: {exc}")
-
-    def _placeable(self, pool: fleet.PoolSpec) -> bool:
-        """Whether this host can run the pool's workers (said to control once when not)."""
-        wrong = (self._placement(pool).reason() or self._build_errors.get(pool.source)
-                 or check_source(pool.model, pool.version, pool.source, pool.preset))
-        if wrong and pool.key not in self._refused:
-            self._refused.add(pool.key)
-            self._report_failure(pool, wrong)
-        return not wrong
-
-    def _placement(self, pool: fleet.PoolSpec):
-        """Which of this host's devices the pool's workers may run on (gaas.contracts.device)."""
-        from gaas.contracts.device import choose
-        from gaas.host.profiles import host_profiles
-
-        if self._profiles is None:
-            self._profiles = host_profiles(self.gpus)
-        return choose(pool.requirement, self._profiles)
-
-    def _model_ready(self, pool: fleet.PoolSpec, wait: bool) -> bool:
-        """Whether the pool's weights are there: a preset's are built when missing (wait: here and
-        now; else in the background, the pool's workers started at a later look)."""
-        if not pool.preset or not pool.source.startswith("/"):
-            return True
-        if is_built(Path(pool.source)):
-            if refresh_chat_template(Path(pool.source)):
-                self.progress(f"model {pool.model} {pool.version}: its chat template now renders tools")
-            return True
-        building = self._builds.get(pool.source)
-        if building is not None and building.is_alive():
-            return False
-
-        def build() -> None:
-            self.progress(f"building model {pool.model} {pool.version} ({pool.preset} preset, seed {pool.seed}) "
-                          f"into {pool.source}")
-            try:
-                build_model(pool.preset, Path(pool.source), seed=pool.seed, progress=lambda m: self.progress(f"  {m}"))
-            except Exception as exc:  # noqa: BLE001 - said to control: its roll-out halts with it
-                self._build_errors[pool.source] = f"building {pool.source} failed: {type(exc).__name__}: {exc}"
-
-        if wait:
-            build()
-            return pool.source not in self._build_errors
-        self._builds[pool.source] = threading.Thread(target=build, name=f"build {pool.model}", daemon=True)
-        self._builds[pool.source].start()
-        return False
-
-    def _reconcile(self, pools: list[fleet.PoolSpec], initial: bool = False,
-                   report: Callable[[str], None] | None = None) -> bool:
-        """Start and stop workers so they match pools; True when the mesh changed."""
-        report = report or self.progress
-        running = [fleet.Running(w.index, fleet.key_of(w.options), w.name in self._retiring)
-                   for w in self.topo.of("worker")]
-        actions = fleet.reconcile(pools, running, self.topo.auto_workers, self._placeable)
-        for index in actions.stop:
-            self._retire(f"worker-{index}", report)
-        for index, pool in actions.start:
-            if not self._model_ready(pool, wait=initial) or not self._placeable(pool):
-                continue
-            self._spawn_worker(index, pool, report, quiet=initial)
-        return bool(actions)
-
-    def _spawn_worker(self, index: int, pool: fleet.PoolSpec, report: Callable[[str], None], quiet: bool) -> None:
-        try:
-            inst = self.topo.worker(index, pool.options())
-        except TopologyError as exc:
-            if pool.key not in self._refused:
-                self._refused.add(pool.key)
-                self._report_failure(pool, str(exc))
-            return
-        busy = [p for p in (inst.inbound_port, inst.metrics_port, inst.envoy_stats_port) if port_in_use(inst.host, p)]
-        if busy:
-            report(f"cannot start {inst.name} for {pool.model} {pool.version}: port(s) {', '.join(map(str, busy))} "
-                   f"on {inst.host} are in use; trying again shortly")
-            return
-        sockets = LocalSockets.of(self.sockets, inst.name).dir
-        sockets.mkdir(parents=True, exist_ok=True)
-        os.chmod(sockets, 0o700)
-        self._authority.issue("worker", inst.name, sidecar=inst.inbound)
-        self.topo = with_workers(self.topo, [*self.topo.of("worker"), inst])
-        config = envoyconf.sidecar_config(self.topo, inst, self.log_dir, self._authority, self.sockets, self.trace)
-        path = self.run_dir / "envoy" / f"sidecar-{inst.name}.yaml"
-        path.write_text(envoyconf.config_text(config))
-        self._spawn_service(inst)
-        self._spawn_envoy(f"sidecar-{inst.name}", path)
-        if not quiet:
-            report(f"started {inst.name} for {pool.model} {pool.version} ({pool.role})")
-
-    def _retire(self, name: str, report: Callable[[str], None]) -> None:
-        """Drain a worker whose pool shrank or went: SIGUSR1 (it deregisters, takes no new request
-        and lets its streams finish: no other worker of its version may be left to carry them on);
-        its sidecar stops once it has left (_retire_finished)."""
-        self._retiring.add(name)
-        child = next((c for c in self.children if c.name == name), None)
-        if child is not None and child.proc.poll() is None:
-            try:
-                child.proc.send_signal(signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        report(f"{name} drains: its pool ({fleet.key_of(self.topo.instance(name).options)[0]} "
-               f"{fleet.key_of(self.topo.instance(name).options)[1]}) needs it no more")
-
-    def _retired(self, name: str) -> bool:
-        """A retiring worker, or its sidecar (never restarted)."""
-        return name in self._retiring or name.removeprefix("sidecar-") in self._retiring
-
-    def _retire_finished(self, report: Callable[[str], None]) -> bool:
-        """The retiring workers that have left: their sidecars stopped, then both forgotten."""
-        changed = False
-        for name in sorted(self._retiring):
-            worker = next((c for c in self.children if c.name == name), None)
-            sidecar = next((c for c in self.children if c.name == f"sidecar-{name}"), None)
-            if worker is not None and worker.proc.poll() is None:
-                continue
-            if sidecar is not None and sidecar.proc.poll() is None:
-                sidecar.proc.send_signal(signal.SIGTERM)
-                continue
-            for c in (worker, sidecar):
-                if c is not None:
-                    signal_group(c.proc.pid, signal.SIGKILL)  # what its engine left
-                    self.children.remove(c)
-            self._retiring.discard(name)
-            self.topo = with_workers(self.topo, [w for w in self.topo.of("worker") if w.name != name])
-            shutil.rmtree(LocalSockets.of(self.sockets, name).dir, ignore_errors=True)
-            report(f"{name} has left")
-            changed = True
-        return changed
 
     # ----------------------------------------------------------------- stop
 
