@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import settings
 
 from gaas.ops import protogen
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 protogen.generate()
@@ -78,12 +78,11 @@ def redis_url(tmp_path_factory):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 10
-    while not redis_answers(url):
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("redis-server did not start")
-        time.sleep(0.05)
+    try:
+        eventually(lambda: redis_answers(url), 10, every=0.05, what="redis-server answering")
+    except pytest.fail.Exception:
+        proc.kill()
+        raise
     yield url
     proc.terminate()
     proc.wait(timeout=10)

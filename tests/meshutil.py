@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import grpc
 
 from gaas.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import ROOT
+from tests.waiting import eventually
 
 
 def gaas(mesh, *args, timeout=60):
@@ -52,14 +52,15 @@ def wait_workers_idle(mesh, timeout: float = 30.0) -> None:
     from gaas.ops import probe
 
     control = next(i["address"] for i in mesh.ready["instances"] if i["name"] == "control-0")
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = probe.list_workers(control, run_dir=mesh.run_dir)
-        if workers and all(w["load"]["running"] + w["load"]["waiting"] == 0 for w in workers):
-            time.sleep(1.2)  # and the routers have read that report (they refresh every 0.5 s)
-            return
-        assert time.monotonic() < deadline, f"workers still busy after {timeout} s: {workers}"
-        time.sleep(0.3)
+    workers: list = []
+
+    def idle() -> bool:
+        workers[:] = probe.list_workers(control, run_dir=mesh.run_dir)
+        return bool(workers) and all(w["load"]["running"] + w["load"]["waiting"] == 0 for w in workers)
+
+    eventually(idle, timeout, every=0.3, what=lambda: f"every worker idle (they report {workers})")
+    # The routers read the workers' reports every 0.5 s: a duration, not a fact a test can see.
+    time.sleep(1.2)
 
 
 def worker_addresses(mesh) -> dict[str, str]:
@@ -68,13 +69,14 @@ def worker_addresses(mesh) -> dict[str, str]:
 
 def wait_for_lines(path, *needles, timeout=10.0) -> str:
     """The file's text once it holds a line containing all needles (Envoy flushes logs every second)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        if any(all(n in line for n in needles) for line in text.splitlines()):
-            return text
-        assert time.monotonic() < deadline, f"no line with {needles} in {path}:\n{text[-2000:]}"
-        time.sleep(0.2)
+    def text() -> str:
+        return path.read_text() if path.exists() else ""
+
+    def holding() -> str:
+        t = text()
+        return t if any(all(n in line for n in needles) for line in t.splitlines()) else ""
+
+    return eventually(holding, timeout, what=lambda: f"a line with {needles} in {path}; it holds:\n{text()[-2000:]}")
 
 
 def start_mesh(run_dir, base: int, *args: str, timeout: float = 420, env: dict | None = None):
@@ -189,26 +191,30 @@ def hang_ups_are_billed_for_what_engines_computed(mesh, workers: int, tenant: st
     c = openai_client(mesh, key)
     for i in range(clients):  # resent: served from the cache whatever the first had become
         c.completions.create(model="gaas-tiny", prompt=f"client {i}: {prompt}", max_tokens=1)
-    deadline = time.monotonic() + 60
-    while True:
+    seen: dict = {}
+
+    def billed_as_computed() -> bool:
         wait_workers_idle(mesh, timeout=60)
-        prompt_delta, cached_delta = (a - b for a, b in zip(engine_prompt_tokens(mesh, workers), before))
-        total = cli_usage(mesh, tenant, 0, timeout=0)
-        billed = (total.get("prompt_tokens", 0), total.get("cached_tokens", 0))
-        if billed == (prompt_delta, cached_delta) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert billed == (prompt_delta, cached_delta), \
-        f"engines took {prompt_delta:.0f} prompt tokens ({cached_delta:.0f} cached); the ledger bills {billed}"
+        seen["computed"] = tuple(a - b for a, b in zip(engine_prompt_tokens(mesh, workers), before))
+        seen["total"] = total = cli_usage(mesh, tenant, 0, timeout=0)
+        seen["billed"] = (total.get("prompt_tokens", 0), total.get("cached_tokens", 0))
+        return seen["billed"] == seen["computed"]
+
+    eventually(billed_as_computed, 60, every=1, what=lambda: "the ledger to bill what the engines took (engines took "
+               f"{seen['computed'][0]:.0f} prompt tokens ({seen['computed'][1]:.0f} cached); the ledger bills "
+               f"{seen['billed']})")
+    total = seen["total"]
     assert total["requests"] >= clients, "every resent prompt is billed, and the first sends an engine computed"
     return total
 
 
-def openai_client(mesh, key=None):
-    """The official openai client, pointed at the mesh's ingress, as a user would."""
+def openai_client(mesh, key=None, *, timeout: float = 60, retries: int = 0):
+    """The official openai client, pointed at the mesh's ingress, as a user would (key: the mesh's
+    demo key unless given)."""
     import openai
 
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=retries,
+                         timeout=timeout)
 
 
 def cli_tenant(mesh, name: str, *args: str) -> str:
@@ -222,14 +228,22 @@ def cli_tenant(mesh, name: str, *args: str) -> str:
 
 
 def cli_usage(mesh, tenant: str, want_requests: int, timeout: float = 30.0) -> dict:
-    """The tenant's ledger totals (`gaas usage --json`) once it holds want_requests requests."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """The tenant's ledger totals (`gaas usage --json`) once it holds want_requests requests (timeout
+    0: as they are now)."""
+    def read() -> dict:
         r = gaas(mesh, "usage", tenant, "--json")
-        total = json.loads(r.stdout)["total"] if r.returncode == 0 else {}
-        if total.get("requests", 0) >= want_requests or time.monotonic() > deadline:
-            return total
-        time.sleep(0.3)
+        return json.loads(r.stdout)["total"] if r.returncode == 0 else {}
+
+    if timeout <= 0:
+        return read()
+    seen: dict = {}
+
+    def enough() -> dict | None:
+        seen.update(read())
+        return dict(seen) if seen.get("requests", 0) >= want_requests else None
+
+    return eventually(enough, timeout, every=0.3,
+                      what=lambda: f"{want_requests} requests of {tenant} in the ledger (it holds {seen})")
 
 
 def served_again(c, timeout: float = 15.0, model: str = "gaas-tiny", refused=None) -> None:
@@ -238,11 +252,5 @@ def served_again(c, timeout: float = 15.0, model: str = "gaas-tiny", refused=Non
     refused names)."""
     import openai
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            c.completions.create(model=model, prompt="again", max_tokens=2)
-            return
-        except refused or openai.RateLimitError:
-            assert time.monotonic() < deadline, "the tenant is still refused after its quota was lifted"
-            time.sleep(0.5)
+    eventually(lambda: c.completions.create(model=model, prompt="again", max_tokens=2), timeout, every=0.5,
+               ignoring=(refused or openai.RateLimitError,), what="the tenant served again after its quota was lifted")

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from bench.autoscale import deployment
 from gaas.sdk.admin import Admin
 from tests.conftest import on_direct_path
-from tests.e2e.test_metering import Load, client, instance
-from tests.e2e.test_rollouts import new_tenant
+from tests.e2e.support import Load, client, instance, new_tenant
 from tests.meshutil import gaas, generate, own_mesh
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.mesh]
 MODEL = "gaas-tiny"
@@ -51,9 +50,7 @@ def serving(m) -> list[str]:
 def wait_for(what: str, check, timeout: float) -> float:
     """Seconds until check() holds."""
     start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout, f"{what}: not within {timeout:.0f} s (pool: {pool_said()})"
-        time.sleep(0.5)
+    eventually(check, timeout, every=0.5, what=lambda: f"{what} (pool: {pool_said()})")
     return time.monotonic() - start
 
 
@@ -75,7 +72,7 @@ def replicas(m) -> int:
 def test_a_step_load_adds_a_worker_that_serves_and_its_end_removes_it_failing_no_request(amesh):
     m = amesh
     assert serving(m) == ["worker-0"] and replicas(m) == 1, "an autoscaled pool starts with one worker"
-    _, key = new_tenant(m, "scale")
+    _, key = new_tenant(m, prefix="scale")
     with Load(m, key, clients=6) as load:
         wait_for("a worker more asked for", lambda: replicas(m) == 2, 60)
         took = wait_for("the new worker serving", lambda: "worker-1" in serving(m), START_SECONDS)
@@ -98,7 +95,7 @@ def test_an_idle_pool_goes_to_zero_and_its_next_request_waits_for_a_worker_and_i
     wait_for("the idle pool at zero", lambda: replicas(m) == 0, 120)
     wait_for("its last worker gone", lambda: serving(m) == [], 120)
     assert "idle for" in pool(m)["autoscale"]["reason"]
-    _, key = new_tenant(m, "zero")
+    _, key = new_tenant(m, prefix="zero")
     # No retry: the first request after zero used to be answered 503 no_healthy_upstream at once,
     # now and then (once in six runs: placed on the worker that had just left, by a router whose
     # view lagged the ingress's membership; routers now follow the registry's changes at once).

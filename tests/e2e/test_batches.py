@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from functools import partial
 import signal
 import time
 
@@ -19,12 +20,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gaas.contracts import pricing
-from tests.e2e.test_frontdoor import _error_shaped, _send, conn  # noqa: F401 - conn: a fixture
-from tests.e2e.test_metering import (GOLD, children, instance, ledger_totals, needs_own_mesh, new_tenant,
-                                     wait_restarted, wait_serving)
+from tests.e2e.support import (GOLD, children, error_shaped, instance, ledger_totals, needs_own_mesh, new_tenant, send,
+                               wait_restarted, wait_serving)
 from gaas.sdk.admin import Admin
 from tests.conftest import on_direct_path
-from tests.meshutil import wait_for_lines
+from tests.meshutil import openai_client, wait_for_lines
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.mesh,
               on_direct_path("batch items are run by the routers' runner and files go to the routers on either path: "
@@ -35,8 +36,7 @@ CHAT = "/v1/chat/completions"
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
-def client(mesh, key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key, max_retries=2, timeout=120)
+client = partial(openai_client, timeout=120, retries=2)
 
 
 def lines(n: int, max_tokens: int = 6, url: str = CHAT, bad: tuple[int, ...] = ()) -> bytes:
@@ -56,16 +56,10 @@ def run_batch(c: openai.OpenAI, data: bytes, endpoint: str = CHAT, **kw):
 
 
 def wait_final(c: openai.OpenAI, batch_id: str, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            b = c.batches.retrieve(batch_id)
-            if b.status in FINAL:
-                return b
-        except (openai.APIConnectionError, openai.InternalServerError):
-            pass  # a router or billing restarting
-        assert time.monotonic() < deadline, f"batch {batch_id} did not finish"
-        time.sleep(0.5)
+    # (a router or billing may be restarting meanwhile)
+    return eventually(lambda: (b := c.batches.retrieve(batch_id)).status in FINAL and b, timeout, every=0.5,
+                      ignoring=(openai.APIConnectionError, openai.InternalServerError),
+                      what=f"batch {batch_id} finished")
 
 
 def jsonl(c: openai.OpenAI, file_id: str | None) -> list[dict]:
@@ -105,14 +99,10 @@ def test_each_item_is_billed_once_at_the_batch_price(mesh):
     out = jsonl(c, done.output_file_id)
     prompt = sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
     completion = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
-    deadline = time.monotonic() + 60
-    while ledger_totals(mesh, name)[0] < 8 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    eventually(lambda: ledger_totals(mesh, name)[0] >= 8, 60, every=0.5, what="the batch's 8 requests in the ledger")
     requests, ledger_prompt, cached, ledger_completion = ledger_totals(mesh, name)
     assert (requests, ledger_prompt, ledger_completion) == (8, prompt, completion)
     from gaas.sdk.admin import BillingAdmin
-    from tests.e2e.test_metering import instance
-
     with BillingAdmin(instance(mesh, "billing-0")) as billing:
         cost = pricing.micros(billing.usage(name)["total"]["cost_usd"])
     full = pricing.cost_micros(GOLD, prompt, cached, completion)
@@ -153,13 +143,11 @@ def test_cancel_stops_what_has_not_started(mesh, tenant):
 
 def wait_counts(c: openai.OpenAI, batch_id: str, done: int, timeout: float = 60):
     """The batch once at least done of its requests have run (completed or failed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        b = c.batches.retrieve(batch_id)
-        if b.request_counts.completed + b.request_counts.failed >= done or b.status in FINAL:
-            return b
-        assert time.monotonic() < deadline, f"batch {batch_id}: fewer than {done} requests ran"
-        time.sleep(0.3)
+    def ran(b) -> bool:
+        return b.request_counts.completed + b.request_counts.failed >= done or b.status in FINAL
+
+    return eventually(lambda: ran(b := c.batches.retrieve(batch_id)) and b, timeout, every=0.3,
+                      what=f"{done} requests of batch {batch_id} run")
 
 
 def test_revoking_a_batchs_key_fails_its_next_request_and_cancels_the_batch(mesh):
@@ -254,11 +242,11 @@ def test_fuzz_uploads_never_answer_5xx(mesh, conn, parts, content_type, tail):
         body += f'--B\r\nContent-Disposition: form-data; name="{name}"'.encode()
         body += (b'; filename="f.jsonl"\r\n\r\n' + data if name == "file" else b"\r\n\r\n" + value.encode())
         body += b"\r\n"
-    status, text = _send(conn, "POST", "/v1/files", body + tail,
+    status, text = send(conn, "POST", "/v1/files", body + tail,
                          {"authorization": f"Bearer {mesh.api_key}", "content-type": content_type})
     event(f"HTTP {status}")
     if status != 200:
-        _error_shaped(status, text)
+        error_shaped(status, text)
     else:
         assert json.loads(text)["object"] == "file"
 
@@ -277,11 +265,11 @@ _create_fields = {
 @given(fields=st.lists(st.sampled_from(sorted(_create_fields)), max_size=5, unique=True), data=st.data())
 def test_fuzz_batch_creation_never_answers_5xx(mesh, conn, fields, data):
     body = {name: data.draw(_create_fields[name]) for name in fields}
-    status, text = _send(conn, "POST", "/v1/batches", json.dumps(body).encode(),
+    status, text = send(conn, "POST", "/v1/batches", json.dumps(body).encode(),
                          {"authorization": f"Bearer {mesh.api_key}", "content-type": "application/json"})
     event(f"HTTP {status}")
     assert status != 200, text  # no such file: never a batch
-    _error_shaped(status, text)
+    error_shaped(status, text)
 
 
 # ------------------------------------------------------------------ faults
@@ -294,11 +282,9 @@ def test_killing_the_router_and_billing_mid_batch_loses_no_item_and_bills_none_t
     n = 120
     b = run_batch(c, lines(n, max_tokens=16))
     for victim in ("router-0", "billing-0"):
-        deadline = time.monotonic() + 120
         start = c.batches.retrieve(b.id).request_counts.completed
-        while c.batches.retrieve(b.id).request_counts.completed < start + 10:
-            assert time.monotonic() < deadline, "the batch made no progress"
-            time.sleep(0.2)
+        eventually(lambda: c.batches.retrieve(b.id).request_counts.completed >= start + 10, 120,
+                   what="the batch's progress (10 more requests)")
         pid = children(mesh)[victim]
         os.kill(pid, signal.SIGKILL)
         wait_restarted(mesh, victim, pid)
@@ -307,8 +293,6 @@ def test_killing_the_router_and_billing_mid_batch_loses_no_item_and_bills_none_t
     assert done.status == "completed" and done.request_counts.completed == n
     out = jsonl(c, done.output_file_id)
     assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
-    deadline = time.monotonic() + 60
-    while ledger_totals(mesh, name)[0] < n and time.monotonic() < deadline:
-        time.sleep(0.5)
+    eventually(lambda: ledger_totals(mesh, name)[0] >= n, 60, every=0.5, what=f"the batch's {n} requests in the ledger")
     time.sleep(2)  # (a second bill of an item would land by now)
     assert ledger_totals(mesh, name)[0] == n, "each item is billed once"

@@ -6,10 +6,10 @@ shape, a session turn (which the router still serves), a client hanging up."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
-import time
 
 import grpc
 import openai
@@ -26,6 +26,7 @@ from tests.meshutil import (
     cli_tenant, cli_usage, generate, http, openai_client, own_mesh, refused_on_headers, served_again,
     wait_for_lines,
 )
+from tests.waiting import eventually
 
 MODEL = "gaas-tiny"
 
@@ -272,23 +273,22 @@ def test_a_prompt_list_is_served_whole_by_one_worker_and_billed_once(direct_mesh
     assert (total["requests"], total["completion_tokens"]) == (2, 24)
     assert total["prompt_tokens"] == r.usage.prompt_tokens + chunks[-1].usage.prompt_tokens
     # The router recorded each as one of its own, from the worker's one report (none went unreported).
-    router_log, deadline = direct_mesh.run_dir / "logs" / "router-0.log", time.monotonic() + 10
-    while router_log.read_text().count("served for direct-list") < 2:
-        assert time.monotonic() < deadline, "the router did not record both requests from the worker's reports"
-        time.sleep(0.2)
+    router_log = direct_mesh.run_dir / "logs" / "router-0.log"
+    eventually(lambda: router_log.read_text().count("served for direct-list") >= 2, 10,
+               what="the router recording both requests from the worker's reports")
 
 
 def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(direct_mesh):
     """The router still sends a prompt where its prefix is cached, to a worker killed a moment
     ago (its lease has not lapsed, the KV directory still lists its blocks): the ingress sends
     each such request to the router's second choice, before any token; none fails."""
-    deadline, i = time.monotonic() + 60, 0
-    while True:  # a prompt whose prefix worker-1 holds (the native API says who served it)
-        prompt = f"Second choice test {i}: " + "tell me about the rivers and the mountains. " * 12
-        if generate(direct_mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1":
-            break
-        assert time.monotonic() < deadline, "no prompt landed on worker-1 in a minute"
-        i += 1
+    tries = itertools.count()
+
+    def landing_on_worker_1() -> str | None:  # (the native API says who served it)
+        prompt = f"Second choice test {next(tries)}: " + "tell me about the rivers and the mountains. " * 12
+        return prompt if generate(direct_mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1" else None
+
+    prompt = eventually(landing_on_worker_1, 60, every=0, what="a prompt whose prefix worker-1 holds")
     os.kill(direct_mesh.children["worker-1"], signal.SIGKILL)
     c = openai_client(direct_mesh)
     for n in range(6):
@@ -301,16 +301,11 @@ def test_a_request_whose_worker_is_gone_is_served_by_the_routers_second_choice(d
 
 def restarted_pid(mesh, name: str, old: int, timeout: float = 30.0) -> int:
     """The pid of `name` once gaas up has started it again in place of pid old (its state file)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            pid = json.loads((mesh.run_dir / "mesh.json").read_text())["children"].get(name)
-        except (OSError, ValueError):
-            pid = None
-        if pid and pid != old:
-            return pid
-        assert time.monotonic() < deadline, f"gaas up did not restart {name}"
-        time.sleep(0.05)
+    def restarted() -> int | None:
+        pid = json.loads((mesh.run_dir / "mesh.json").read_text())["children"].get(name)
+        return pid if pid and pid != old else None
+
+    return eventually(restarted, timeout, every=0.05, ignoring=(OSError, ValueError), what=f"gaas up restarting {name}")
 
 
 def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_served_again(direct_mesh):
@@ -333,14 +328,14 @@ def test_with_no_router_to_decide_clients_get_503_in_openais_shape_then_are_serv
         chunks = list(s)
         assert chunks[-1].usage.completion_tokens == 96
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
-    deadline = time.monotonic() + 10
-    while True:
+    def refused() -> openai.InternalServerError | None:
         try:
             c.completions.create(model=MODEL, prompt="is anyone deciding?", max_tokens=1)
-        except openai.InternalServerError as refused:
-            err = refused
-            break
-        assert time.monotonic() < deadline, "no request was refused while the router was down"
+        except openai.InternalServerError as exc:
+            return exc
+        return None
+
+    err = eventually(refused, 10, every=0, what="a request refused while the router is down")
     assert err.status_code == 503 and err.code == "router_unavailable"
     assert "retry" in err.message and err.response.headers["retry-after"] == "1"
     assert err.response.headers["content-type"] == "application/json"

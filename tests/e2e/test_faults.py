@@ -7,6 +7,7 @@ Each ends with worker-1 serving again, for the destructive tests after it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -24,9 +25,9 @@ from gaas.host.placement import descendants
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import INGRESS_PATH, on_direct_path, process_alive
 from tests.meshutil import ROOT, gaas, generate
-from tests.e2e.test_metering import (MODEL, Load, Received, children, client, instance, ledger_totals, needs_own_mesh,
-                                 new_tenant,
-                                 wait_for_ledger, wait_restarted, wait_serving)
+from tests.waiting import eventually
+from tests.e2e.support import (MODEL, Load, Received, children, client, instance, ledger_totals, needs_own_mesh,
+                               new_tenant, wait_for_ledger, wait_restarted, wait_serving)
 
 pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
 WORKER = "worker-1"
@@ -106,10 +107,7 @@ def wait_worker_back(mesh, old_pid: int) -> None:
     registered, and chosen by the router again."""
     wait_restarted(mesh, WORKER, old_pid, timeout=30)
     wait_serving(mesh, WORKER, timeout=START_SECONDS)
-    deadline = time.monotonic() + 30
-    while WORKER not in registered(mesh):
-        assert time.monotonic() < deadline, f"{WORKER} serves but did not register"
-        time.sleep(0.5)
+    eventually(lambda: WORKER in registered(mesh), 30, every=0.5, what=f"{WORKER}, serving, registered")
     prompt_on_worker(mesh)
 
 
@@ -118,19 +116,18 @@ def prompt_on_worker(mesh, label: str = "Faults test", key: str | None = None, r
     tenant's apart: key, the tenant's whose requests follow; the demo tenant's if None). received:
     where the tries' usage is counted (each is billed to that tenant)."""
     md = None if key is None else (("authorization", f"Bearer {key}"),)
-    deadline = time.monotonic() + 60
-    i = 0
-    while time.monotonic() < deadline:
-        prompt = f"{label} {i} {time.monotonic_ns()}: " + "tell me about rivers and the sea. " * 10
+    tries = itertools.count()
+
+    def landed() -> str | None:
+        prompt = f"{label} {next(tries)} {time.monotonic_ns()}: " + "tell me about rivers and the sea. " * 10
         last = generate(mesh, md, prompt=prompt, max_tokens=1)[-1]
         if received is not None:
             u = last.usage
             received.add(SimpleNamespace(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                          prompt_tokens_details=SimpleNamespace(cached_tokens=u.cached_tokens)))
-        if last.worker_id == WORKER:
-            return prompt
-        i += 1
-    pytest.fail(f"no prompt landed on {WORKER}")
+        return prompt if last.worker_id == WORKER else None
+
+    return eventually(landed, 60, every=0, what=f"a prompt landing on {WORKER}")
 
 
 def ready_worker(mesh) -> int:
@@ -177,10 +174,8 @@ class Streams:
             self.errors.append(f"stream {i}: {type(exc).__name__}: {exc}")
 
     def wait_started(self, chunks: int = 4, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while min(self.chunks) < chunks and not self.errors:
-            assert time.monotonic() < deadline, f"the streams did not start: {self.chunks}"
-            time.sleep(0.02)
+        eventually(lambda: min(self.chunks) >= chunks or self.errors, timeout, every=0.02,
+                   what=lambda: f"the streams started (chunks so far: {self.chunks})")
 
     def join(self, timeout: float = 300.0) -> "Streams":
         for t in self._threads:
@@ -283,14 +278,15 @@ def test_kill_9_of_a_worker_front_end_cuts_its_streams_and_bills_what_each_got(m
     assert cut >= 1, "no stream was on the killed worker"
     whole = [u for u in streams.usage if u is not None]
     assert len(whole) + cut == len(prompts) and all(u.completion_tokens == FRONT_END_TOKENS for u in whole)
-    deadline = time.monotonic() + 60
-    while True:
+    seen: list = []
+
+    def all_billed() -> bool:
         requests, _, _, completion = ledger_totals(mesh, tenant)
-        requests, completion = requests - tries.requests, completion - tries.completion
-        if requests == len(prompts):
-            break
-        assert time.monotonic() < deadline, f"{requests} of {len(prompts)} requests in the ledger"
-        time.sleep(0.25)
+        seen[:] = [requests - tries.requests, completion - tries.completion]
+        return seen[0] == len(prompts)
+
+    eventually(all_billed, 60, every=0.25, what=lambda: f"{len(prompts)} requests in the ledger (it has {seen[0]})")
+    completion = seen[1]
     # The cut streams' share: something each, less than whole (their progress, written every 0.25 s).
     assert FRONT_END_TOKENS * len(whole) + cut <= completion < FRONT_END_TOKENS * len(prompts)
     wait_worker_back(mesh, pid)
@@ -317,10 +313,8 @@ def test_sigterm_on_a_worker_hands_its_streams_over_and_they_finish_whole(mesh):
     assert all(u.completion_tokens == STREAM_TOKENS for u in streams.usage)
     for u in streams.usage:
         received.add(u)
-    deadline = time.monotonic() + 60
-    while any(process_alive(p) for p in engine):
-        assert time.monotonic() < deadline, "the engine outlived its worker's shutdown"
-        time.sleep(0.5)
+    eventually(lambda: not any(process_alive(p) for p in engine), 60, every=0.5,
+               what="the engine gone with its worker's shutdown")
     wait_for_ledger(mesh, tenant, received.as_tuple())
     wait_worker_back(mesh, pid)
 
@@ -330,10 +324,9 @@ def test_kill_9_of_a_worker_takes_its_engine_processes_with_it(mesh):
     engine = descendants(pid)
     assert any("VLLM" in process_name(p) or "python" in process_name(p) for p in engine), engine
     os.kill(pid, signal.SIGKILL)  # the worker's process alone, not its group
-    deadline = time.monotonic() + 15
-    while alive := [p for p in engine if process_alive(p)]:
-        assert time.monotonic() < deadline, f"engine processes outlived their worker: {alive}"
-        time.sleep(0.25)
+    eventually(lambda: not any(process_alive(p) for p in engine), 15, every=0.25,
+               what=lambda: f"the engine's processes gone with their worker ({[p for p in engine if process_alive(p)]} "
+                            "are alive)")
     # Meanwhile the other worker serves.
     assert generate(mesh, prompt="anyone there?", max_tokens=2)[-1].worker_id == "worker-0"
     wait_worker_back(mesh, pid)
@@ -342,10 +335,7 @@ def test_kill_9_of_a_worker_takes_its_engine_processes_with_it(mesh):
 def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
     pid = ready_worker(mesh)
     os.kill(engine_core(pid), signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while process_alive(pid):
-        assert time.monotonic() < deadline, "the worker went on without its engine"
-        time.sleep(0.25)
+    eventually(lambda: not process_alive(pid), 20, every=0.25, what="the worker gone with its engine")
     log = (mesh.run_dir / "logs" / f"{WORKER}.log").read_text()
     assert "the engine died" in log
     wait_worker_back(mesh, pid)

@@ -5,11 +5,10 @@ client using reflection), the client's request id, and fuzzing of both surfaces:
 
 from __future__ import annotations
 
-import http.client as httpclient
+import itertools
 import json
 import os
 import signal
-import time
 
 import grpc
 import openai
@@ -19,15 +18,13 @@ from hypothesis import strategies as st
 
 from gaas.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.conftest import INGRESS_PATH, ROOT
-from tests.meshutil import generate, http
+from tests.e2e.support import error_shaped, send
+from tests.meshutil import generate, http, openai_client as client
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.mesh
 
 MODEL = "gaas-tiny"
-
-
-def client(mesh, key=None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=0, timeout=60)
 
 
 # ------------------------------------------------------------------ routes and parameters
@@ -219,14 +216,6 @@ def test_vllm_bench_serve_runs_against_the_ingress(mesh, backend):
 # ------------------------------------------------------------------ fuzzing
 
 
-def _error_shaped(status: int, body: str) -> None:
-    assert 400 <= status < 500, f"{status}: {body[:500]}"
-    error = json.loads(body)["error"]
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and isinstance(error["code"], str)
-    assert error["param"] is None or isinstance(error["param"], str)
-
-
 def _ok_shaped(path: str, body: str, stream: bool) -> None:
     if path == "/tokenize":
         assert isinstance(json.loads(body)["tokens"], list)
@@ -308,29 +297,10 @@ def _openai_body(draw):
     return path, raw, body.get("stream") is True
 
 
-@pytest.fixture(scope="module")
-def conn(mesh):
-    host, port = mesh.ingress.split(":")
-    c = httpclient.HTTPConnection(host, int(port), timeout=60)
-    yield c
-    c.close()
-
-
-def _send(conn, method, path, raw=None, headers=None):
-    try:
-        conn.request(method, path, body=raw, headers=headers or {})
-        resp = conn.getresponse()
-    except (httpclient.HTTPException, OSError):
-        conn.close()
-        conn.request(method, path, body=raw, headers=headers or {})
-        resp = conn.getresponse()
-    return resp.status, resp.read().decode("utf-8", "replace")
-
-
 def _post(conn, mesh, path, raw, extra_headers=()):
     headers = {"authorization": f"Bearer {mesh.api_key}", "content-type": "application/json"}
     headers.update(extra_headers)
-    return _send(conn, "POST", path, raw, headers)
+    return send(conn, "POST", path, raw, headers)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -342,7 +312,7 @@ def test_fuzz_openai_http_never_answers_5xx(mesh, conn, case):
     if status == 200:
         _ok_shaped(path, body, stream)
     else:
-        _error_shaped(status, body)
+        error_shaped(status, body)
 
 
 _tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
@@ -387,7 +357,7 @@ def test_fuzz_tools_structured_output_and_responses_never_answer_5xx(mesh, conn,
     status, body = _post(conn, mesh, path, raw)
     event(f"{path} HTTP {status}")
     if status != 200:
-        _error_shaped(status, body)
+        error_shaped(status, body)
     elif body.startswith("event:") or body.startswith("data:"):
         # A stream that began ended as it should: no error event in it.
         assert "event: response.failed" not in body and 'data: {"error"' not in body, body[-500:]
@@ -413,7 +383,7 @@ def test_fuzz_query_strings_never_answer_5xx(mesh, conn, path, params, raw):
     from urllib.parse import quote, urlencode
 
     query = urlencode(params) if raw is None else quote(raw, safe="=&%?")
-    status, body = _send(conn, "GET", f"{path}?{query}", headers={"authorization": f"Bearer {mesh.api_key}"})
+    status, body = send(conn, "GET", f"{path}?{query}", headers={"authorization": f"Bearer {mesh.api_key}"})
     event(f"HTTP {status}")
     assert status < 500, f"{path}?{query}: {status} {body[:300]}"
     if status >= 400:
@@ -536,15 +506,13 @@ def test_a_worker_lost_mid_stream_ends_a_stream_nobody_can_carry_on_with_an_open
     c = client(mesh)
     # A long prompt is routed where its prefix is cached: find one that worker-1 holds (for up to a
     # minute: a destructive test before this one may have left worker-1 a moment out of the view).
-    deadline, i = time.monotonic() + 60, 0
-    while True:
-        prompt = f"Mid-stream loss test {i}: " + "tell me everything about the sea and the ships. " * 12
-        if generate(mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1":
-            break
-        if time.monotonic() > deadline:
-            pytest.fail("no prompt landed on worker-1 in a minute")
-        i += 1
-        time.sleep(0.2)
+    tries = itertools.count()
+
+    def landing_on_worker_1() -> str | None:
+        prompt = f"Mid-stream loss test {next(tries)}: " + "tell me everything about the sea and the ships. " * 12
+        return prompt if generate(mesh, prompt=prompt, max_tokens=1)[-1].worker_id == "worker-1" else None
+
+    prompt = eventually(landing_on_worker_1, 60, what="a prompt landing on worker-1")
     stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1500, stream=True, n=2,
                                   extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices

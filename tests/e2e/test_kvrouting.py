@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.meshutil import gaas, generate, wait_workers_idle, worker_addresses
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.mesh
 
@@ -25,13 +26,8 @@ def kv_stats(mesh) -> dict:
 
 
 def test_the_directory_watches_every_worker(mesh):
-    deadline = time.monotonic() + 20
-    while True:
-        workers = {w["worker_id"] for w in kv_stats(mesh)["per_worker"]}
-        if workers == set(worker_addresses(mesh)):
-            break
-        assert time.monotonic() < deadline, f"the directory watches {workers}"
-        time.sleep(0.5)
+    eventually(lambda: {w["worker_id"] for w in kv_stats(mesh)["per_worker"]} == set(worker_addresses(mesh)), 20,
+               every=0.5, what=lambda: f"the directory watching every worker (it watches {kv_stats(mesh)['per_worker']})")
 
 
 def test_a_repeated_long_prompt_lands_where_it_is_cached_and_the_hashes_agree(mesh):
@@ -42,14 +38,13 @@ def test_a_repeated_long_prompt_lands_where_it_is_cached_and_the_hashes_agree(me
     assert all(f.worker_id == holder for f in finals), [f.worker_id for f in finals]
     full_blocks = finals[0].usage.prompt_tokens // 32
     assert all(f.usage.cached_tokens >= (full_blocks - 1) * 32 for f in finals[1:])
-    deadline = time.monotonic() + 10
-    while True:
+    def confirmed() -> dict | None:
         s = kv_stats(mesh)
         held = {w["worker_id"]: int(w["blocks"]) for w in s["per_worker"]}
-        if held.get(holder, 0) >= full_blocks and int(s["provision_confirmed"]) >= full_blocks:
-            break
-        assert time.monotonic() < deadline, s
-        time.sleep(0.3)
+        return s if held.get(holder, 0) >= full_blocks and int(s["provision_confirmed"]) >= full_blocks else None
+
+    s = eventually(confirmed, 10, every=0.3, what=lambda: f"{holder} holding the prompt's {full_blocks} blocks, "
+                                                          f"confirmed: {kv_stats(mesh)}")
     # The engines confirmed what the router provisioned: the two sides hash alike.
     assert int(s["provision_expired"]) == 0 and int(s["unchained_blocks"]) == 0 and int(s["wrong_size_blocks"]) == 0
     assert s["hit_ratio"] > 0
@@ -73,10 +68,8 @@ def test_each_router_follows_the_directory_and_looks_prompts_up_in_its_own_repli
 
     # The engines' events reached the router's replica (each change's age recorded), and placements
     # were looked up there.
-    deadline = time.monotonic() + 20
-    while metric("gaas_router_kv_replica_staleness_seconds_count") == 0:
-        assert time.monotonic() < deadline, "no change of the directory reached the router's replica"
-        time.sleep(0.3)
+    eventually(lambda: metric("gaas_router_kv_replica_staleness_seconds_count") > 0, 20, every=0.3,
+               what="a change of the directory reaching the router's replica")
     assert metric("gaas_router_kv_lookup_seconds_count") > 0
 
 

@@ -8,7 +8,6 @@ fit, and unloaded when removed."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import openai
@@ -20,9 +19,9 @@ from gaas.ops import pki
 from gaas.sdk.admin import BillingAdmin
 from gaas.v1 import control_pb2, control_pb2_grpc
 from tests.conftest import INGRESS_PATH
-from tests.e2e.test_metering import client, instance
-from tests.e2e.test_rollouts import new_tenant
+from tests.e2e.support import client, instance, new_tenant
 from tests.meshutil import gaas, own_mesh
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.mesh]
 MODEL = "gaas-tiny"
@@ -64,26 +63,18 @@ def holders(m, name: str) -> list[str]:
     return sorted(w.worker_id for w in workers if name in w.load.adapters)
 
 
-def until(what: str, check, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.25)
-    return value
-
-
 def complete(c: openai.OpenAI, model: str, n: int = 12):
     return c.completions.create(model=model, prompt="The adapter says", max_tokens=n, temperature=0)
 
 
 def test_an_adapter_added_at_run_time_serves_its_own_answers_and_is_metered_under_its_name(lmesh, adapters):
     m = lmesh
-    tenant, key = new_tenant(m, "lora")
+    tenant, key = new_tenant(m, prefix="lora")
     c = client(m, key)
     base = complete(c, MODEL)
     r = add(m, "support-bot", adapters["a"], "--owner", tenant)
     assert r.returncode == 0, r.stderr
-    first = until("the routers know the adapter", lambda: _served(c, "support-bot"))
+    first = eventually(lambda: _served(c, "support-bot"), 15, every=0.25, what="the routers know the adapter")
     assert first.model == "support-bot", "the answer names the adapter, as vLLM's server does"
     assert first.choices[0].text != base.choices[0].text, "the adapter's weights change the greedy answer"
     again = complete(c, f"{MODEL}:support-bot")
@@ -92,8 +83,8 @@ def test_an_adapter_added_at_run_time_serves_its_own_answers_and_is_metered_unde
     listed = {e.id: e for e in c.models.list().data}
     assert getattr(listed["support-bot"], "parent", None) == MODEL
     with BillingAdmin(instance(m, "billing-0"), m.run_dir) as b:
-        rows = until("the ledger has the requests", lambda: (u := b.usage(tenant, group_by="adapter"))["total"][
-            "requests"] >= 4 and u["rows"])
+        rows = eventually(lambda: (u := b.usage(tenant, group_by="adapter"))["total"]["requests"] >= 4 and u["rows"],
+                          15, every=0.25, what="the ledger has the requests")
     assert {g["group"]: g["requests"] for g in rows} == {MODEL: 2, f"{MODEL}:support-bot": 2}
 
 
@@ -106,10 +97,10 @@ def _served(c, model):
 
 def test_another_tenants_adapter_is_an_unknown_model_in_openais_shape(lmesh, adapters):
     m = lmesh
-    owner, owner_key = new_tenant(m, "owner")
-    _, other_key = new_tenant(m, "other")
+    owner, owner_key = new_tenant(m, prefix="owner")
+    _, other_key = new_tenant(m, prefix="other")
     assert add(m, "private-bot", adapters["b"], "--owner", owner).returncode == 0
-    until("the owner is served", lambda: _served(client(m, owner_key), "private-bot"))
+    eventually(lambda: _served(client(m, owner_key), "private-bot"), 15, every=0.25, what="the owner is served")
     for name in ("private-bot", f"{MODEL}:private-bot"):
         with pytest.raises(openai.NotFoundError) as info:
             complete(client(m, other_key), name)
@@ -134,18 +125,18 @@ def test_a_deployment_that_would_strand_the_adapters_is_refused_before_anything_
     r = gaas(m, "apply", "-f", str(plain), "--run-dir", str(m.run_dir))
     assert r.returncode != 0 and "keep its engine's max_loras above 0" in r.stderr and "kept-bot" in r.stderr, \
         r.stdout + r.stderr
-    _, key = new_tenant(m, "kept")
-    assert until("still served", lambda: _served(client(m, key), "kept-bot")), "nothing changed"
+    _, key = new_tenant(m, prefix="kept")
+    assert eventually(lambda: _served(client(m, key), "kept-bot"), 15, every=0.25, what="still served")
     gaas(m, "lora", "remove", "kept-bot")
 
 
 def test_requests_stay_where_their_adapter_is_loaded_and_a_removed_one_is_unloaded(lmesh, adapters):
     m = lmesh
-    tenant, key = new_tenant(m, "affinity")
+    tenant, key = new_tenant(m, prefix="affinity")
     c = client(m, key)
     assert add(m, "sticky", adapters["a"], "--public").returncode == 0
-    until("served", lambda: _served(c, "sticky"))
-    held = until("a worker reports it loaded", lambda: holders(m, "sticky"))
+    eventually(lambda: _served(c, "sticky"), 15, every=0.25, what="served")
+    held = eventually(lambda: holders(m, "sticky"), 15, every=0.25, what="a worker reports it loaded")
     assert len(held) == 1
     for _ in range(8):
         complete(c, "sticky", n=4)
@@ -154,8 +145,8 @@ def test_requests_stay_where_their_adapter_is_loaded_and_a_removed_one_is_unload
     assert any("adapters loaded" in line and "sticky" in line for line in status.stdout.splitlines()), status.stdout
     r = gaas(m, "lora", "remove", "sticky")
     assert r.returncode == 0, r.stderr
-    until("its requests refused", lambda: _served(c, "sticky") is None)
-    until("the worker unloaded it", lambda: not holders(m, "sticky"))
+    eventually(lambda: _served(c, "sticky") is None, 15, every=0.25, what="its requests refused")
+    eventually(lambda: not holders(m, "sticky"), 15, every=0.25, what="the worker unloaded it")
 
 
 def test_more_adapters_than_an_engine_keeps_are_served_in_turn_evicting_the_least_recently_used(lmesh, adapters,
@@ -164,12 +155,13 @@ def test_more_adapters_than_an_engine_keeps_are_served_in_turn_evicting_the_leas
     adapters taking turns are all served, their answers their own, no engine ever holding more
     than two."""
     m = lmesh
-    _, key = new_tenant(m, "turns")
+    _, key = new_tenant(m, prefix="turns")
     c = client(m, key)
     names = [f"turn-{i}" for i in range(5)]
     for i, name in enumerate(names):
         assert add(m, name, build(BASE, tmp_path / name, seed=50 + i), "--public").returncode == 0
-    answers = {name: until(f"{name} served", lambda n=name: _served(c, n)).choices[0].text for name in names}
+    answers = {name: eventually(lambda n=name: _served(c, n), 15, every=0.25, what=f"{name} served").choices[0].text
+               for name in names}
     assert len(set(answers.values())) > 1, "the adapters' answers are their own"
     for _ in range(2):
         for name in names:
@@ -196,8 +188,9 @@ def test_a_restarted_worker_primes_the_public_prefixes_before_it_takes_traffic(l
         stats = json.loads(gaas(m, "kv", "stats", "--json").stdout or "{}")
         return sum(int(w["blocks"]) for w in stats.get("per_worker", []) if w["worker_id"] == "worker-1")
 
-    assert until("the KV directory has worker-1's primed blocks (from its snapshot)", primed_blocks) >= 8
-    _, key = new_tenant(m, "primed")
+    assert eventually(primed_blocks, 15, every=0.25,
+                      what="the KV directory has worker-1's primed blocks (from its snapshot)") >= 8
+    _, key = new_tenant(m, prefix="primed")
     first = client(m, key).chat.completions.create(
         model=MODEL, max_tokens=4, messages=[{"role": "system", "content": system},
                                              {"role": "user", "content": "What is a river?"}])

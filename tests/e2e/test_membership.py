@@ -3,7 +3,6 @@ worker that registers is reachable and one that leaves is not, with no Envoy res
 
 import asyncio
 import json
-import time
 
 import redis.asyncio as aioredis
 
@@ -13,6 +12,7 @@ from gaas.ops.topology import LocalSockets, sockets_root
 from services.control.registry import WorkerRecord, WorkerRegistry
 from tests.conftest import INGRESS_PATH
 from tests.meshutil import worker_addresses
+from tests.waiting import eventually
 
 # The Envoys that reach workers: the router's and the KV directory's sidecars, and on the direct
 # path the ingress and the workers' own (they carry streams on at each other).
@@ -34,13 +34,13 @@ def endpoints(mesh, envoy: str) -> set[str]:
 
 
 def wait_endpoints(mesh, envoys, want, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = {e: endpoints(mesh, e) for e in envoys}
-        if all(v == want for v in seen.values()):
-            return
-        assert time.monotonic() < deadline, f"want {sorted(want)}, the Envoys have {seen}"
-        time.sleep(0.2)
+    seen: dict = {}
+
+    def agreed() -> bool:
+        seen.update({e: endpoints(mesh, e) for e in envoys})
+        return all(v == want for v in seen.values())
+
+    eventually(agreed, timeout, what=lambda: f"the Envoys' endpoints {sorted(want)} (they have {seen})")
 
 
 def test_every_envoy_that_reaches_workers_has_exactly_the_registered_ones(mesh):

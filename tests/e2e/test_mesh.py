@@ -3,7 +3,6 @@ sidecars and the ingress Envoy): requests travel the real path and come back as 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from gaas.v1 import (
 )
 from tests.conftest import INGRESS_PATH, MESH_WORKERS, ROOT, process_alive
 from tests.meshutil import gaas, generate, http, wait_for_lines, wait_workers_idle, worker_addresses
+from tests.waiting import eventually, eventually_async
 
 pytestmark = pytest.mark.mesh
 
@@ -209,16 +209,15 @@ async def test_cancelled_stream_aborts_the_engine_request(mesh):
         call.cancel()
     assert first is not None
     # Every worker's engine is idle again shortly after (asked through each worker's sidecar).
-    deadline = time.monotonic() + 5
     for wid, address in worker_addresses(mesh).items():
         async with pki.operator_channel(address, aio=True) as wch:
             stub = worker_pb2_grpc.WorkerStub(wch)
-            while True:
+
+            async def idle() -> bool:
                 load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
-                if load.running_requests == 0 and load.waiting_requests == 0:
-                    break
-                assert time.monotonic() < deadline, f"{wid} still runs the cancelled request: {load}"
-                await asyncio.sleep(0.05)
+                return load.running_requests == 0 and load.waiting_requests == 0
+
+            await eventually_async(idle, 5, every=0.05, what=f"{wid} done with the cancelled request")
 
 
 def test_workers_hold_leases_in_redis(mesh):
@@ -307,23 +306,20 @@ def test_a_dead_worker_is_routed_around(mesh):
     for i in range(4):
         chunks = generate(mesh, prompt=f"still there {i}", max_tokens=2)
         assert chunks[-1].worker_id == "worker-0"
-    deadline = time.monotonic() + 20
-    while True:
+    def registered() -> list[str]:
         with pki.operator_channel(mesh.ready["instances"][0]["address"]) as ch:  # control-0's sidecar
             workers = control_pb2_grpc.ControlStub(ch).ListWorkers(control_pb2.ListWorkersRequest(), timeout=2).workers
-        if [w.worker_id for w in workers] == ["worker-0"]:
-            break
-        assert time.monotonic() < deadline, "worker-1's lease did not lapse"
-        time.sleep(0.5)
+        return [w.worker_id for w in workers]
+
+    eventually(lambda: registered() == ["worker-0"], 20, every=0.5, what="worker-1's lease lapsed")
 
 
 @pytest.mark.destructive
 def test_sigterm_stops_everything(mesh):
     rc = mesh.stop(timeout=90)
     assert rc == 0, mesh.output.read_text()[-3000:]
-    time.sleep(0.5)
-    alive = [name for name, pid in mesh.children.items() if process_alive(pid)]
-    assert alive == []
+    eventually(lambda: not any(process_alive(pid) for pid in mesh.children.values()), 5, every=0.1,
+               what=lambda: f"every process gone (alive: {[n for n, p in mesh.children.items() if process_alive(p)]})")
     # vLLM's engine processes lived in the workers' process groups: none may remain.
     leftovers = subprocess.run(["pgrep", "-f", str(mesh.run_dir)], capture_output=True, text=True).stdout.split()
     assert leftovers == []

@@ -5,102 +5,27 @@ them with HTTP 429 and serve it again when raised; a tenant reads its own usage 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import openai
 import pytest
 
 from gaas.contracts import pricing
-from gaas.sdk.admin import Admin, BillingAdmin
+from gaas.sdk.admin import BillingAdmin
 from gaas.sdk.client import GaasClient
 from gaas.v1 import inference_pb2, inference_pb2_grpc
-from tests.conftest import process_alive
+from tests.e2e.support import (GOLD, MODEL, Load, Received, children, client, instance, ledger_totals, needs_own_mesh,
+                               new_tenant, stream_completion, wait_for_ledger, wait_restarted, wait_serving)
 from tests.meshutil import gaas, http
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.mesh
 
-MODEL = "gaas-tiny"
-GOLD = pricing.Price(input=0.60, cached_input=0.06, output=2.40)  # deploy/gaas.yaml's gold prices
-_names = itertools.count()
-
-
-def instance(mesh, name: str) -> str:
-    return next(i["address"] for i in mesh.ready["instances"] if i["name"] == name)
-
-
-def new_tenant(mesh, tier="gold", customer="") -> tuple[str, str]:
-    name = f"meter-{next(_names)}-{os.getpid() % 1000}-{int(time.time()) % 100000}"
-    with Admin(instance(mesh, "control-0")) as admin:
-        admin.create_tenant(name, tier)
-        if customer:
-            admin.update_tenant(name, stripe_customer=customer)
-        _, key = admin.create_key(name)
-    return name, key
-
-
-def client(mesh, key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-@dataclass
-class Received:
-    """What the clients were told they used."""
-
-    requests: int = 0
-    prompt: int = 0
-    cached: int = 0
-    completion: int = 0
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, usage, requests: int = 1) -> None:
-        details = getattr(usage, "prompt_tokens_details", None)
-        with self._lock:
-            self.requests += requests
-            self.prompt += usage.prompt_tokens
-            self.cached += (details.cached_tokens or 0) if details else 0
-            self.completion += usage.completion_tokens
-
-    def as_tuple(self) -> tuple[int, int, int, int]:
-        return self.requests, self.prompt, self.cached, self.completion
-
-
-def ledger_totals(mesh, tenant) -> tuple[int, int, int, int]:
-    with BillingAdmin(instance(mesh, "billing-0")) as billing:
-        t = billing.usage(tenant)["total"]
-    return t["requests"], t["prompt_tokens"], t["cached_tokens"], t["completion_tokens"]
-
-
-def wait_for_ledger(mesh, tenant, want: tuple, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    got = None
-    while time.monotonic() < deadline:
-        try:
-            got = ledger_totals(mesh, tenant)
-        except Exception as exc:  # billing restarting
-            got = repr(exc)
-        if got == want:
-            return
-        time.sleep(0.25)
-    pytest.fail(f"ledger of {tenant}: {got}, clients received {want} (requests, prompt, cached, completion)")
-
-
-def stream_completion(c: openai.OpenAI, received: Received, prompt: str, max_tokens: int, **kw) -> None:
-    usage = None
-    for chunk in c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                      stream_options={"include_usage": True}, **kw):
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None, "a stream with include_usage ends with the usage"
-    received.add(usage)
 
 
 def test_the_ledger_equals_what_the_clients_received(mesh):
@@ -149,12 +74,8 @@ def test_a_client_that_hangs_up_mid_stream_is_billed_for_what_it_was_sent(mesh):
         if got == 5:
             break
     stream.close()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        requests, prompt, _, completion = ledger_totals(mesh, tenant)
-        if requests:
-            break
-        time.sleep(0.25)
+    requests, prompt, _, completion = eventually(lambda: (t := ledger_totals(mesh, tenant))[0] and t, 30, every=0.25,
+                                                 what="the hung-up request in the ledger")
     assert requests == 1 and prompt > 0
     assert 1 <= received <= completion < 400, \
         "billed for the tokens produced before the client left, not the whole budget"
@@ -247,9 +168,8 @@ def test_concurrent_requests_cannot_race_past_a_budget(mesh):
         t.join()
     assert set(results) <= {"served", "RESOURCE_EXHAUSTED"} and "RESOURCE_EXHAUSTED" in results
     served = results.count("served")
-    deadline = time.monotonic() + 30
-    while ledger_totals(mesh, tenant)[0] < served and time.monotonic() < deadline:
-        time.sleep(0.25)
+    eventually(lambda: ledger_totals(mesh, tenant)[0] >= served, 30, every=0.25,
+               what=f"the {served} served requests in the ledger")
     with BillingAdmin(instance(mesh, "billing-0")) as billing:
         spent = billing.usage(tenant)["total"]["cost_usd"]
     assert pricing.micros(spent) <= budget, f"{served} requests spent {spent} past a budget of {pricing.usd(budget)}"
@@ -264,13 +184,9 @@ def test_operators_see_usage_invoices_and_the_stripe_sync(mesh):
     assert r.returncode == 0 and "cus_invoice" in r.stdout, r.stderr
     bad = gaas(mesh, "tenant", "set", tenant, "--stripe-customer", "acme corp")
     assert bad.returncode == 1 and "cus_" in bad.stderr
-    deadline = time.monotonic() + 30
-    while True:
-        usage = json.loads(gaas(mesh, "usage", tenant, "--by", "day", "--json").stdout)
-        if usage["total"]["requests"] == 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
-    assert usage["total"]["requests"] == 1 and len(usage["rows"]) == 1
+    usage = eventually(lambda: (u := json.loads(gaas(mesh, "usage", tenant, "--by", "day", "--json").stdout))
+                       ["total"]["requests"] == 1 and u, 30, every=0.25, what="the request in `gaas usage`")
+    assert len(usage["rows"]) == 1
     table = gaas(mesh, "usage", tenant, "--by", "model")
     assert table.returncode == 0 and MODEL in table.stdout and "total" in table.stdout
     invoice = json.loads(gaas(mesh, "invoice", "preview", tenant, "--json").stdout)
@@ -283,64 +199,6 @@ def test_operators_see_usage_invoices_and_the_stripe_sync(mesh):
 
 
 # ----------------------------------------------------------------- faults
-
-
-class Load:
-    """Clients streaming completions in the background, counting the usage they receive."""
-
-    def __init__(self, mesh, key: str, clients: int = 3) -> None:
-        self.received = Received()
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._client = client(mesh, key)
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            try:
-                stream_completion(self._client, self.received, f"load {i} request {n}", 6 + n % 5)
-            except Exception as exc:  # noqa: BLE001 - collected and asserted on
-                self.errors.append(repr(exc))
-
-    def __enter__(self) -> "Load":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
-
-
-def children(mesh) -> dict[str, int]:
-    return json.loads((mesh.run_dir / "mesh.json").read_text())["children"]
-
-
-def wait_restarted(mesh, name: str, old_pid: int, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = children(mesh).get(name)
-        if pid and pid != old_pid and process_alive(pid):
-            return pid
-        time.sleep(0.2)
-    pytest.fail(f"{name} was not restarted; gaas up said:\n{mesh.output.read_text()[-2000:]}")
-
-
-def wait_serving(mesh, name: str, timeout: float = 60.0) -> None:
-    from gaas.ops.probe import grpc_health
-
-    deadline = time.monotonic() + timeout
-    while grpc_health(instance(mesh, name))[0] != "SERVING":
-        assert time.monotonic() < deadline, f"{name} is not serving again"
-        time.sleep(0.2)
-
-
-def needs_own_mesh(mesh) -> None:
-    if mesh.proc is None:
-        pytest.skip("kills processes of a mesh this session started")
 
 
 def test_nothing_is_lost_when_billing_is_killed_mid_load(mesh):
@@ -387,10 +245,11 @@ def test_stripe_failing_for_a_while_loses_nothing_and_catches_up(mesh):
     want = {"gaas_input_tokens": load.received.prompt - load.received.cached,
             "gaas_cached_input_tokens": load.received.cached, "gaas_output_tokens": load.received.completion}
     want = {k: v for k, v in want.items() if v}
-    deadline = time.monotonic() + 90
-    while True:
-        have = {name: v for (customer, name), v in stripe.totals().items() if customer == "cus_failing"}
-        if have == want or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert have == want
+    have: dict = {}
+
+    def caught_up() -> bool:
+        have.clear()
+        have.update({name: v for (customer, name), v in stripe.totals().items() if customer == "cus_failing"})
+        return have == want
+
+    eventually(caught_up, 90, every=0.5, what=lambda: f"Stripe's meter events {have} to be the usage {want}")

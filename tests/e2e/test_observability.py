@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 
@@ -15,6 +14,7 @@ import yaml
 from gaas.ops import promconf, topology
 from tests.conftest import ROOT
 from tests.meshutil import generate
+from tests.waiting import eventually
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "gaas.json"
 
@@ -70,14 +70,14 @@ def test_every_metric_the_dashboard_charts_is_scraped_from_the_running_mesh(mesh
         generate(mesh, prompt="dashboard", max_tokens=4)
     cfg = yaml.safe_load((mesh.run_dir / "prometheus.yml").read_text())
     # Envoy publishes its histograms at its next statistics flush (every 5 s).
-    deadline = time.monotonic() + 15
-    while True:
+    missing: list = []
+
+    def all_exported() -> bool:
         exposed = _scrape(cfg)
-        missing = sorted(name for name in _queried_metrics() if not re.search(rf"^{name}[{{ ]", exposed, re.M))
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert not missing, f"the dashboard charts metrics nothing exports: {missing}"
+        missing[:] = sorted(name for name in _queried_metrics() if not re.search(rf"^{name}[{{ ]", exposed, re.M))
+        return not missing
+
+    eventually(all_exported, 15, every=1, what=lambda: f"every metric the dashboard charts exported (missing: {missing})")
 
 
 def test_an_envoys_statistics_port_serves_its_statistics_and_nothing_else_of_its_admin(mesh):

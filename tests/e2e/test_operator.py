@@ -27,6 +27,7 @@ import pytest
 
 from tests.conftest import ROOT, on_direct_path, process_alive
 from tests.meshutil import openai_client, start_mesh
+from tests.waiting import eventually
 
 # Its meshes are its own, started on the default path whichever path the suite runs on: once per suite.
 pytestmark = [pytest.mark.mesh, on_direct_path("its meshes are the default path's, the same run on either half")]
@@ -166,13 +167,11 @@ def test_a_topology_changed_between_starts_serves_only_its_own_workers(home, por
         for _ in range(12):
             r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2)
             assert r.usage.completion_tokens >= 1
-        deadline = time.monotonic() + 15
-        while True:  # what the earlier topology registered lapses within a lease
-            status = gaas(home, "status", "--json")
-            listed = [(w["worker_id"], w["address"]) for w in json.loads(status.stdout)["workers"]]
-            if listed == ours:
-                break
-            assert time.monotonic() < deadline, f"workers of an earlier topology are still registered: {listed}"
-            time.sleep(1)
+        def listed() -> list:
+            return [(w["worker_id"], w["address"]) for w in json.loads(gaas(home, "status", "--json").stdout)["workers"]]
+
+        # What the earlier topology registered lapses within a lease.
+        eventually(lambda: listed() == ours, 15, every=1,
+                   what=lambda: f"only this topology's workers registered (listed: {listed()})")
     finally:
         assert m.stop() == 0

@@ -16,7 +16,7 @@ from gaas.contracts import errors
 from gaas.runtime import status
 from gaas.v1 import inference_pb2, inference_pb2_grpc
 from tests.meshutil import gaas, served_again
-from tests.e2e.test_metering import MODEL, client, new_tenant
+from tests.e2e.support import MODEL, client, new_tenant
 
 pytestmark = pytest.mark.mesh
 

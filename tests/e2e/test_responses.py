@@ -4,21 +4,22 @@ another's), structured and with function calls. Uses the shared mesh of the sess
 
 from __future__ import annotations
 
+from functools import partial
 import json
 
 import openai
 import pydantic
 import pytest
 
-from tests.meshutil import gaas
+from tests.meshutil import gaas, openai_client
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.mesh
 
 MODEL = "gaas-tiny"
 
 
-def client(mesh, key=None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=key or mesh.api_key, max_retries=0, timeout=120)
+client = partial(openai_client, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +124,8 @@ def test_background_response_runs_after_the_answer_and_can_be_cancelled(mesh):
     c = client(mesh)
     r = c.responses.create(model=MODEL, input="Count slowly", max_output_tokens=6, background=True, temperature=0)
     assert r.status in ("queued", "in_progress") and r.background
-    deadline = time.monotonic() + 60
-    while (got := c.responses.retrieve(r.id)).status in ("queued", "in_progress") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    got = eventually(lambda: (x := c.responses.retrieve(r.id)).status not in ("queued", "in_progress") and x, 60,
+                     what="the background response finished")
     assert got.status in ("completed", "incomplete") and got.usage.output_tokens <= 6 and got.output_text
     # A long one, cancelled while it runs: it stops, stays cancelled, and keeps what it had made.
     long = c.responses.create(model=MODEL, input="Go on and on", max_output_tokens=1800, background=True)

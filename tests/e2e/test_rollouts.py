@@ -8,7 +8,6 @@ directory keeping what was applied."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,8 +16,9 @@ import pytest
 
 from gaas.sdk.admin import Admin, BillingAdmin
 from tests.conftest import INGRESS_PATH, on_direct_path
-from tests.e2e.test_metering import Load, client, instance
+from tests.e2e.support import Load, client, instance, new_tenant
 from tests.meshutil import ROOT, gaas, own_mesh, start_mesh
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.mesh]
 MODEL = "gaas-tiny"
@@ -74,14 +74,15 @@ def status(m) -> dict:
 
 
 def wait_state(m, *states: str, timeout: float = READY_SECONDS) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = status(m)
-        if s["state"] in states:
-            return s
-        assert time.monotonic() < deadline, (f"the roll-out is {s['state']}, not {'/'.join(states)}: {s['decisions']}; "
-                                             f"gaas up said last:\n{m.output.read_text()[-2000:]}")
-        time.sleep(0.5)
+    seen: dict = {}
+
+    def reached() -> dict | None:
+        seen.update(status(m))
+        return dict(seen) if seen["state"] in states else None
+
+    return eventually(reached, timeout, every=0.5,
+                      what=lambda: f"the roll-out {'/'.join(states)}, not {seen.get('state')}: {seen.get('decisions')}; "
+                                   f"gaas up said last:\n{m.output.read_text()[-2000:]}")
 
 
 def stable(m) -> str:
@@ -89,23 +90,15 @@ def stable(m) -> str:
         return next(x["version"] for x in a.models() if x["name"] == MODEL)
 
 
-def new_tenant(m, name: str) -> str:
-    name = f"{name}-{os.getpid() % 1000}-{int(time.time() * 1000) % 1_000_000}"
-    with admin(m) as a:
-        a.create_tenant(name, "gold")
-        _, key = a.create_key(name)
-    return name, key
-
-
 def by_version(m, tenant: str, want_requests: int, timeout: float = 30.0) -> dict[str, int]:
     """The tenant's requests in the ledger by version, once it holds want_requests of them."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def usage() -> dict:
         with BillingAdmin(instance(m, "billing-0"), m.run_dir) as b:
-            u = b.usage(tenant, group_by="version")
-        if u["total"]["requests"] >= want_requests or time.monotonic() > deadline:
-            return {g["group"].split(" ", 1)[1]: g["requests"] for g in u["rows"]}
-        time.sleep(0.25)
+            return b.usage(tenant, group_by="version")
+
+    u = eventually(lambda: (got := usage())["total"]["requests"] >= want_requests and got, timeout, every=0.25,
+                   what=f"{want_requests} requests of {tenant} in the ledger")
+    return {g["group"].split(" ", 1)[1]: g["requests"] for g in u["rows"]}
 
 
 def canary_started(s: dict) -> float:
@@ -144,14 +137,14 @@ def test_a_healthy_canary_steps_up_and_is_promoted_under_load_failing_nothing(rm
     promoted by the guard; no request failed throughout."""
     old = stable(rmesh)
     new = f"{old.split('.')[0]}.1.0" if old != "1.0.0" else "2.0.0"
-    pinned, pinned_key = new_tenant(rmesh, "pinned")
+    pinned, pinned_key = new_tenant(rmesh, prefix="pinned")
     # (On this two-core host the second worker's engine shares its core with the mesh's other
     # processes: it decodes slower than the first whatever its version; the guard would be right to
     # say so, but the same weights are what this test rolls out.)
     policy = ("{strategy: canary, steps: [20, 100], hold_seconds: 8, guard: {min_samples: 5, min_requests: 5, "
               "throughput_tolerance: 0.9}}")
     path = deployment(rmesh.files / "canary.yaml", version=new, rollout=policy, replicas="1")
-    _, key = new_tenant(rmesh, "load")
+    _, key = new_tenant(rmesh, prefix="load")
     with Load(rmesh, key) as load:
         apply(rmesh, path)
         wait_state(rmesh, "progressing")
@@ -161,14 +154,14 @@ def test_a_healthy_canary_steps_up_and_is_promoted_under_load_failing_nothing(rm
         with_pin = path.with_name("pinned.yaml")
         with_pin.write_text(path.read_text().replace("    rollout:", f"    pins: {{{pinned}: \"{old}\"}}\n    rollout:"))
         apply(rmesh, with_pin)
-        split_tenant, split_key = new_tenant(rmesh, "split")
+        split_tenant, split_key = new_tenant(rmesh, prefix="split")
         c = client(rmesh, split_key)
         for i in range(SPLIT_REQUESTS):
             c.completions.create(model=MODEL, prompt=f"split {i}", max_tokens=1)
         pc = client(rmesh, pinned_key)
         for i in range(20):
             pc.completions.create(model=MODEL, prompt=f"pinned {i}", max_tokens=1)
-        session_tenant, session_key = new_tenant(rmesh, "session")
+        session_tenant, session_key = new_tenant(rmesh, prefix="session")
         sc = client(rmesh, session_key)
         for turn in range(6):
             sc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"turn {turn}"}],
@@ -196,7 +189,7 @@ def test_a_slower_version_is_back_at_0_within_30_s_failing_nothing(rmesh):
               "ttft_p95_ms: {gold: 1, silver: 1, bronze: 1}}}")
     path = deployment(rmesh.files / "slow.yaml", version="9.0.0-slow", source="models/gaas-small", preset="small",
                       rollout=policy, replicas="1")
-    _, key = new_tenant(rmesh, "slow-load")
+    _, key = new_tenant(rmesh, prefix="slow-load")
     with Load(rmesh, key) as load:
         apply(rmesh, path)
         s = wait_state(rmesh, "rolled-back", "promoted", "halted")
@@ -221,7 +214,7 @@ def test_a_stream_on_a_version_that_is_rolled_back_finishes_whole(rmesh):
                                     "guard: {min_samples: 1000, min_requests: 1000}}"))
     wait_state(rmesh, "progressing")
     time.sleep(2)  # the routers' view of the split (refreshed every 0.5 s)
-    tenant, key = new_tenant(rmesh, "undone")
+    tenant, key = new_tenant(rmesh, prefix="undone")
     c = client(rmesh, key)
     got: list = [None, None]
 
@@ -256,19 +249,14 @@ def test_a_second_model_is_served_beside_the_first_and_removed_again(rmesh):
     two = rmesh.files / "two-models.yaml"
     two.write_text(served)
     apply(rmesh, two)
-    _, key = new_tenant(rmesh, "two-models")
+    _, key = new_tenant(rmesh, prefix="two-models")
     c = client(rmesh, key)
-    deadline = time.monotonic() + READY_SECONDS
-    while {m.id for m in c.models.list().data} != {MODEL, "gaas-small"}:
-        assert time.monotonic() < deadline, "gaas-small's worker did not come"
-        time.sleep(1)
+    eventually(lambda: {m.id for m in c.models.list().data} == {MODEL, "gaas-small"}, READY_SECONDS, every=1,
+               what="gaas-small's worker serving")
     assert c.completions.create(model="gaas-small", prompt="small", max_tokens=2).model == "gaas-small"
     assert c.completions.create(model=MODEL, prompt="tiny", max_tokens=2).model == MODEL
     apply(rmesh, deployment(rmesh.files / "one-again.yaml", version=versions))
-    deadline = time.monotonic() + 60
-    while {m.id for m in c.models.list().data} != {MODEL}:
-        assert time.monotonic() < deadline, "gaas-small's worker did not leave"
-        time.sleep(1)
+    eventually(lambda: {m.id for m in c.models.list().data} == {MODEL}, 60, every=1, what="gaas-small's worker gone")
     with admin(rmesh) as a:
         assert [p["model"] for p in a.pools()] == [MODEL]
 
@@ -285,14 +273,14 @@ def test_a_version_whose_weights_do_not_load_halts_and_the_stable_one_serves(rme
     s = wait_state(rmesh, "halted", "rolled-back", "promoted")
     assert s["state"] == "halted" and "the engine failed to start" in s["decisions"][-1]["reason"], s["decisions"]
     assert stable(rmesh) == old
-    _, key = new_tenant(rmesh, "after-halt")
+    _, key = new_tenant(rmesh, prefix="after-halt")
     assert client(rmesh, key).completions.create(model=MODEL, prompt="still here?", max_tokens=2).choices
 
 
 def test_a_blue_green_switch_and_its_finish_fail_no_request(rmesh):
     old = stable(rmesh)
     new = "7.0.0"
-    _, key = new_tenant(rmesh, "bg-load")
+    _, key = new_tenant(rmesh, prefix="bg-load")
     with Load(rmesh, key) as load:
         apply(rmesh, deployment(rmesh.files / "bg.yaml", version=new, rollout="{strategy: blue-green}", replicas="1"))
         wait_state(rmesh, "switched")
@@ -309,15 +297,13 @@ def test_shadow_copies_are_judged_and_never_billed(rmesh):
     apply(rmesh, deployment(rmesh.files / "shadow.yaml", version="6.0.0-shadow", replicas="1",
                             rollout="{strategy: shadow, shadow_percent: 50, guard: {min_samples: 1000, min_requests: 1000}}"))
     wait_state(rmesh, "shadowing")
-    tenant, key = new_tenant(rmesh, "shadowed")
+    tenant, key = new_tenant(rmesh, prefix="shadowed")
     c = client(rmesh, key)
     for i in range(60):
         c.completions.create(model=MODEL, prompt=f"shadowed {i}", max_tokens=8)
     assert by_version(rmesh, tenant, 60) == {old: 60}, "the tenant is billed its own requests only"
-    deadline = time.monotonic() + 30
-    while (copies := (status(rmesh)["figures"].get("6.0.0-shadow") or {}).get("requests", 0)) < 20:
-        assert time.monotonic() < deadline, "no shadow copy reached the guard"
-        time.sleep(0.5)
+    copies = eventually(lambda: (n := (status(rmesh)["figures"].get("6.0.0-shadow") or {}).get("requests", 0)) >= 20
+                        and n, 30, every=0.5, what="20 shadow copies reaching the guard")
     time.sleep(3)
     assert by_version(rmesh, tenant, 60) == {old: 60}
     with admin(rmesh) as a:

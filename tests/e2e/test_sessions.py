@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import uuid
 
 import openai
@@ -17,7 +16,8 @@ import pytest
 
 from gaas.sdk.client import GaasClient
 from tests.meshutil import gaas, http
-from tests.e2e.test_metering import client, new_tenant
+from tests.e2e.support import client, new_tenant
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.mesh
 
@@ -76,13 +76,12 @@ def test_a_second_turn_while_one_is_streaming_gets_409_and_the_first_commits(mes
 
     t = threading.Thread(target=long_turn)
     t.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        status, listed = http(mesh, "/v1/gaas/sessions", method="GET")
-        if any(x["session_id"] == body["session_id"] and x.get("turn_in_progress") for x in
-               json.loads(listed).get("sessions", [])):
-            break
-        time.sleep(0.02)
+    def turn_in_progress() -> bool:
+        _, listed = http(mesh, "/v1/gaas/sessions", method="GET")
+        return any(x["session_id"] == body["session_id"] and x.get("turn_in_progress")
+                   for x in json.loads(listed).get("sessions", []))
+
+    eventually(turn_in_progress, 10, every=0.02, what="the long turn in progress")
     with pytest.raises(openai.ConflictError) as caught:
         c.completions.create(model=MODEL, prompt=" and then", max_tokens=4, extra_body=body)
     assert caught.value.body["code"] == "session_busy" and "turn in progress" in caught.value.body["message"]
@@ -133,14 +132,12 @@ def test_sessions_are_counted_in_the_tenants_usage(mesh):
     for s in ("a", "a", "b"):
         c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_headers={"x-gaas-session": s})
     c.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-    deadline = time.monotonic() + 20
-    while True:
+    def usage() -> dict:
         status, body = http(mesh, "/v1/gaas/usage", method="GET", key=key)
-        total = json.loads(body).get("total", {}) if status == 200 else {}
-        if int(total.get("requests", 0)) == 4:
-            break
-        assert time.monotonic() < deadline, body
-        time.sleep(0.5)
+        return json.loads(body).get("total", {}) if status == 200 else {}
+
+    total = eventually(lambda: int((t := usage()).get("requests", 0)) == 4 and t, 20, every=0.5,
+                       what=lambda: f"the 4 requests in the tenant's usage ({usage()})")
     assert int(total["sessions"]) == 2
 
 

@@ -4,6 +4,7 @@ validates against the schema it was given. Uses the shared mesh of the session."
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import re
 from typing import Literal
@@ -13,15 +14,14 @@ import openai
 import pydantic
 import pytest
 
-from tests.meshutil import http
+from tests.meshutil import http, openai_client
 
 pytestmark = pytest.mark.mesh
 
 MODEL = "gaas-tiny"
 
 
-def client(mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{mesh.ingress}/v1", api_key=mesh.api_key, max_retries=0, timeout=120)
+client = partial(openai_client, timeout=120)
 
 
 class Person(pydantic.BaseModel):

@@ -14,6 +14,7 @@ from gaas.contracts.usage import GROUP, STREAM, UsageEvent
 from gaas.runtime import redisconn
 from services.billing.budgets import Budgets
 from services.billing.consumer import UsageConsumer
+from tests.waiting import eventually_async
 
 _ids = itertools.count()
 
@@ -148,10 +149,11 @@ async def test_budgets_reach_redis_and_a_lost_spend_counter_is_rebuilt_from_the_
 
 
 async def _until(read, ok, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await read()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"still {value}"
-        await asyncio.sleep(0.05)
+    seen: list = []
+
+    async def holds():
+        seen[:] = [await read()]
+        return ok(seen[0])
+
+    await eventually_async(holds, timeout, every=0.05, what=lambda: f"the value to change (still {seen})")
+    return seen[0]

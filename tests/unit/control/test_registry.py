@@ -3,8 +3,13 @@ import pytest
 from gaas.contracts.ids import WorkerId
 from services.control.registry import DRAINING, SERVING, LeaseExpired, WorkerRecord, WorkerRegistry
 from tests.fakeclock import FakeClock
+from tests.waiting import eventually_async
 
 T0 = 1_800_000_000  # a Unix moment (s)
+
+
+async def _at_least(items: list, n: int) -> bool:
+    return len(items) >= n
 
 
 def record(worker_id="worker-0", model="gaas-tiny", address="127.0.0.1:20041"):
@@ -113,17 +118,19 @@ async def test_registrations_departures_and_state_changes_are_announced_to_the_r
         heard.append(1)
 
     follower = asyncio.create_task(registry_changes.follow(redis_url, changed))
-    await asyncio.sleep(0.2)  # subscribed
+
+    async def subscribed() -> bool:
+        return dict(await redis.pubsub_numsub(registry_changes.CHANGED_CHANNEL)).get(
+            registry_changes.CHANGED_CHANNEL, 0) > 0
+
+    await eventually_async(subscribed, 5, every=0.01, what="the follower subscribed")
     reg = WorkerRegistry(redis, ttl_seconds=10)
     await reg.register(record())
     await reg.renew(WorkerId("worker-0"))
     await reg.renew(WorkerId("worker-0"), state=DRAINING)
     await reg.deregister(WorkerId("worker-0"))
-    for _ in range(40):
-        if len(heard) >= 3:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.1)
+    await eventually_async(lambda: _at_least(heard, 3), 2, every=0.02, what="three changes heard")
+    await asyncio.sleep(0.1)  # (and no fourth: a duration, the assertion is about nothing more coming)
     follower.cancel()
     await asyncio.gather(follower, return_exceptions=True)
     assert len(heard) == 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from gaas.envoy import config as envoyconf
 from gaas.envoy.ingress import edge_hcm_options, internal_headers_dropped, proxy_protocol
 from gaas.envoy.listeners import hcm, listener
 from gaas.ops import pki, protogen, topology
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -78,15 +78,14 @@ def echo_envoy(tmp_path):
         config.write_text(yaml.safe_dump({"static_resources": {"listeners": [lst]}}))
         procs.append(subprocess.Popen([envoyconf.envoy_binary(), "-c", str(config), "--disable-hot-restart",
                                        "--concurrency", "1", "-l", "error"]))
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return port
-            except OSError:
-                if time.monotonic() > deadline or procs[-1].poll() is not None:
-                    raise
-                time.sleep(0.1)
+        def listening() -> bool:
+            if procs[-1].poll() is not None:
+                raise RuntimeError(f"envoy exited with {procs[-1].returncode}")
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+
+        eventually(listening, 20, every=0.1, ignoring=(OSError,), what=f"envoy listening on {port}")
+        return port
 
     yield start
     for p in procs:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from gaas.ops import topology
 from gaas.host import devices, placement
 from gaas.host.devices import GpuInfo, visible_gpus
+from tests.waiting import eventually_async
 
 ROOT = Path(__file__).resolve().parents[3]
 GiB = 2**30
@@ -417,10 +418,11 @@ async def test_load_reports_read_the_device_sample_without_touching_the_device()
     s = WorkerServicer("worker-0", engine=Engine(), monitor=Monitor())
     assert s.load_report().device_memory_used == 0  # no sample yet: nothing read on the loop
     task = asyncio.create_task(sample_device(s))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if s.device_sample:
-            break
+
+    async def sampled():
+        return s.device_sample
+
+    await eventually_async(sampled, 5, every=0.01, what="the device sampled off the loop")
     task.cancel()
     report = s.load_report()
     assert (report.device_memory_used, report.device_utilization, report.device.uuid) == (3 * GiB, 0.5, "GPU-1")

@@ -8,6 +8,7 @@ from gaas.v1 import kvcache_pb2 as pb
 from gaas.contracts.ids import WorkerId
 from services.kvcache.directory import BlockDirectory
 from services.kvcache.watcher import WatchedWorker, WorkerWatcher
+from tests.waiting import eventually_async
 
 W = WatchedWorker(WorkerId("worker-0"), "127.0.0.1:1", 2)
 
@@ -35,9 +36,14 @@ class Fake:
         await asyncio.sleep(3600)
 
 
-async def run_for(watcher, seconds):
+async def running(watcher, until, what: str):
+    """The watcher's task, once until() holds."""
     task = asyncio.create_task(watcher.run())
-    await asyncio.sleep(seconds)
+
+    async def holds() -> bool:
+        return until()
+
+    await eventually_async(holds, 5, every=0.01, what=what)
     return task
 
 
@@ -49,15 +55,18 @@ async def test_snapshot_then_live_then_a_gap_resynchronises_then_leaving_drops()
         [batch(9, ([4], [7, 8]), snapshot=True)],
     ]
     watcher = WorkerWatcher(d, fake.list_workers, fake.watch, poll_seconds=0.01, retry_seconds=0.01)
-    task = await run_for(watcher, 0.2)
-    assert fake.started == 2, "the gap started the watch over"
+    task = await running(watcher, lambda: fake.started == 2 and d.stats().resyncs == 1,
+                         "the gap starting the watch over from a second snapshot")
     assert d.lookup(kvhash.prefix_hashes([7, 8], 2, "s"))[0].matched_blocks == 1
     assert d.lookup(kvhash.prefix_hashes([1, 2], 2, "s")) == [], "the second snapshot replaced the first"
     s = d.stats()
     assert s.sequence_gaps == 1 and s.resyncs == 1
     fake.registered = []
-    await asyncio.sleep(0.05)
-    assert d.stats().blocks == 0 and d.stats().per_worker == []
+
+    async def dropped() -> bool:
+        return d.stats().blocks == 0 and d.stats().per_worker == []
+
+    await eventually_async(dropped, 5, every=0.01, what="the worker's blocks dropped once it left")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 
@@ -66,7 +75,7 @@ async def test_a_watch_not_opening_with_a_snapshot_is_started_over():
     d = BlockDirectory()
     fake = Fake()
     fake.watches = [[batch(0, ([1], [1, 2]))], [batch(0, ([1], [1, 2]), snapshot=True)]]
-    task = await run_for(WorkerWatcher(d, fake.list_workers, fake.watch, 0.01, 0.01), 0.1)
-    assert fake.started == 2 and d.stats().blocks == 1
+    task = await running(WorkerWatcher(d, fake.list_workers, fake.watch, 0.01, 0.01),
+                         lambda: fake.started == 2 and d.stats().blocks == 1, "the watch started over with a snapshot")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from gaas.launcher.children import child_launch
+from tests.waiting import eventually
 
 needs_util_linux = pytest.mark.skipif(not (shutil.which("setpriv") and shutil.which("taskset")),
                                       reason="util-linux's setpriv and taskset are not installed")
@@ -26,10 +26,8 @@ def _status(pid: int, field: str) -> str:
 
 
 def _wait_exec(pid: int, command: bytes) -> None:
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != command:
-        assert time.monotonic() < deadline, "the child never became the command itself"
-        time.sleep(0.01)
+    eventually(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == command, 5, every=0.01,
+               what="the child become the command itself")
 
 
 @needs_util_linux

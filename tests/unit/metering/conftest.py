@@ -1,13 +1,13 @@
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from gaas.launcher.secrets import redis_answers, redis_server_command
 from gaas.runtime import redisconn
 from tests.conftest import free_port
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -31,12 +31,14 @@ class RedisProcess:
     def start(self, timeout: float = 10.0) -> None:
         self._proc = subprocess.Popen(redis_server_command("127.0.0.1", self.port, self._data_dir),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while not redis_answers(self.url, timeout=0.2):  # the fact waited for: it answers
-            if time.monotonic() > deadline or self._proc.poll() is not None:
-                self.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.02)  # (between polls of that fact)
+        try:
+            eventually(lambda: redis_answers(self.url, timeout=0.2) or self._proc.poll() is not None, timeout,
+                       every=0.02, what="redis-server answering")
+        except pytest.fail.Exception:
+            self.kill()
+            raise
+        if self._proc.poll() is not None:
+            pytest.fail(f"redis-server exited with {self._proc.returncode} as it started")
 
     def kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -11,6 +11,10 @@ MODELS = [ModelEntry("tiny", "1", 2048, True), ModelEntry("small", "1", 4096, Fa
 WORKERS = [Candidate(WorkerId(f"worker-{i}"), f"127.0.0.1:{i}", "tiny", "1", 2048) for i in range(2)]
 
 
+async def _calls_reach(calls: list, n: int) -> bool:
+    return len(calls) >= n
+
+
 @pytest.fixture
 def setup():
     calls = []
@@ -39,10 +43,9 @@ async def test_requests_reuse_the_view_until_it_is_too_stale(setup):
 async def test_the_background_refresh_keeps_the_last_view_when_control_fails(setup):
     d, clock, calls, fetch = setup
     task = asyncio.create_task(d.run())
-    await asyncio.sleep(0.05)
-    assert len(calls) >= 2, "refreshed in the background"
-    fetch.fail = errors.Unavailable("control down")
-    await asyncio.sleep(0.05)
+    await eventually_async(lambda: _calls_reach(calls, 2), 2, every=0.01, what="refreshes in the background")
+    fetch.fail, before = errors.Unavailable("control down"), len(calls)
+    await eventually_async(lambda: _calls_reach(calls, before + 2), 2, every=0.01, what="refreshes failing")
     assert [w.worker_id for w in await d.workers("tiny")] == ["worker-0", "worker-1"], "the last view stays"
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -53,8 +56,8 @@ async def test_the_first_view_is_awaited_until_control_answers(setup):
     fetch.fail = errors.Unavailable("control down")
     task = asyncio.create_task(d.run())
     waiting = asyncio.create_task(d.first_view())
-    await asyncio.sleep(0.05)  # several refreshes, every one failing
-    assert len(calls) >= 2 and not waiting.done()
+    await eventually_async(lambda: _calls_reach(calls, 2), 2, every=0.01, what="several refreshes, every one failing")
+    assert not waiting.done()
     fetch.fail = None
     await asyncio.wait_for(waiting, 1.0)
     task.cancel()
@@ -169,6 +172,7 @@ async def test_no_model_named_means_the_default_if_served_else_the_model_the_wor
 
 from gaas.contracts.adapters import Adapter  # noqa: E402
 from gaas.contracts.pricing import Price  # noqa: E402
+from tests.waiting import eventually_async
 
 ADAPTERS = {"bot": Adapter("bot", "tiny", "/a/bot", 8, owner="acme", adapter_id=7, price=Price(1, 0.1, 4)),
             "pub": Adapter("pub", "tiny", "/a/pub", 8, adapter_id=9)}

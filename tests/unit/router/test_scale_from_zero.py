@@ -17,6 +17,7 @@ from services.router.demand import Demand
 from services.router.directory import MeshDirectory, ModelEntry
 from services.router.prepare import Preparer
 from services.router.scheduling import Candidate, WorkerId
+from tests.waiting import eventually_async
 
 SCALED = ModelEntry("tiny", "1", 2048, True, autoscaled=True)
 FIXED = ModelEntry("fixed", "1", 2048, False)
@@ -43,9 +44,12 @@ async def setup(redis, monkeypatch):
 async def test_a_request_for_a_pool_at_zero_waits_marks_demand_and_goes_on_when_a_worker_serves(setup, redis):
     p, workers, _ = setup
     waiting = asyncio.create_task(p.serving(SCALED, GOLD))
-    await asyncio.sleep(0.1)
+
+    async def demand_marked() -> bool:
+        return await redis.pttl(DEMAND_KEY.format("tiny")) > 0
+
+    await eventually_async(demand_marked, 5, every=0.01, what="the autoscaler told of the demand, with a TTL")
     assert not waiting.done(), "it waits for a worker"
-    assert await redis.pttl(DEMAND_KEY.format("tiny")) > 0, "the autoscaler is told, with a TTL"
     workers.append(WORKER)
     got = await asyncio.wait_for(waiting, 2)
     assert [w.worker_id for w in got] == ["worker-0"]

@@ -29,6 +29,7 @@ from services.router.sessions import SessionStore, committing, plan_turn
 from tests.fakeclock import FakeClock
 from tests.unit.router import support
 from tests.unit.router.support import FakeWorkers, chunk
+from tests.waiting import eventually_async
 
 ACME = Principal("acme", "gold", "key_1", "salt-acme")
 OTHER = Principal("other", "gold", "key_2", "salt-other")
@@ -89,6 +90,19 @@ async def turn(store, disp, principal=ACME, request_id=None, **req):
     return [c async for c in committing(store, plan, stream)]
 
 
+async def turn_in_progress(redis, session_id: str, held: bool = True) -> None:
+    """Until a request holds the session's turn (held=False: until it is given back), as Redis
+    holds it (a first turn's session has no version to read through the store until it commits)."""
+    async def now() -> bool:
+        return bool(await redis.hget(sessions.session_key("acme", session_id), "turn")) == held
+
+    await eventually_async(now, 5, every=0.01, what=f"session {session_id}'s turn {'held' if held else 'given back'}")
+
+
+async def _gone(redis, key: str) -> bool:
+    return not await redis.exists(key)
+
+
 def chat(*pairs):
     return [inference_pb2.ChatMessage(role=r, content=c) for r, c in pairs]
 
@@ -146,7 +160,7 @@ async def test_what_a_turn_cannot_be_is_refused_before_any_work(redis, req, mess
 async def test_a_second_turn_while_one_streams_is_aborted_and_the_first_commits(redis):
     store, (disp, _) = SessionStore(redis), stages(pause=0.3)
     running = asyncio.create_task(turn(store, disp, session_id="s1", messages=chat(("user", "one"))))
-    await asyncio.sleep(0.1)
+    await turn_in_progress(redis, "s1")
     with pytest.raises(errors.Aborted, match="turn in progress") as caught:
         await turn(store, disp, session_id="s1", messages=chat(("user", "two")))
     assert errors.STATUS_TABLE[caught.value.code].http_status == 409
@@ -227,20 +241,20 @@ async def test_a_turn_that_ends_without_a_reply_leaves_the_session_as_it_was(red
     store, (disp, _) = SessionStore(redis), stages(pause=0.5)
     await turn(store, disp, session_id="s", messages=chat(("user", "one")), max_tokens=2)
     task = asyncio.create_task(turn(store, disp, session_id="s", messages=chat(("user", "cut"))))
-    await asyncio.sleep(0.1)
+    await turn_in_progress(redis, "s")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)
+    await turn_in_progress(redis, "s", held=False)  # (given back by a task of its own)
     summary, ctx = await store.get("acme", "s")
-    assert summary["version"] == 1 and len(ctx.turns) == 1 and not summary["turn_in_progress"]
+    assert summary["version"] == 1 and len(ctx.turns) == 1
     # and a first turn that never finished leaves no session behind
     task = asyncio.create_task(turn(store, disp, session_id="never", messages=chat(("user", "x"))))
-    await asyncio.sleep(0.1)
+    await turn_in_progress(redis, "never")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await asyncio.sleep(0.05)
-    assert not await redis.exists(sessions.session_key("acme", "never"))
+    await eventually_async(lambda: _gone(redis, sessions.session_key("acme", "never")), 5, every=0.01,
+                           what="the unfinished first turn's session removed")
 
 
 # ------------------------------------------------------------------ lifetime, truncation, isolation

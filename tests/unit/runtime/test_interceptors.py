@@ -18,6 +18,7 @@ from gaas.runtime.context import client_request_id_var, current_request_id, curr
 from gaas.runtime.interceptors import ServerContextInterceptor
 from gaas.runtime.metrics import ServiceMetrics
 from gaas.v1 import common_pb2
+from tests.waiting import eventually_async
 
 SERVICE = "test.Arity"
 Chunk = common_pb2.GenerateChunk
@@ -225,8 +226,8 @@ async def test_a_stream_its_client_cancels_is_counted_as_cancelled(arity):
             stream = channel.stream_stream(path, **kw)(iter([Chunk(text="hang")]), timeout=5)
         assert (await stream.read()).text == "first"
         stream.cancel()
-        for _ in range(200):
-            if counted(metrics, arity, "CANCELLED"):
-                break
-            await asyncio.sleep(0.01)
+        async def cancellation_counted() -> bool:
+            return bool(counted(metrics, arity, "CANCELLED"))
+
+        await eventually_async(cancellation_counted, 2, every=0.01, what="the cancelled call counted")
     assert counted(metrics, arity, "CANCELLED") == 1 and counted(metrics, arity, "UNKNOWN") == 0

@@ -8,6 +8,7 @@ import logging
 from gaas.v1 import common_pb2
 from gaas.v1 import control_pb2 as pb
 from services.worker.lease import LeaseKeeper
+from tests.waiting import eventually_async
 
 
 class Control:
@@ -29,10 +30,10 @@ class Control:
 
 
 async def _until(cond, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+    async def holds() -> bool:
+        return cond()
+
+    await eventually_async(holds, timeout, every=0.01)
 
 
 async def test_a_failing_load_report_does_not_keep_the_worker_out_of_the_registry(caplog):
