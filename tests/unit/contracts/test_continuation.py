@@ -5,17 +5,7 @@ from hypothesis import given, strategies as st
 
 from gaas.v1 import common_pb2, worker_pb2
 from gaas.contracts.continuation import Carried
-
-
-def tok(token_id, text, prefill=None, final=None):
-    c = common_pb2.GenerateChunk(text=text, token_ids=[token_id])
-    if prefill is not None:
-        c.prefill.prompt_tokens, c.prefill.cached_tokens = prefill
-    if final is not None:
-        c.finish_reason = common_pb2.FINISH_REASON_LENGTH
-        c.usage.prompt_tokens, c.usage.cached_tokens, c.usage.completion_tokens = final
-        c.worker_id = "w1"
-    return c
+from tests.unit.contracts.support import tok
 
 
 def request(prompt=(5, 6, 7), max_tokens=10, n=0, **sampling):

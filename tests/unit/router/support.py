@@ -15,6 +15,8 @@ from services.router.scheduling import Candidate, WorkerId, make_scheduler
 from services.router.servicer import InferenceServicer
 from services.router.stages import Stages
 
+# A tenant's principal as the key checks give it.
+ACME = Principal("acme", "gold", "key_1", "salt")
 KEYS = {"key-acme": Principal("acme", "gold", "key_1", "salt-acme")}
 AUTH = (("authorization", "Bearer key-acme"),)
 

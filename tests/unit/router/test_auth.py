@@ -1,10 +1,9 @@
 import pytest
 
 from gaas.contracts.errors import Unauthenticated
-from services.router.auth import Authenticator, Principal, SharedKeys, bearer_key
+from services.router.auth import Authenticator, SharedKeys, bearer_key
 from tests.fakeclock import FakeClock
-
-ACME = Principal("acme", "gold", "key_1", "salt")
+from tests.unit.router.support import ACME
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from gaas.v1 import ext_authz_pb2 as az
 from services.router.auth import Authenticator, FailedAuthLimiter
 from services.router.edgeauth import EdgeAuthorizer
 from tests.fakeclock import FakeClock
-from tests.unit.router.test_auth import ACME
+from tests.unit.router.support import ACME
 
 
 def check(path: str, key: str = "", client: str = "203.0.113.7", grpc_client: bool = False,

@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from gaas.v1 import common_pb2
-from tests.unit.contracts.test_continuation import tok
+from tests.unit.contracts.support import tok
 from tests.unit.router.support import FakeTokenizer, collect, rpc_error, serve
 
 

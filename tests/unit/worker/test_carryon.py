@@ -13,9 +13,9 @@ from gaas.v1 import common_pb2
 from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.engine import Delta, EngineUnavailable
 from services.worker.servicer import WorkerServicer
-from tests.unit.contracts.test_continuation import tok
+from tests.unit.contracts.support import tok
 from tests.unit.router.support import rpc_error
-from tests.unit.worker.test_servicer import FakeEngine, wreq
+from tests.unit.worker.support import FakeEngine, wreq
 
 
 def dies_after(k, tokens=6):

@@ -7,58 +7,18 @@ import grpc
 import pytest
 
 from gaas.runtime.server import ServerOptions, ServiceRuntime
-from gaas.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from gaas.contracts.finish import LENGTH
 from services.worker.engine import (
     Delta,
-    Engine,
     EngineBusy,
     EngineFailed,
-    EngineInfo,
-    EngineLoad,
     EngineUnavailable,
     InvalidRequest,
     TokenLogprob,
 )
 from services.worker.servicer import WorkerServicer
-
-INFO = EngineInfo("tiny", "1.0", "vllm-cpu", "cpu", 32, 256)
-
-
-class FakeEngine(Engine):
-    info = INFO
-
-    def __init__(self, tokens=3, delay=0.0, fail=None, script=None):
-        self.tokens, self.delay, self.fail, self.script = tokens, delay, fail, script
-        self.requests = []
-        self.aborted = asyncio.Event()
-
-    async def generate(self, r):
-        self.requests.append(r)
-        if self.fail:
-            raise self.fail
-        if self.script:
-            for d in self.script:
-                yield d
-            return
-        try:
-            for i in range(1, self.tokens + 1):
-                await asyncio.sleep(self.delay)
-                last = i == self.tokens
-                yield Delta(
-                    text=f"t{i}", token_ids=[i], completion_tokens=i,
-                    finish_reason=LENGTH if last else None, done=last,
-                    prompt_tokens=5 if last else 0, cached_tokens=2 if last else 0,
-                )
-        except (asyncio.CancelledError, GeneratorExit):
-            self.aborted.set()
-            raise
-
-    def load(self):
-        return EngineLoad(running=len(self.requests), waiting=0, kv_cache_usage=0.25)
-
-    async def shutdown(self):
-        pass
+from tests.unit.worker.support import FakeEngine, wreq
 
 
 async def serve(engine, max_waiting=0):
@@ -67,12 +27,6 @@ async def serve(engine, max_waiting=0):
                    "gaas.v1.Worker")
     await rt.start()
     return rt
-
-
-def wreq(request_id="req-1", cache_salt="", **kw):
-    return worker_pb2.WorkerGenerateRequest(
-        request=inference_pb2.GenerateRequest(**kw), request_id=request_id, cache_salt=cache_salt
-    )
 
 
 async def test_streams_deltas_with_usage_last():

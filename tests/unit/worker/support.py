@@ -1,0 +1,52 @@
+"""What the worker's unit tests share: an engine faked behind the Engine interface, and a worker's
+generation request."""
+
+import asyncio
+
+from gaas.contracts.finish import LENGTH
+from gaas.v1 import inference_pb2, worker_pb2
+from services.worker.engine import Delta, Engine, EngineInfo, EngineLoad
+
+INFO = EngineInfo("tiny", "1.0", "vllm-cpu", "cpu", 32, 256)
+
+
+class FakeEngine(Engine):
+    info = INFO
+
+    def __init__(self, tokens=3, delay=0.0, fail=None, script=None):
+        self.tokens, self.delay, self.fail, self.script = tokens, delay, fail, script
+        self.requests = []
+        self.aborted = asyncio.Event()
+
+    async def generate(self, r):
+        self.requests.append(r)
+        if self.fail:
+            raise self.fail
+        if self.script:
+            for d in self.script:
+                yield d
+            return
+        try:
+            for i in range(1, self.tokens + 1):
+                await asyncio.sleep(self.delay)
+                last = i == self.tokens
+                yield Delta(
+                    text=f"t{i}", token_ids=[i], completion_tokens=i,
+                    finish_reason=LENGTH if last else None, done=last,
+                    prompt_tokens=5 if last else 0, cached_tokens=2 if last else 0,
+                )
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.set()
+            raise
+
+    def load(self):
+        return EngineLoad(running=len(self.requests), waiting=0, kv_cache_usage=0.25)
+
+    async def shutdown(self):
+        pass
+
+
+def wreq(request_id="req-1", cache_salt="", **kw):
+    return worker_pb2.WorkerGenerateRequest(
+        request=inference_pb2.GenerateRequest(**kw), request_id=request_id, cache_salt=cache_salt
+    )
