@@ -230,7 +230,7 @@ def test_a_stream_on_a_version_that_is_rolled_back_finishes_whole(rmesh):
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]  # at 50%: one on each version
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    time.sleep(1.0)  # both streams under way before the roll-out is undone
     with admin(rmesh) as a:
         a.change_rollout(MODEL, "undo")
     for t in threads:
@@ -284,7 +284,7 @@ def test_a_blue_green_switch_and_its_finish_fail_no_request(rmesh):
     with Load(rmesh, key) as load:
         apply(rmesh, deployment(rmesh.files / "bg.yaml", version=new, rollout="{strategy: blue-green}", replicas="1"))
         wait_state(rmesh, "switched")
-        time.sleep(3)
+        time.sleep(3)  # the load runs on the new version a while before the promotion
         with admin(rmesh) as a:
             a.change_rollout(MODEL, "promote")
         time.sleep(5)  # the old version's workers drain under load
@@ -304,7 +304,7 @@ def test_shadow_copies_are_judged_and_never_billed(rmesh):
     assert by_version(rmesh, tenant, 60) == {old: 60}, "the tenant is billed its own requests only"
     copies = eventually(lambda: (n := (status(rmesh)["figures"].get("6.0.0-shadow") or {}).get("requests", 0)) >= 20
                         and n, 30, every=0.5, what="20 shadow copies reaching the guard")
-    time.sleep(3)
+    time.sleep(3)  # (a copy billed to the tenant would land by now)
     assert by_version(rmesh, tenant, 60) == {old: 60}
     with admin(rmesh) as a:
         a.change_rollout(MODEL, "undo")

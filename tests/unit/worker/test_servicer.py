@@ -19,6 +19,11 @@ from services.worker.engine import (
 )
 from services.worker.servicer import WorkerServicer
 from tests.unit.worker.support import FakeEngine, wreq
+from tests.waiting import eventually_async
+
+
+async def _engine_has(engine, n: int) -> bool:
+    return len(engine.requests) >= n
 
 
 async def serve(engine, max_waiting=0):
@@ -152,7 +157,8 @@ async def test_a_full_waiting_queue_refuses_with_resource_exhausted_and_the_tier
             stub = worker_pb2_grpc.WorkerStub(ch)
             calls = [stub.Generate(wreq(f"r{i}", prompt_token_ids=[1, 2]), timeout=5) for i in range(2)]
             firsts = [asyncio.create_task(c.read()) for c in calls]
-            await asyncio.sleep(0.1)  # both are waiting for their first token
+            await eventually_async(lambda: _engine_has(engine, 2), 5, every=0.01,
+                                   what="both requests waiting for their first token")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [c async for c in stub.Generate(wreq("r3", prompt_token_ids=[1]), timeout=5)]
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
