@@ -11,21 +11,34 @@ from gaas.contracts import edge
 from gaas.settings import common
 from gaas.settings.env import REQUIRED, ConfigError, Kind, Settings, setting, value_from_env
 
-# The scorers a profile weighs and GAAS_ROUTER_WEIGHTS may set, by name (each is a plugin of
-# services/router/scheduling/scorers, registered under that name).
-SCORER_NAMES = ("prefix", "queue", "kv_usage", "device_memory", "session", "adapter_affinity")
 
-# profile -> (scorer weights, picker). Every profile filters by model, failures, circuit breakers,
-# context and batching windows (services/router/scheduling/profiles.py builds them).
-PROFILES: dict[str, tuple[dict[str, float], str]] = {
-    "round_robin": ({}, "round_robin"),
-    "least_load": ({"queue": 2.0, "kv_usage": 1.0, "adapter_affinity": 1.0}, "max_score"),
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A scheduling profile: the filters it applies (in order), the scorers it weighs and its
+    picker, each by the name its plugin registers under (services/router/scheduling/registry.py:
+    a profile naming one that does not exist is refused when the router builds its scheduler)."""
+
+    filters: tuple[str, ...]
+    weights: Mapping[str, float]
+    picker: str
+
+
+# Every profile keeps the workers serving the model and version, not yet tried for this request,
+# with a closed breaker, room for the context, the adapter, and room in their batching window.
+FILTERS = ("model", "not_tried", "breaker", "context_fit", "adapter", "window")
+
+PROFILES: dict[str, Profile] = {
+    "round_robin": Profile(FILTERS, {}, "round_robin"),
+    # Saturated workers are filtered out (unless every worker is).
+    "least_load": Profile((*FILTERS, "saturation"), {"queue": 2.0, "kv_usage": 1.0, "adapter_affinity": 1.0},
+                          "max_score"),
     # Where the prefix lives, unless load says otherwise: a full prefix outweighs a moderate queue
     # (the engine skips that prefill), a long one does not, and saturated workers are filtered out.
     # A session's turn also leans to the worker of its last turn (what the directory may not know yet),
     # and a request with a LoRA adapter to a worker that holds it (loading one costs a prefill or more).
-    "kv_aware": ({"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5, "device_memory": 0.25, "session": 1.0,
-                  "adapter_affinity": 1.5}, "max_score"),
+    "kv_aware": Profile((*FILTERS, "saturation"), {"prefix": 3.0, "queue": 2.0, "kv_usage": 0.5,
+                                                   "device_memory": 0.25, "session": 1.0, "adapter_affinity": 1.5},
+                        "max_score"),
 }
 
 # How often a router refreshes its view of the mesh from control, by default.
@@ -33,12 +46,13 @@ REGISTRY_REFRESH_SECONDS = 0.5
 
 
 def parse_weights(spec: str) -> dict[str, float]:
-    """'prefix=3,queue=2' -> {'prefix': 3.0, 'queue': 2.0}; ValueError naming what is wrong."""
+    """'prefix=3,queue=2' -> {'prefix': 3.0, 'queue': 2.0}; ValueError naming what is wrong (the
+    scorers' names are checked against the registered ones when the router builds its scheduler)."""
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
-        if name not in SCORER_NAMES:
-            raise ValueError(f"unknown scorer {name!r} in the weights; scorers: {', '.join(SCORER_NAMES)}")
+        if not name.isidentifier():
+            raise ValueError(f"a weight is written name=number, got {part!r}")
         try:
             out[name] = float(value)
         except ValueError:

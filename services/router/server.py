@@ -21,6 +21,7 @@ from gaas.runtime import redisconn
 from gaas.runtime.metrics import DECOMPOSITION_BUCKETS, FAST_BUCKETS
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.settings.docs import help_epilog
+from gaas.settings.env import ConfigError
 from gaas.settings.router import RouterSettings
 from gaas.contracts.sessions import SessionPolicy
 from gaas.model.tokenizer import TokenizerCache
@@ -81,7 +82,11 @@ async def serve(cfg: RouterSettings) -> None:
     plugin_seconds = rt.metrics.histogram(
         "scheduler_plugin_seconds", "Time each scheduling plugin took per request", ("plugin",), buckets=FAST_BUCKETS
     )
-    scheduler = make_scheduler(cfg.policy, cfg.weights, lambda plugin, s: plugin_seconds.labels(plugin).observe(s))
+    try:
+        scheduler = make_scheduler(cfg.policy, cfg.weights, lambda plugin, s: plugin_seconds.labels(plugin).observe(s),
+                                   weights_from="GAAS_ROUTER_WEIGHTS")
+    except ValueError as exc:  # a scorer or plugin nobody registered: a start-up failure of one line
+        raise ConfigError(str(exc)) from None
     kv = KVDirectoryClient(kvcache_pb2_grpc.KVCacheStub(channel))
     follower = Follower(kv.replica, kv.follow, staleness=rt.metrics.histogram(
         "kv_replica_staleness_seconds", "From an engine's KV event to its change in this router's replica of the "

@@ -42,6 +42,12 @@ class FakeCall:
             step = await step()  # (a step that takes its time)
         if isinstance(step, grpc.aio.AioRpcError):
             raise step
+        if hasattr(step, "CopyFrom"):
+            # A fresh message each read, as off the wire: the router fills in the chunk it is given
+            # (its timings), which must not carry over to the next test reading the same script.
+            fresh = type(step)()
+            fresh.CopyFrom(step)
+            return fresh
         return step
 
 

@@ -121,8 +121,8 @@ def test_profiles_weights_and_their_errors():
     assert parse_weights("prefix=3, queue=2") == {"prefix": 3.0, "queue": 2.0}
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         make_scheduler("fastest")
-    with pytest.raises(ValueError, match="unknown scorer 'speed'"):
-        parse_weights("speed=1")
+    with pytest.raises(ValueError, match="unknown scorer 'speed' in the weights; scorers: adapter_affinity, "):
+        make_scheduler("kv_aware", parse_weights("speed=1"))
     with pytest.raises(ValueError, match="must be a number"):
         parse_weights("queue=lots")
 
@@ -186,3 +186,30 @@ async def test_an_adapter_just_sent_to_a_worker_counts_as_held_there_until_its_r
     later = ctx(adapter="bot")
     await hook.before(later, [a, b])
     assert score(later, b) == 0.5, "past SENT_SECONDS the worker's own reports say what it holds"
+
+
+def test_every_profile_names_registered_plugins_and_each_plugin_registers_itself_once():
+    from gaas.settings.router import PROFILES
+    from services.router.scheduling import registry
+
+    filters, scorers, pickers = (registry.plugins(k) for k in registry.KINDS)
+    assert set(filters) == {"model", "not_tried", "breaker", "context_fit", "adapter", "window", "saturation"}
+    assert set(scorers) == {"prefix", "queue", "kv_usage", "device_memory", "session", "adapter_affinity"}
+    assert set(pickers) == {"round_robin", "max_score"}
+    for name, p in PROFILES.items():
+        s = make_scheduler(name)
+        assert [f.name for f in s.filters] == list(p.filters) and s.picker.name == p.picker
+
+    class Again(registry.get("scorer", "queue")):
+        name = "queue"
+
+    with pytest.raises(ValueError, match="two scorer plugins are named 'queue'"):
+        registry.plugin("scorer")(Again)
+
+
+def test_a_profile_naming_a_plugin_nobody_registered_is_refused_naming_the_ones_there_are(monkeypatch):
+    from gaas.settings import router
+
+    monkeypatch.setitem(router.PROFILES, "odd", router.Profile(("model", "fastest"), {}, "max_score"))
+    with pytest.raises(ValueError, match="unknown filter 'fastest' in the odd profile; filters: adapter, breaker"):
+        make_scheduler("odd")

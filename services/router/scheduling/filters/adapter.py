@@ -1,9 +1,11 @@
 """Workers whose engine serves LoRA adapters, for a request served with one (a pool whose engine
 settings set no max_loras serves none)."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
 
+@plugin("filter")
 class AdapterFilter(Filter):
     name = "adapter"
 

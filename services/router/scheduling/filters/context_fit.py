@@ -1,8 +1,10 @@
 """Workers whose engine's context holds the prompt and the tokens to generate."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
 
+@plugin("filter")
 class ContextFitFilter(Filter):
     name = "context_fit"
 

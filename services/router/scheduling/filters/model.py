@@ -1,8 +1,10 @@
 """Workers that serve the request's model."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
 
+@plugin("filter")
 class ModelFilter(Filter):
     name = "model"
 

@@ -1,8 +1,10 @@
 """Workers that have not failed this request."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
 
+@plugin("filter")
 class NotTriedFilter(Filter):
     name = "not_tried"
 

@@ -3,9 +3,11 @@ evict what others reuse, or wait). Soft: when every worker is saturated, all sta
 
 from dataclasses import dataclass
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
 
+@plugin("filter")
 @dataclass
 class SaturationFilter(Filter):
     # Requests ahead (running + waiting + just sent) at which a worker counts as saturated.

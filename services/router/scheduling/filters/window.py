@@ -1,9 +1,11 @@
 """Workers whose dynamic batching window has room for a request of this band now
 (services/router/windows.py). Waitable: when none has, the request waits in the router's queue."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Filter, RequestContext
 
 
+@plugin("filter")
 class WindowFilter(Filter):
     name = "window"
     waitable = True

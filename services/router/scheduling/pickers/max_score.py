@@ -3,12 +3,14 @@
 import random
 from collections.abc import Mapping, Sequence
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Picker, RequestContext, WorkerId
 
 # Scores this close count as equal.
 TIE = 1e-9
 
 
+@plugin("picker")
 class MaxScorePicker(Picker):
     name = "max_score"
 

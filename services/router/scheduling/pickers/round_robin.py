@@ -3,9 +3,11 @@
 import itertools
 from collections.abc import Mapping, Sequence
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, Picker, RequestContext, WorkerId
 
 
+@plugin("picker")
 class RoundRobinPicker(Picker):
     name = "round_robin"
 

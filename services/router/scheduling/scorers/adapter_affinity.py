@@ -5,11 +5,13 @@ sent it lately (hooks/adapters_sent.py). Requests without an adapter score 1 eve
 
 from dataclasses import dataclass
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, RequestContext, Scorer
 
 FREE_SLOT = 0.5
 
 
+@plugin("scorer")
 @dataclass
 class AdapterAffinityScorer(Scorer):
     name: str = "adapter_affinity"

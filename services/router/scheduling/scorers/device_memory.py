@@ -3,9 +3,11 @@ steps of 5% (workers sharing one host's RAM report it a moment apart: a differen
 of a percent must stay a tie, broken at random, not decide every pick); neutral (0.5) when the
 worker has not reported it."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, RequestContext, Scorer
 
 
+@plugin("scorer")
 class DeviceMemoryScorer(Scorer):
     name = "device_memory"
 

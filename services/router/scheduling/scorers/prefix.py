@@ -1,9 +1,11 @@
 """Prefix overlap: the share of the prompt's full blocks the worker already holds (confirmed by
 its engine, or provisioned by a router's recent decision)."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, RequestContext, Scorer
 
 
+@plugin("scorer")
 class PrefixScorer(Scorer):
     name = "prefix"
     needs_prefix = True

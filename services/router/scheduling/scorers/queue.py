@@ -2,9 +2,11 @@
 
 from dataclasses import dataclass
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, RequestContext, Scorer
 
 
+@plugin("scorer")
 @dataclass
 class QueueScorer(Scorer):
     # Requests ahead at which the score is 0.5.

@@ -3,9 +3,11 @@ are likely still in that engine's cache, even when the directory has not heard o
 for the others and for requests that are not session turns. Load filters still have the last
 word: a saturated worker is filtered out before scoring."""
 
+from services.router.scheduling.registry import plugin
 from services.router.scheduling.types import Candidate, RequestContext, Scorer
 
 
+@plugin("scorer")
 class SessionScorer(Scorer):
     name = "session"
 
