@@ -29,8 +29,7 @@ def eventually(check: Callable[[], T], timeout: float = 10.0, *, every: float = 
             if last:
                 return last
         if time.monotonic() >= deadline:
-            said = what() if callable(what) else what
-            pytest.fail(f"{said or 'waited for'} (not within {timeout:g} s; last: {last!r:.2000})")
+            _give_up(what, timeout, last)
         time.sleep(every)
 
 
@@ -47,6 +46,10 @@ async def eventually_async(check: Callable[[], Awaitable[T]], timeout: float = 1
             if last:
                 return last
         if time.monotonic() >= deadline:
-            said = what() if callable(what) else what
-            pytest.fail(f"{said or 'waited for'} (not within {timeout:g} s; last: {last!r:.2000})")
+            _give_up(what, timeout, last)
         await asyncio.sleep(every)
+
+
+def _give_up(what: str | Callable[[], str], timeout: float, last: object) -> None:
+    said = what() if callable(what) else what
+    pytest.fail(f"{said or 'waited for'} (not within {timeout:g} s; last: {last!r:.2000})")
