@@ -1,7 +1,6 @@
 """How long a router may hold a request before it is placed while the ingress waits on its decision
 (the direct path's external processing, services/router/extproc.py). The ingress's Envoy (1.40)
-crashes when a decision answers after about 45 s of waiting (reproduced: a request that waited 50 s
-in a router took the ingress down with it; 40 s did not), so a request placed for the ingress
+crashes when a decision answers after about 45 s of waiting, so a request placed for the ingress
 (Placer.place_direct) waits at most DECISION_HOLD_S in the router's queue, and one prepared for it
 (Preparer.prepare(for_ingress=True)) for a model whose pool is scaling up from zero is passed on to
 the router's own route, where it waits as long as its tier allows."""

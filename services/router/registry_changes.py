@@ -1,9 +1,8 @@
 """The registry's changes as control announces them (a worker registered, left or began to drain:
 gaas.contracts.services.REGISTRY_CHANGED_CHANNEL): the router reads its view of the mesh again at
 once, not at its next refresh. The Envoys' membership follows the registry as fast (xDS, pushed by
-control), so a router whose view lagged could name a worker the ingress no longer has (seen: the
-first request after an autoscaled pool went to zero, placed on the worker that had just left,
-answered 503 no_healthy_upstream by the ingress)."""
+control), so a router whose view lagged would name a worker the ingress no longer has (the
+ingress answers such a request 503 no_healthy_upstream)."""
 
 from __future__ import annotations
 

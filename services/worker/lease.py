@@ -66,7 +66,7 @@ class LeaseKeeper:
 
     async def _adapters_are(self, lease: pb.Lease) -> None:
         """Told at every renewal, not only when the catalogue changes: a router whose view lagged
-        may have had an adapter loaded here just after its removal (seen in CI)."""
+        may have had an adapter loaded here just after its removal, and the next renewal unloads it."""
         if self._adapters is None:
             return
         try:
@@ -79,8 +79,7 @@ class LeaseKeeper:
 
     async def _load_report(self) -> common_pb2.WorkerLoad | None:
         """The load to send, or None when there is none or it cannot be read: a broken load report
-        must not keep a serving worker out of the registry (seen: a vLLM without the call the report
-        used left the worker SERVING but never registered)."""
+        must not keep a serving worker out of the registry (it registers without its load)."""
         if self._load is None:
             return None
         try:
@@ -119,8 +118,7 @@ class LeaseKeeper:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
             except Exception as exc:  # noqa: BLE001 - a bug here must not end the lease silently
-                # (seen: a load report that raised left a worker SERVING but never registered,
-                # with nothing in its log until it stopped)
+                # (the worker would go on SERVING, unregistered, with nothing in its log)
                 log.error("registration or renewal failed (%s: %s); retrying in %.1f s", type(exc).__name__, exc,
                           backoff, exc_info=backoff == 0.5)
                 await asyncio.sleep(backoff)
