@@ -46,7 +46,7 @@ fi
 
 want="$DEVICE $(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
 if [ -x "$VENV/bin/gaas" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  say "up to date ($DEVICE engine)"
+  say "up to date ($DEVICE engine, checked in ${SECONDS} s)"
 else
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $($PYTHON --version)"
@@ -110,7 +110,7 @@ PY
     exit 1
   fi
   echo "$want" > "$STAMP"
-  say "done"
+  say "done in ${SECONDS} s"
 fi
 
 # (An image build, GAAS_INSTALL_DEVICE set, needs neither server: the cluster runs its own.)
