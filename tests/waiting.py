@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -33,13 +34,16 @@ def eventually(check: Callable[[], T], timeout: float = 10.0, *, every: float = 
         time.sleep(every)
 
 
-async def eventually_async(check: Callable[[], Awaitable[T]], timeout: float = 10.0, *, every: float = 0.2,
+async def eventually_async(check: Callable[[], T | Awaitable[T]], timeout: float = 10.0, *, every: float = 0.2,
                            ignoring: tuple[type[BaseException], ...] = (), what: str | Callable[[], str] = "") -> T:
-    """eventually for a check that is a coroutine function (awaited on the caller's event loop)."""
+    """eventually on the caller's event loop, which runs between the checks: check may be a
+    coroutine function (awaited) or a plain one (a fact the loop's other tasks change)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            last = await check()
+            last = check()
+            if inspect.isawaitable(last):
+                last = await last
         except ignoring as exc:
             last = exc
         else:

@@ -42,3 +42,21 @@ def test_eventually_async_awaits_its_check_until_it_holds():
         return next(answers)
 
     assert asyncio.run(eventually_async(check, timeout=5, every=0)) == 7
+
+
+def test_eventually_async_takes_a_plain_check_of_what_the_loops_other_tasks_change():
+    seen: list[int] = []
+
+    async def scenario():
+        task = asyncio.create_task(_append_soon(seen))
+        got = await eventually_async(lambda: len(seen) >= 2 and len(seen), timeout=5, every=0)
+        await task
+        return got
+
+    assert asyncio.run(scenario()) == 2
+
+
+async def _append_soon(seen: list[int]) -> None:
+    for i in range(2):
+        await asyncio.sleep(0)
+        seen.append(i)

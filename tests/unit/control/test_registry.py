@@ -8,10 +8,6 @@ from tests.waiting import eventually_async
 T0 = 1_800_000_000  # a Unix moment (s)
 
 
-async def _at_least(items: list, n: int) -> bool:
-    return len(items) >= n
-
-
 def record(worker_id="worker-0", model="gaas-tiny", address="127.0.0.1:20041"):
     return WorkerRecord(WorkerId(worker_id), address, model, "1.0.0", "vllm-cpu", "cpu", 32, 2048)
 
@@ -129,7 +125,7 @@ async def test_registrations_departures_and_state_changes_are_announced_to_the_r
     await reg.renew(WorkerId("worker-0"))
     await reg.renew(WorkerId("worker-0"), state=DRAINING)
     await reg.deregister(WorkerId("worker-0"))
-    await eventually_async(lambda: _at_least(heard, 3), 2, every=0.02, what="three changes heard")
+    await eventually_async(lambda: len(heard) >= 3, 2, every=0.02, what="three changes heard")
     await asyncio.sleep(0.1)  # (and no fourth: a duration, the assertion is about nothing more coming)
     follower.cancel()
     await asyncio.gather(follower, return_exceptions=True)

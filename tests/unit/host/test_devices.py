@@ -418,11 +418,7 @@ async def test_load_reports_read_the_device_sample_without_touching_the_device()
     s = WorkerServicer("worker-0", engine=Engine(), monitor=Monitor())
     assert s.load_report().device_memory_used == 0  # no sample yet: nothing read on the loop
     task = asyncio.create_task(sample_device(s))
-
-    async def sampled():
-        return s.device_sample
-
-    await eventually_async(sampled, 5, every=0.01, what="the device sampled off the loop")
+    await eventually_async(lambda: s.device_sample, 5, every=0.01, what="the device sampled off the loop")
     task.cancel()
     report = s.load_report()
     assert (report.device_memory_used, report.device_utilization, report.device.uuid) == (3 * GiB, 0.5, "GPU-1")

@@ -39,11 +39,7 @@ class Fake:
 async def running(watcher, until, what: str):
     """The watcher's task, once until() holds."""
     task = asyncio.create_task(watcher.run())
-
-    async def holds() -> bool:
-        return until()
-
-    await eventually_async(holds, 5, every=0.01, what=what)
+    await eventually_async(until, 5, every=0.01, what=what)
     return task
 
 
@@ -62,11 +58,8 @@ async def test_snapshot_then_live_then_a_gap_resynchronises_then_leaving_drops()
     s = d.stats()
     assert s.sequence_gaps == 1 and s.resyncs == 1
     fake.registered = []
-
-    async def dropped() -> bool:
-        return d.stats().blocks == 0 and d.stats().per_worker == []
-
-    await eventually_async(dropped, 5, every=0.01, what="the worker's blocks dropped once it left")
+    await eventually_async(lambda: d.stats().blocks == 0 and d.stats().per_worker == [], 5, every=0.01,
+                           what="the worker's blocks dropped once it left")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 

@@ -257,10 +257,8 @@ async def test_a_client_that_hangs_up_before_its_first_token_is_billed_for_the_p
             call.cancel()
         await asyncio.sleep(0.1)
         assert fake.made and not fake.made[0].cancelled, "the worker's call was cut with the client"
-        async def ended() -> bool:
-            return fake.made[0].cancelled
-
-        await eventually_async(ended, 5, every=0.02, what="the worker's call ended once its first chunk came")
+        await eventually_async(lambda: fake.made[0].cancelled, 5, every=0.02,
+                               what="the worker's call ended once its first chunk came")
         await meter.close()
 
         async def billed() -> list:

@@ -11,10 +11,6 @@ MODELS = [ModelEntry("tiny", "1", 2048, True), ModelEntry("small", "1", 4096, Fa
 WORKERS = [Candidate(WorkerId(f"worker-{i}"), f"127.0.0.1:{i}", "tiny", "1", 2048) for i in range(2)]
 
 
-async def _calls_reach(calls: list, n: int) -> bool:
-    return len(calls) >= n
-
-
 @pytest.fixture
 def setup():
     calls = []
@@ -43,9 +39,9 @@ async def test_requests_reuse_the_view_until_it_is_too_stale(setup):
 async def test_the_background_refresh_keeps_the_last_view_when_control_fails(setup):
     d, clock, calls, fetch = setup
     task = asyncio.create_task(d.run())
-    await eventually_async(lambda: _calls_reach(calls, 2), 2, every=0.01, what="refreshes in the background")
+    await eventually_async(lambda: len(calls) >= 2, 2, every=0.01, what="refreshes in the background")
     fetch.fail, before = errors.Unavailable("control down"), len(calls)
-    await eventually_async(lambda: _calls_reach(calls, before + 2), 2, every=0.01, what="refreshes failing")
+    await eventually_async(lambda: len(calls) >= before + 2, 2, every=0.01, what="refreshes failing")
     assert [w.worker_id for w in await d.workers("tiny")] == ["worker-0", "worker-1"], "the last view stays"
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -56,7 +52,7 @@ async def test_the_first_view_is_awaited_until_control_answers(setup):
     fetch.fail = errors.Unavailable("control down")
     task = asyncio.create_task(d.run())
     waiting = asyncio.create_task(d.first_view())
-    await eventually_async(lambda: _calls_reach(calls, 2), 2, every=0.01, what="several refreshes, every one failing")
+    await eventually_async(lambda: len(calls) >= 2, 2, every=0.01, what="several refreshes, every one failing")
     assert not waiting.done()
     fetch.fail = None
     await asyncio.wait_for(waiting, 1.0)

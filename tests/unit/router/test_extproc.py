@@ -252,11 +252,8 @@ async def test_a_router_that_cannot_hear_the_workers_holds_no_place_for_its_dire
     p = await placed(d)
     ep, meter = pending(d, p, "reservation", age_s=0)
     hearing = asyncio.create_task(ep.run_reports("redis://127.0.0.1:1/0"))
-
-    async def given_back() -> bool:
-        return meter.done == ["reservation"]
-
-    await eventually_async(given_back, 5, every=0.01, what="the reservation given back while Redis is away")
+    await eventually_async(lambda: meter.done == ["reservation"], 5, every=0.01,
+                           what="the reservation given back while Redis is away")
     hearing.cancel()
     await asyncio.gather(hearing, return_exceptions=True)
     assert meter.done == ["reservation"] and ep.pending == 1 and not ep._hearing

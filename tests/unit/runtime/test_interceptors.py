@@ -226,8 +226,6 @@ async def test_a_stream_its_client_cancels_is_counted_as_cancelled(arity):
             stream = channel.stream_stream(path, **kw)(iter([Chunk(text="hang")]), timeout=5)
         assert (await stream.read()).text == "first"
         stream.cancel()
-        async def cancellation_counted() -> bool:
-            return bool(counted(metrics, arity, "CANCELLED"))
-
-        await eventually_async(cancellation_counted, 2, every=0.01, what="the cancelled call counted")
+        await eventually_async(lambda: counted(metrics, arity, "CANCELLED"), 2, every=0.01,
+                               what="the cancelled call counted")
     assert counted(metrics, arity, "CANCELLED") == 1 and counted(metrics, arity, "UNKNOWN") == 0

@@ -29,13 +29,6 @@ class Control:
         return pb.Lease(ttl_seconds=3)
 
 
-async def _until(cond, timeout: float = 5.0) -> None:
-    async def holds() -> bool:
-        return cond()
-
-    await eventually_async(holds, timeout, every=0.01)
-
-
 async def test_a_failing_load_report_does_not_keep_the_worker_out_of_the_registry(caplog):
     control = Control()
 
@@ -46,7 +39,7 @@ async def test_a_failing_load_report_does_not_keep_the_worker_out_of_the_registr
     with caplog.at_level(logging.ERROR, logger="services.worker.lease"):
         keeper.start()
         await asyncio.wait_for(keeper.registered.wait(), 5)
-        await _until(lambda: len(control.renewals) >= 2)
+        await eventually_async(lambda: len(control.renewals) >= 2, 5, every=0.01, what="two renewals")
     keeper._task.cancel()
     assert not control.registrations[0].worker.HasField("load")
     assert sum("cannot read this worker's load" in r.message for r in caplog.records) == 1  # said once, not per renewal
@@ -77,7 +70,7 @@ async def test_every_renewal_tells_the_engine_which_adapters_the_catalogue_holds
     keeper = LeaseKeeper(control, pb.WorkerInfo(worker_id="worker-0", address="127.0.0.1:1"), 0.05,
                          adapters=adapters)
     keeper.start()
-    await _until(lambda: len(told) >= 3)
+    await eventually_async(lambda: len(told) >= 3, 5, every=0.01, what="three renewals told of the adapters")
     keeper._task.cancel()
     assert told[1:3] == [frozenset({7, 9})] * 2, "the same catalogue, told again at each renewal"
 

@@ -22,10 +22,6 @@ from tests.unit.worker.support import FakeEngine, wreq
 from tests.waiting import eventually_async
 
 
-async def _engine_has(engine, n: int) -> bool:
-    return len(engine.requests) >= n
-
-
 async def serve(engine, max_waiting=0):
     rt = ServiceRuntime(ServerOptions(service="t", instance="t", port=0, drain_seconds=0, grace_seconds=1))
     rt.add_service(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer("worker-7", engine, max_waiting=max_waiting),
@@ -157,7 +153,7 @@ async def test_a_full_waiting_queue_refuses_with_resource_exhausted_and_the_tier
             stub = worker_pb2_grpc.WorkerStub(ch)
             calls = [stub.Generate(wreq(f"r{i}", prompt_token_ids=[1, 2]), timeout=5) for i in range(2)]
             firsts = [asyncio.create_task(c.read()) for c in calls]
-            await eventually_async(lambda: _engine_has(engine, 2), 5, every=0.01,
+            await eventually_async(lambda: len(engine.requests) >= 2, 5, every=0.01,
                                    what="both requests waiting for their first token")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [c async for c in stub.Generate(wreq("r3", prompt_token_ids=[1]), timeout=5)]
