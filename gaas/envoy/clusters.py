@@ -21,11 +21,18 @@ HTTP2 = {
         "explicit_http_config": {"http2_protocol_options": {}},
     }
 }
+# A server of plain HTTP/1.1 (a worker's HTTP front): one request at a time per connection.
+HTTP1 = {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http_protocol_options": {}},
+    }
+}
 
 
 def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check: bool, tls: dict | None = None,
-                   streams: int | None = None, eject_on_answers: bool = True) -> dict:
-    """A cluster of fixed endpoints (HTTP/2). streams: the most requests in flight to it at once,
+                   streams: int | None = None, eject_on_answers: bool = True, http1: bool = False) -> dict:
+    """A cluster of fixed endpoints (HTTP/2; HTTP/1.1 with http1). streams: the most requests in flight to it at once,
     and waiting for a connection (Envoy's circuit breakers; its default is 1,024 each).
     eject_on_answers: a replica answering errors (5xx) in a row is ejected for a while; never for
     a cluster of one (it was the only place to go: ejecting it turned one error into an outage of
@@ -37,7 +44,7 @@ def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check:
         "type": "STATIC" if is_ip else "STRICT_DNS",
         "connect_timeout": "1s",
         "lb_policy": "ROUND_ROBIN",
-        "typed_extension_protocol_options": HTTP2,
+        "typed_extension_protocol_options": HTTP1 if http1 else HTTP2,
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(h, p)}} for h, p in endpoints]}],
@@ -93,9 +100,10 @@ def static_cluster(name: str, endpoints: list[tuple[str, int]], *, health_check:
     return cluster
 
 
-def pipe_cluster(name: str, path: Path, health_check: bool = False) -> dict:
-    """A cluster of one gRPC server on a Unix socket; health_check: asked its gRPC health every
-    few seconds (a sidecar in a pod, whose readiness is its service's: bootstrap's ready)."""
+def pipe_cluster(name: str, path: Path, health_check: bool = False, http1: bool = False) -> dict:
+    """A cluster of one gRPC server on a Unix socket (http1: a plain HTTP/1.1 one); health_check:
+    asked its gRPC health every few seconds (a sidecar in a pod, whose readiness is its service's:
+    bootstrap's ready)."""
     checks = {"health_checks": [{"timeout": "1s", "interval": "2s", "no_traffic_interval": "2s",
                                  "unhealthy_threshold": 1, "healthy_threshold": 1, "grpc_health_check": {}}],
               "common_lb_config": {"healthy_panic_threshold": {"value": 0}}} if health_check else {}
@@ -103,7 +111,7 @@ def pipe_cluster(name: str, path: Path, health_check: bool = False) -> dict:
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": HTTP2,
+        "typed_extension_protocol_options": HTTP1 if http1 else HTTP2,
         "load_assignment": {"cluster_name": name, "endpoints": [
             {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": str(path)}}}}]}]},
         **checks,

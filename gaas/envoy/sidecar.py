@@ -20,20 +20,29 @@ from gaas.envoy.routes import RETRY_UNREACHED, decorator, grpc_route, unreached_
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import GRPC_SERVICE
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
 from gaas.ops.topology import TALKS_TO, Instance, LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import PEER_ADDRESS_HEADER, WORKER_HEADER
 
 
+# A worker's HTTP/1.1 front (services/worker/http.py), where its sidecar sends the OpenAI
+# generations the ingress streams from it (ingress.path: direct).
+LOCAL_HTTP = "local_http"
+
+
 def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarget | None = None,
                 envoy: str = "", instance: str = "", direct: bool = False) -> dict:
-    """A sidecar's inbound HTTP connection manager, to its one service (the local_service cluster):
-    RBAC for kind's methods, the verified caller passed on, its own replies for a service it could
-    not reach marked."""
+    """A sidecar's inbound HTTP connection manager, to its one service (the local_service cluster;
+    a worker's OpenAI generations on the direct path to its HTTP front, LOCAL_HTTP): RBAC for
+    kind's methods, the verified caller passed on, its own replies for a service it could not
+    reach marked."""
+    to_http = [f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION] if kind == "worker" and direct else []
     return hcm(
         stat_prefix,
-        [{"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"},
+        [*({"match": {"path": path}, "route": {"cluster": LOCAL_HTTP, "timeout": "0s"},
+            **decorator(f"inbound to {instance or kind}")} for path in to_http),
+         {"match": {"prefix": "/"}, "route": {"cluster": "local_service", "timeout": "0s"},
           **decorator(f"inbound to {instance or kind}")}],
         [rbac(kind, direct)],
         access_log,
@@ -63,6 +72,9 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
     listeners = [listener("inbound", topo.bind(inst), inst.inbound_port, inbound, server_tls(creds))]
     clusters = [pipe_cluster("local_service", local.service, health_check=topo.pod) if local
                 else static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
+    if inst.service == "worker" and topo.ingress_path == "direct":
+        clusters.append(pipe_cluster(LOCAL_HTTP, local.http, http1=True) if local
+                        else static_cluster(LOCAL_HTTP, [(inst.host, inst.http_port)], health_check=False, http1=True))
 
     peers = TALKS_TO[inst.service]
     if inst.service == "worker" and topo.ingress_path == "direct":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gaas.settings.worker import engine_options, topology_defaults
+from gaas.settings.worker import HTTP_PORT_OFFSET, engine_options, topology_defaults
 
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")
@@ -50,6 +50,9 @@ POD_BIND = "0.0.0.0"
 READY_PATH = "/ready"
 # In the ingress's block: where `gaas up --trace` receives spans over OTLP/gRPC (gaas.ops.tracesink).
 TRACE_OFFSET = 6
+# In a worker's block: its HTTP/1.1 front, where its sidecar sends the OpenAI generations the
+# ingress streams from it (services/worker/http.py; on a host, a Unix socket beside its gRPC one).
+HTTP_OFFSET = SERVICE_OFFSET + HTTP_PORT_OFFSET
 # The ingress's Envoy processes under `gaas up` (ingress.replicas): they share the ingress port
 # (SO_REUSEPORT: the kernel spreads new connections over them, and a new connection never reaches
 # one that died), each its statistics at one of these offsets of the ingress's block.
@@ -99,6 +102,10 @@ class Instance:
         return self.base + METRICS_OFFSET
 
     @property
+    def http_port(self) -> int:
+        return self.base + HTTP_OFFSET
+
+    @property
     def envoy_stats_port(self) -> int:
         return self.base + ENVOY_STATS_OFFSET
 
@@ -132,12 +139,15 @@ class LocalSockets:
     outbound: Path
     # The Envoy's admin interface (readiness, draining, stats), never on a TCP port.
     admin: Path
+    # A worker's HTTP/1.1 front (HTTP_OFFSET's socket): its sidecar forwards the OpenAI generations here.
+    http: Path
 
     @classmethod
     def of(cls, root: Path, name: str) -> "LocalSockets":
         """Of an instance ("worker-0"), or of the ingress ("ingress-0": only its admin is used)."""
         d = root / name
-        return cls(d, d / "service.sock", d / "outbound.sock", d / "admin.sock")
+        return cls(d, d / "service.sock", d / "outbound.sock", d / "admin.sock", d / "http.sock")
+
 
 
 # A Unix socket's path must fit in 108 bytes: a run directory deeper than this keeps its sockets

@@ -126,6 +126,20 @@ class NotNamed(errors.Unavailable):
     untaken = True
 
 
+def enter_call(md: dict[str, str], *, edge: bool, named_as: str = "") -> None:
+    """A call's context from its headers (lower-case keys: gRPC metadata or HTTP headers), as every
+    server takes it (the interceptor below; a worker's HTTP front, services/worker/http.py): the
+    request's id and tenant, who called from where; a call whose x-gaas-worker names only others
+    than named_as is refused untaken (NotNamed)."""
+    begin_request(md, edge=edge)
+    caller_var.set(md.get(CALLER_HEADER, ""))
+    peer_var.set(md.get(PEER_ADDRESS_HEADER, ""))
+    answered_var.set("")
+    if named_as and (named := md.get(WORKER_HEADER)) and named_as not in named.split(","):
+        raise NotNamed(f"no worker chosen for this request could take it ({named} did not answer; it reached "
+                       f"{named_as}, which serves only what is sent to it); retry shortly")
+
+
 class ServerContextInterceptor(grpc.aio.ServerInterceptor):
     """Sets the request context from metadata, records per-method metrics and answers failures,
     for every kind of call.
@@ -144,14 +158,7 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
         self._wrapped: dict[str, tuple[object, object]] = {}
 
     def _enter(self, context) -> None:
-        md = _headers(context.invocation_metadata())
-        begin_request(md, edge=self._edge)
-        caller_var.set(md.get(CALLER_HEADER, ""))
-        peer_var.set(md.get(PEER_ADDRESS_HEADER, ""))
-        answered_var.set("")
-        if self._named_as and (named := md.get(WORKER_HEADER)) and self._named_as not in named.split(","):
-            raise NotNamed(f"no worker chosen for this request could take it ({named} did not answer; it reached "
-                           f"{self._named_as}, which serves only what is sent to it); retry shortly")
+        enter_call(_headers(context.invocation_metadata()), edge=self._edge, named_as=self._named_as)
 
     def _done(self, method: str, started: float, exc: BaseException | None, context) -> None:
         self._metrics.rpcs.labels(method, _status_of(exc, context)).inc()

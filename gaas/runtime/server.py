@@ -113,6 +113,8 @@ class ServiceRuntime:
         self._unlisted: set[str] = set()
         self._stop_hooks: list[Callable[[], Awaitable[None]]] = []
         self._after_stop_hooks: list[Callable[[], Awaitable[None]]] = []
+        # Servers besides the gRPC one (a worker's HTTP front), stopped with it, with its grace.
+        self._also: list[Callable[[float], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
         # The process's exit status once stopped (request_stop can set a failure).
         self.exit_code = 0
@@ -129,6 +131,12 @@ class ServiceRuntime:
     def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run hook during shutdown, after NOT_SERVING and before the port closes (last added runs first)."""
         self._stop_hooks.append(hook)
+
+    def stop_with_server(self, stop: Callable[[float], Awaitable[None]]) -> None:
+        """Another server of this service, stopped when the gRPC one stops and as it stops:
+        stop(grace) closes its listener, lets its running requests finish for grace seconds, then
+        cancels them."""
+        self._also.append(stop)
 
     def after_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run hook once the server has stopped (running calls finished or cancelled); last added runs first."""
@@ -217,7 +225,8 @@ class ServiceRuntime:
                 log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
         if self.opts.drain_seconds > 0:
             await asyncio.sleep(self.opts.drain_seconds)
-        await self.server.stop(getattr(self, "_grace", None) or self.opts.grace_seconds)
+        grace = getattr(self, "_grace", None) or self.opts.grace_seconds
+        await asyncio.gather(self.server.stop(grace), *(stop(grace) for stop in self._also))
         for hook in reversed(self._after_stop_hooks):
             try:
                 await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)

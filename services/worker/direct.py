@@ -1,6 +1,7 @@
-"""gaas.v1.OpenAI's generation methods and gaas.v1.Inference's Generate on a worker, for requests
-the router decided at the ingress (topology: ingress.path: direct; gaas/metering/direct.py): the
-body is a DirectGenerate the router put there, never a client's. The worker generates (every prompt
+"""gaas.v1.OpenAI's generation methods (served over the worker's HTTP front, http.py) and
+gaas.v1.Inference's Generate (gRPC) on a worker, for requests the router decided at the ingress
+(topology: ingress.path: direct; gaas/metering/direct.py): the body is a DirectGenerate the router
+put there, never a client's. The worker generates (every prompt
 of a prompt list; a stream its engine cannot finish carried on at another worker: carryon.py),
 formats the OpenAI answer (the native API's chunks go out as they come), commits a session turn's
 reply and appends the usage event before the last chunk (gaas.sessions.turns, gaas.metering.meter,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -32,8 +34,8 @@ from gaas.runtime.status import translate
 from gaas.runtime.streams import merge
 from gaas.sessions import turns
 from gaas.sessions.turns import TurnEnds
-from gaas.contracts.services import GRPC_SERVICE
-from gaas.v1 import common_pb2, openai_pb2_grpc, worker_pb2
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_SERVICE
+from gaas.v1 import common_pb2, worker_pb2
 from services.worker.carryon import CarryOn
 from services.worker.servicer import WorkerServicer
 
@@ -45,7 +47,7 @@ MAX_BODY_BYTES = 64 << 20
 NATIVE_SERVICE = GRPC_SERVICE["router"]
 
 
-class DirectServicer(openai_pb2_grpc.OpenAIServicer):
+class DirectServicer:
     def __init__(self, worker: WorkerServicer, meter: Meter | None, redis: Redis | None = None,
                  carry_on: CarryOn | None = None) -> None:
         self._worker = worker
@@ -79,13 +81,19 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
             if moved and self._meter is not None:
                 await self._meter.write_progress(moved, self._worker.worker_id)
 
-    async def Completions(self, request: httpbody_pb2.HttpBody, context):
-        async for body in self._serve(request, context, openai_api.parse_completion):
-            yield body
+    def completions(self, request: httpbody_pb2.HttpBody) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """POST /v1/completions as the router decided it: the answer's pieces (the HTTP front
+        writes them: services/worker/http.py)."""
+        return self._serve(request, openai_api.parse_completion)
 
-    async def ChatCompletions(self, request: httpbody_pb2.HttpBody, context):
-        async for body in self._serve(request, context, openai_api.parse_chat):
-            yield body
+    def chat_completions(self, request: httpbody_pb2.HttpBody) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """POST /v1/chat/completions as the router decided it."""
+        return self._serve(request, openai_api.parse_chat)
+
+    def http_routes(self) -> dict:
+        """The HTTP front's routes: the paths the ingress sends them to (gaas.v1.OpenAI's methods)."""
+        return {f"/{OPENAI_SERVICE}/Completions": self.completions,
+                f"/{OPENAI_SERVICE}/ChatCompletions": self.chat_completions}
 
     async def Generate(self, d: worker_pb2.DirectGenerate, context):
         """gaas.v1.Inference's Generate as a router decided it at the ingress: the native API's
@@ -97,7 +105,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         async for _, c in self._metered(d, context, arrived, arrived_unix):
             yield c
 
-    async def _serve(self, http: httpbody_pb2.HttpBody, context, parse):
+    async def _serve(self, http: httpbody_pb2.HttpBody, parse):
         arrived, arrived_unix = time.perf_counter(), time.time()
         if http.content_type != direct.CONTENT_TYPE:
             raise errors.FailedPrecondition("a worker serves OpenAI requests only as a router decided them at the ingress")
@@ -109,7 +117,7 @@ class DirectServicer(openai_pb2_grpc.OpenAIServicer):
         parsed = parse(jsonbody.parse(d.openai_body, MAX_BODY_BYTES))
         fmt = openai_stream.Formatter(parsed, d.request_id, d.metering.adapter or d.metering.model)
         usage = openai_stream.Usage(prompt=d.metering.prompt_tokens, explain=d.explain)
-        async for body in openai_stream.respond(parsed, fmt, usage, self._metered(d, context, arrived, arrived_unix),
+        async for body in openai_stream.respond(parsed, fmt, usage, self._metered(d, None, arrived, arrived_unix),
                                                 d.session.truncation):
             yield body
 

@@ -21,12 +21,12 @@ from pathlib import Path
 from gaas.metering.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
-from gaas.contracts.services import OPENAI_SERVICE
 from gaas.settings.docs import help_epilog
 from gaas.settings.worker import WorkerSettings
-from gaas.v1 import control_pb2, control_pb2_grpc, openai_pb2_grpc, worker_pb2_grpc
+from gaas.v1 import control_pb2, control_pb2_grpc, worker_pb2_grpc
 from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to_server
+from services.worker.http import HttpFront
 from services.worker.vllm_engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
@@ -123,10 +123,13 @@ async def serve(cfg: WorkerSettings) -> None:
     direct = DirectServicer(servicer, meter, redis, carry_on)
     progress = asyncio.create_task(direct.run_progress(), name="stream-progress")
     rt.after_stop(lambda: _cancel(progress))
-    rt.add_service(openai_pb2_grpc.add_OpenAIServicer_to_server, direct, OPENAI_SERVICE, listed=False)
     rt.add_service(add_native_to_server, direct, NATIVE_SERVICE, listed=False)
+    # The OpenAI generations stream over HTTP/1.1, each chunk one write (http.py).
+    front = HttpFront(direct.http_routes(), rt.metrics, named_as=cfg.advertise, tracer_provider=rt.tracer_provider)
+    rt.stop_with_server(front.stop)
     # The port is open (and NOT_SERVING) while the engine loads, so health checks get an answer.
     await rt.start()
+    await front.start(cfg.http_listen)
     log.info("loading %s from %s", cfg.model, cfg.model_path)
     stop_wait = asyncio.create_task(rt.wait_stop_requested())
     await asyncio.wait({engine_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

@@ -36,7 +36,7 @@ DEFAULTS = {
                 "GAAS_STRIPE_API_BASE": "https://api.stripe.com", "GAAS_STRIPE_WINDOW_SECONDS": "3600.0",
                 "GAAS_STRIPE_GRACE_SECONDS": "120.0", "GAAS_STRIPE_RATE": "100"},
     "worker": {**BASE, "GAAS_INSTANCE": "worker-0", "GAAS_PORT": "50061", "GAAS_ADVERTISE": "127.0.0.1:50061",
-               "GAAS_OUTBOUND": "", "GAAS_MODEL": "m", "GAAS_MODEL_PATH": "/m", "GAAS_MODEL_VERSION": "0",
+               "GAAS_HTTP_LISTEN": "127.0.0.1:50067", "GAAS_OUTBOUND": "", "GAAS_MODEL": "m", "GAAS_MODEL_PATH": "/m", "GAAS_MODEL_VERSION": "0",
                "GAAS_MAX_MODEL_LEN": "2048", "GAAS_BLOCK_SIZE": "32", "GAAS_KV_CACHE_GIB": "1",
                "GAAS_GPU_MEMORY_UTILIZATION": "0.85", "GAAS_ENFORCE_EAGER": "auto", "GAAS_DEVICE": "",
                "GAAS_MAX_NUM_SEQS": "64", "GAAS_MAX_NUM_BATCHED_TOKENS": "0", "GAAS_MAX_WAITING": "128", "GAAS_HANDOVER_SECONDS": "2.0", "GAAS_RETIRE_GRACE_SECONDS": "600.0",
@@ -78,6 +78,10 @@ def test_what_to_env_writes_from_env_reads_back(service):
 def test_unset_or_empty_takes_the_default_and_required_ones_are_named():
     assert RouterSettings.from_env({"GAAS_OUTBOUND": "o", "GAAS_QUEUE_MAX": ""}).max_waiting == 256
     assert WorkerSettings.from_env({**REQUIRED["worker"], "GAAS_HOST": "h", "GAAS_PORT": "7"}).advertise == "h:7"
+    # A worker's HTTP front: beside its gRPC socket, or six ports above its gRPC port.
+    assert WorkerSettings.from_env({**REQUIRED["worker"], "GAAS_HOST": "h", "GAAS_PORT": "7"}).http_listen == "h:13"
+    assert WorkerSettings.from_env({**REQUIRED["worker"], "GAAS_LISTEN": "unix:/run/w/service.sock"}).http_listen \
+        == "unix:/run/w/http.sock"
     for service, env in REQUIRED.items():
         for name in env:
             with pytest.raises(ConfigError, match=f"^{name} is required$"):
