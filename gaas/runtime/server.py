@@ -62,9 +62,9 @@ class ServerOptions:
     named_as: str = ""
 
 
-def _check_socket_free(path: Path) -> None:
+def check_socket_free(path: Path) -> None:
     """gRPC replaces a socket file it finds at its address (what kill -9 leaves behind), even one a
-    live process still listens on: refuse to take that one over."""
+    live process still listens on: refuse to take that one over (OSError)."""
     if not path.exists():
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -159,7 +159,7 @@ class ServiceRuntime:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         where = self.opts.listen or f"{self.opts.host}:{self.opts.port}"
         if self.opts.listen:
-            _check_socket_free(Path(self.opts.listen.removeprefix("unix:")))
+            check_socket_free(Path(self.opts.listen.removeprefix("unix:")))
         try:
             self.port = self.server.add_insecure_port(where)
         except RuntimeError as exc:

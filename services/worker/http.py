@@ -26,7 +26,6 @@ import asyncio
 import http
 import logging
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -43,6 +42,7 @@ from gaas.contracts.headers import UNREACHED_HEADER
 from gaas.runtime import status, telemetry
 from gaas.runtime.interceptors import enter_call
 from gaas.runtime.metrics import ServiceMetrics
+from gaas.runtime.server import check_socket_free
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class HttpFront:
         loop = asyncio.get_running_loop()
         if listen.startswith("unix:"):
             path = Path(listen.removeprefix("unix:"))
-            _take_over(path)
+            check_socket_free(path)  # (one a live process holds is refused)
+            path.unlink(missing_ok=True)  # what kill -9 left: asyncio, unlike gRPC, does not replace it
             self._server = await loop.create_unix_server(lambda: _Connection(self), str(path))
             os.chmod(path, 0o600)
         else:
@@ -308,17 +309,3 @@ def _head(code: int, length: int, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n" % (
         code, phrase.encode(), length, extra)
 
-
-def _take_over(path: Path) -> None:
-    """Remove a socket file nobody listens on (what kill -9 left); refuse one a live process holds."""
-    if not path.exists():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink(missing_ok=True)
-        return
-    finally:
-        probe.close()
-    raise OSError(f"cannot listen on unix:{path}: it is in use (is another worker running?)")

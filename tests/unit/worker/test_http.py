@@ -158,3 +158,14 @@ async def test_stopping_lets_a_running_answer_finish_and_takes_no_new_connection
     await asyncio.wait_for(stopping, 5)
     with pytest.raises(OSError):
         await asyncio.open_unix_connection(str(sock))
+
+
+async def test_a_leftover_socket_is_replaced_and_one_a_live_front_holds_is_refused(tmp_path):
+    sock = tmp_path / "http.sock"
+    sock.touch()  # what kill -9 leaves behind
+    first = HttpFront({}, ServiceMetrics("worker-http-test"))
+    await first.start(f"unix:{sock}")
+    second = HttpFront({}, ServiceMetrics("worker-http-test"))
+    with pytest.raises(OSError, match="in use"):
+        await second.start(f"unix:{sock}")
+    await first.stop(0)
