@@ -191,7 +191,8 @@ class _Connection(asyncio.Protocol):
             self.task = None
 
     async def _serve(self, r: _Request) -> None:
-        method = r.path.rsplit("/", 1)[-1]
+        # (the metrics' label: a route's method name, never an arbitrary path)
+        method = r.path.rsplit("/", 1)[-1] if r.path in self.front.routes else "unknown"
         started, code = time.perf_counter(), "OK"
         try:
             answer = self.front.routes.get(r.path)
