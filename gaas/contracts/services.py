@@ -20,7 +20,9 @@ OPENAI_GENERATION = ("Completions", "ChatCompletions")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Every generation method the ingress asks the router about and may send to a worker straight
 # (ingress.path: direct): both OpenAI routes and the native API's Generate, as gRPC paths.
-DIRECT_GENERATION = (*(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION), f"/{GRPC_SERVICE['router']}/Generate")
+# Their gRPC paths (a worker serves them over its HTTP front, services/worker/http.py).
+OPENAI_GENERATION_PATHS = tuple(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION)
+DIRECT_GENERATION = (*OPENAI_GENERATION_PATHS, f"/{GRPC_SERVICE['router']}/Generate")
 # The router's key check for the ingress, on each request's headers (Envoy's external authorization).
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 # Envoy's aggregated discovery service, which control serves: every Envoy that reaches workers takes

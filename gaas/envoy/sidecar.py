@@ -20,7 +20,7 @@ from gaas.envoy.routes import RETRY_UNREACHED, decorator, grpc_route, unreached_
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION, OPENAI_SERVICE
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_PATHS
 from gaas.ops.topology import TALKS_TO, Instance, LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import PEER_ADDRESS_HEADER, WORKER_HEADER
@@ -37,7 +37,7 @@ def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarge
     a worker's OpenAI generations on the direct path to its HTTP front, LOCAL_HTTP): RBAC for
     kind's methods, the verified caller passed on, its own replies for a service it could not
     reach marked."""
-    to_http = [f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION] if kind == "worker" and direct else []
+    to_http = OPENAI_GENERATION_PATHS if kind == "worker" and direct else ()
     return hcm(
         stat_prefix,
         [*({"match": {"path": path}, "route": {"cluster": LOCAL_HTTP, "timeout": "0s"},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gaas.settings.worker import HTTP_PORT_OFFSET, engine_options, topology_defaults
+from gaas.settings.worker import HTTP_PORT_OFFSET, HTTP_SOCKET, engine_options, topology_defaults
 
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")
@@ -146,8 +146,7 @@ class LocalSockets:
     def of(cls, root: Path, name: str) -> "LocalSockets":
         """Of an instance ("worker-0"), or of the ingress ("ingress-0": only its admin is used)."""
         d = root / name
-        return cls(d, d / "service.sock", d / "outbound.sock", d / "admin.sock", d / "http.sock")
-
+        return cls(d, d / "service.sock", d / "outbound.sock", d / "admin.sock", d / HTTP_SOCKET)
 
 
 # A Unix socket's path must fit in 108 bytes: a run directory deeper than this keeps its sockets

@@ -37,12 +37,13 @@ def _at_least_one_gib(gib: int) -> str | None:
 # A worker's HTTP/1.1 front (services/worker/http.py) listens this many ports above its gRPC port
 # (or, on a Unix socket, beside it).
 HTTP_PORT_OFFSET = 6
+HTTP_SOCKET = "http.sock"
 
 
 def http_listen(listen: str, host: str, port: int) -> str:
     """Where a worker serving gRPC at listen (unix:/path, or "" for host:port) serves its HTTP front."""
     if listen.startswith("unix:"):
-        return f"unix:{Path(listen.removeprefix('unix:')).with_name('http.sock')}"
+        return f"unix:{Path(listen.removeprefix('unix:')).with_name(HTTP_SOCKET)}"
     return f"{host}:{int(port) + HTTP_PORT_OFFSET if int(port) else 0}"
 
 

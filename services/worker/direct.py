@@ -34,7 +34,7 @@ from gaas.runtime.status import translate
 from gaas.runtime.streams import merge
 from gaas.sessions import turns
 from gaas.sessions.turns import TurnEnds
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_SERVICE
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_PATHS
 from gaas.v1 import common_pb2, worker_pb2
 from services.worker.carryon import CarryOn
 from services.worker.servicer import WorkerServicer
@@ -92,8 +92,7 @@ class DirectServicer:
 
     def http_routes(self) -> dict:
         """The HTTP front's routes: the paths the ingress sends them to (gaas.v1.OpenAI's methods)."""
-        return {f"/{OPENAI_SERVICE}/Completions": self.completions,
-                f"/{OPENAI_SERVICE}/ChatCompletions": self.chat_completions}
+        return dict(zip(OPENAI_GENERATION_PATHS, (self.completions, self.chat_completions), strict=True))
 
     async def Generate(self, d: worker_pb2.DirectGenerate, context):
         """gaas.v1.Inference's Generate as a router decided it at the ingress: the native API's
