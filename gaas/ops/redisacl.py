@@ -5,8 +5,9 @@ directory, stays the operator's. A Redis the operator runs (GAAS_REDIS_URL that 
 as given.
 
 Each pattern stands for keys another module defines (gaas.metering.admission, gaas.metering.peers,
-gaas.contracts.sessions, gaas.metering.direct, gaas.contracts.usage, services/control/registry.py);
-tests/test_redisacl.py checks that every key those modules make matches its user's patterns, and the
+gaas.contracts.sessions, gaas.metering.direct, gaas.contracts.usage, services/control/registry.py,
+services/router/auth.py);
+tests/unit/ops/test_redisacl.py checks that every key those modules make matches its user's patterns, and the
 mesh's tests run under these users.
 
 The Redis also gets a memory bound (maxmemory, GAAS_REDIS_MAXMEMORY) and never evicts (the usage
@@ -33,8 +34,9 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     # Admission (quotas, budgets, spend), the usage stream, sessions, stored responses, on the direct path the
     # workers' reports of requests' ends and their streams' progress, and the outcomes of requests
     # of models under a roll-out or autoscaled, and those held for a model no worker serves; the
-    # registry's changes, announced; the live routers (gaas.metering.peers).
-    "router": ("~gaas:routers", "~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:rpm:*", "~gaas:tpm:*",
+    # registry's changes, announced; the live routers (gaas.metering.peers); the keys a router verified,
+    # for the others while control is away (services/router/auth.SharedKeys).
+    "router": ("~gaas:routers", "~gaas:auth:verified:*", "~gaas:inflight:*", "~gaas:inflight-exp:*", "~gaas:rpm:*", "~gaas:tpm:*",
                "~gaas:budget:*", "~gaas:spend:*", "~gaas:usage", "~gaas:session:*", "~gaas:sessions:*", "~gaas:response:*",
                "~gaas:responses:*", "~gaas:direct:*", "&gaas:direct:*", "~gaas:rollout:outcomes", "~gaas:autoscale:demand:*", "&gaas:workers:changed"),
     # On the direct path: a request's usage appended (settling its admission), its progress, a

@@ -125,6 +125,7 @@ class Authenticator:
         self._lookup = lookup
         self._shared = shared
         self._sharing: set[asyncio.Task] = set()
+        self._share_failing = False
         self._ttl = ttl_seconds
         self._negative_ttl = negative_ttl_seconds
         self._stale = stale_seconds
@@ -215,8 +216,15 @@ class Authenticator:
 
     def _shared_done(self, task: asyncio.Task) -> None:
         self._sharing.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.debug("cannot share a verified key with the other routers: %s", exc)
+        if task.cancelled():
+            return
+        if (exc := task.exception()) is None:
+            self._share_failing = False
+        elif not self._share_failing:
+            # Said once until a share succeeds again: Redis away, or refusing (its ACL, full).
+            self._share_failing = True
+            log.warning("cannot share verified keys with the other routers (%s: %s); a router restarted while "
+                        "control is away refuses the keys it has not verified itself", type(exc).__name__, exc)
 
     def _refuse(self, client: str):
         self.limiter.failed(client)

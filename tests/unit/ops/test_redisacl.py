@@ -17,6 +17,7 @@ from gaas.metering import admission, direct, peers
 from gaas.ops import redisacl
 from gaas.contracts.usage import UsageEvent
 from services.control import registry
+from services.router.auth import SharedKeys
 
 
 TENANT = "acme"
@@ -33,7 +34,8 @@ def _made_by() -> dict[str, list[str]]:
         "router": [*admission.admit_keys(TENANT, "202612", "r1"), *record_keys, *claim_keys,
                    *admission.release_keys(TENANT), sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT),
                    "&" + direct.report_channel("router-0"), rollout.OUTCOMES_STREAM, DEMAND_KEY.format("gaas-tiny"),
-                   "&" + registry.CHANGED_CHANNEL, peers.ROUTERS_KEY],
+                   "&" + registry.CHANGED_CHANNEL, peers.ROUTERS_KEY,
+                   SharedKeys.PREFIX + "0" * 64],
         "worker": [*admission.record_args(event, "own")[0], admission.progress_key(TENANT, "r1"),
                    sessions.session_key(TENANT, "s1"), sessions.index_key(TENANT), "&" + direct.report_channel("router-0")],
         "billing": [metering.STREAM, admission.spend_key(TENANT, "202612"), admission.budget_key(TENANT)],
