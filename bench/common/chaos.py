@@ -340,3 +340,15 @@ def report(kills: list[Kill], load: Load, rows: dict) -> tuple[list[dict], dict]
 def _cost(calls: list[Call], rows: dict) -> dict:
     return {**tally(calls), "usage_lost_tokens": sum(lost(c, rows.get(c.id)) for c in calls),
             "unbilled": sum(1 for c in calls if (c.tokens or c.usage) and c.id not in rows)}
+
+
+def stop_story(run_dir: Path, child: str, lines: int = 12) -> str:
+    """The last lines of child's log that tell how it stopped and started again (its shutdown's
+    steps and what each took, `gaas up`'s restart): what a kill that came back late is read by."""
+    log = Path(run_dir) / "logs" / f"{child}.log"
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(no log of {child}: {exc})"
+    marks = ("shutting down", "stopped in", " took ", "restart ", "engine up in", "health: SERVING")
+    return "\n".join([line[:300] for line in text if any(m in line for m in marks)][-lines:])

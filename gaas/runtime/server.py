@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,15 +193,18 @@ class ServiceRuntime:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
 
-    def request_stop(self, why: str = "requested", exit_code: int = 0, grace_seconds: float | None = None) -> None:
+    def request_stop(self, why: str = "requested", exit_code: int = 0, grace_seconds: float | None = None,
+                     drain: bool = True) -> None:
         """Shut down gracefully; a non-zero exit_code makes the process exit with it (a supervisor
         then knows it failed); grace_seconds: how long calls running then get to finish (the
-        settings' grace when None)."""
+        settings' grace when None); drain=False: close the port without waiting drain_seconds for
+        health checkers to notice (nothing sent here could be served anyway)."""
         if not self._stopping.is_set():
             (log.error if exit_code else log.info)("shutting down (%s)", why)
             self.exit_code = exit_code
             if grace_seconds is not None:
                 self._grace = grace_seconds
+            self._drain = drain
             self._stopping.set()
 
     @property
@@ -216,26 +220,40 @@ class ServiceRuntime:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        """NOT_SERVING, the stop hooks, the drain, the servers' stop (running calls get the grace),
+        the after-stop hooks; what each step took is logged, naming a hook that took over a second
+        (a supervisor waits on all of it before it can start a replacement)."""
         self._stopping.set()
+        started = time.monotonic()
         await self.health.enter_graceful_shutdown()
-        for hook in reversed(self._stop_hooks):
-            try:
-                await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)
-            except Exception:
-                log.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
-        if self.opts.drain_seconds > 0:
+        await self._run_hooks("stop hook", self._stop_hooks)
+        hooks_done = time.monotonic()
+        if self.opts.drain_seconds > 0 and getattr(self, "_drain", True):
             await asyncio.sleep(self.opts.drain_seconds)
         grace = getattr(self, "_grace", None) or self.opts.grace_seconds
+        drained = time.monotonic()
         await asyncio.gather(self.server.stop(grace), *(stop(grace) for stop in self._also))
-        for hook in reversed(self._after_stop_hooks):
-            try:
-                await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)
-            except Exception:
-                log.exception("after-stop hook %s failed", getattr(hook, "__qualname__", hook))
+        calls_done = time.monotonic()
+        await self._run_hooks("after-stop hook", self._after_stop_hooks)
         if self._metrics_server:
             self._metrics_server.stop()
         telemetry.shutdown(self.tracer_provider)
-        log.info("%s stopped", self.opts.instance)
+        ended = time.monotonic()
+        log.info("%s stopped in %.1f s (stop hooks %.1f s, drain %.1f s, running calls %.1f s, after-stop %.1f s)",
+                 self.opts.instance, ended - started, hooks_done - started, drained - hooks_done,
+                 calls_done - drained, ended - calls_done)
+
+    async def _run_hooks(self, kind: str, hooks: list[Callable[[], Awaitable[None]]]) -> None:
+        """Each of hooks, last added first, each within the grace; a failure is logged, not raised."""
+        for hook in reversed(hooks):
+            name = getattr(hook, "__qualname__", repr(hook))
+            began = time.monotonic()
+            try:
+                await asyncio.wait_for(hook(), timeout=self.opts.grace_seconds)
+            except Exception:
+                log.exception("%s %s failed", kind, name)
+            if (took := time.monotonic() - began) > 1.0:
+                log.warning("%s %s took %.1f s", kind, name, took)
 
 
 def run_service(service: str, load_config: Callable[[], object], serve: Callable[[object], Awaitable[None]]) -> None:

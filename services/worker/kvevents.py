@@ -21,6 +21,7 @@ from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from gaas.contracts import errors
 from gaas.runtime.streams import until_cut_off
 from gaas.v1 import kvcache_pb2 as pb
 
@@ -165,6 +166,8 @@ class KVEventRelay:
         # Engine hash -> block, in the order stored (parents before their children).
         self._mirror: dict[int, _Block] = {}
         self._watchers: set[asyncio.Queue] = set()
+        # Stopping: no watch is taken, and those running have ended (close()).
+        self._closed = False
         self.batches = 0
         self.lost = 0
 
@@ -259,9 +262,19 @@ class KVEventRelay:
             batches.append(b)
         return batches
 
+    def close(self) -> None:
+        """The worker is stopping: every watch ends now (its server need not wait its grace for
+        the directories to hang up) and no new one is taken."""
+        self._closed = True
+        for q in list(self._watchers):
+            self._end(q)
+
     async def watch(self) -> AsyncIterator[pb.KVEventBatch]:
         """A snapshot of the held blocks, then every batch as it comes (and an empty one after
-        HEARTBEAT_SECONDS of quiet); ends when the watcher must resynchronise (it watches again)."""
+        HEARTBEAT_SECONDS of quiet); ends when the watcher must resynchronise (it watches again),
+        or when the worker stops (close(): Unavailable for a watch begun after)."""
+        if self._closed:
+            raise errors.Unavailable("this worker is stopping; its KV events end with it")
         q: asyncio.Queue = asyncio.Queue(maxsize=WATCHER_QUEUE)
         snapshot = self.snapshot()  # taken and registered with no await between: nothing slips by
         self._watchers.add(q)

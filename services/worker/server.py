@@ -155,6 +155,7 @@ async def serve(cfg: WorkerSettings) -> None:
         relay_task = asyncio.create_task(servicer.relay.run(), name="kv-events")
 
         async def stop_relay() -> None:
+            servicer.relay.close()  # the directories' watches end now, not at the grace's end
             relay_task.cancel()
             await asyncio.gather(relay_task, return_exceptions=True)
             source.close()
@@ -251,10 +252,13 @@ async def public_prefixes(control: control_pb2_grpc.ControlStub, model: str,
 
 async def watch_engine(engine: VllmEngine, rt: ServiceRuntime, every_seconds: float = 0.5) -> None:
     """A worker whose engine died is no worker: leave the registry (NOT_SERVING, deregistered) and
-    exit with ENGINE_DIED_EXIT, so `gaas up` (or any supervisor) starts a fresh one."""
+    exit with ENGINE_DIED_EXIT, so `gaas up` (or any supervisor) starts a fresh one: at once, with
+    no drain (whatever is sent here meanwhile fails before its first token and goes to its second
+    choice); the streams already carried on elsewhere get the grace to finish."""
     while not rt.stopping:
         if engine.dead:
-            rt.request_stop("the engine died; exiting so that a fresh worker is started", ENGINE_DIED_EXIT)
+            rt.request_stop("the engine died; exiting so that a fresh worker is started", ENGINE_DIED_EXIT,
+                            drain=False)
             return
         await asyncio.sleep(every_seconds)
 

@@ -1,11 +1,13 @@
 """The worker's KV-event relay with a scripted engine: watchers get a snapshot then the live
 batches; a gap is filled from the replay buffer; events lost beyond it start a new, empty epoch
-(and clear the engine's cache), so no directory keeps believing in blocks that may be gone."""
+(and clear the engine's cache), so no directory keeps believing in blocks that may be gone; a
+stopping worker ends its watches at once."""
 
 import asyncio
 
 import pytest
 
+from gaas.contracts import errors
 from services.worker import kvevents
 from services.worker.kvevents import EventSource, KVEventRelay, RawBatch, RawStored, from_vllm
 
@@ -103,6 +105,19 @@ async def test_a_quiet_watch_gets_heartbeats(relay, monkeypatch):
     it = r.watch().__aiter__()
     snap, beat = await take(it, 2)
     assert snap.snapshot and not beat.snapshot and not beat.events and beat.seq == snap.seq
+
+
+async def test_a_stopping_worker_ends_its_watches_and_takes_no_new_one(relay):
+    r, source, _ = relay
+    source.emit(RawBatch(0, [stored([1])]))
+    await settle()
+    it = r.watch().__aiter__()
+    await take(it, 1)
+    r.close()
+    with pytest.raises(StopAsyncIteration):
+        await take(it, 1)  # ended now: the server's stop does not wait out its grace for it
+    with pytest.raises(errors.Unavailable):
+        await take(r.watch().__aiter__(), 1)
 
 
 def test_vllm_events_are_read_with_the_salt_of_the_first_block():
