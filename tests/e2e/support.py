@@ -121,6 +121,14 @@ class Load:
             except Exception as exc:  # noqa: BLE001 - collected and asserted on
                 self.errors.append(repr(exc))
 
+    def goes_on(self, more: int, timeout: float = 30.0) -> None:
+        """Until `more` requests beyond those finished now have finished: the load went on (a fault
+        meanwhile, or a process back since)."""
+        start = self.received.requests
+        eventually(lambda: self.received.requests >= start + more, timeout, every=0.1,
+                   what=lambda: f"{more} more requests of the load to finish (from {start}: "
+                                f"{self.received.requests}; last errors {self.errors[-3:]})")
+
     def __enter__(self) -> "Load":
         for t in self._threads:
             t.start()

@@ -319,6 +319,7 @@ def test_sigterm_on_a_worker_hands_its_streams_over_and_they_finish_whole(mesh):
     wait_worker_back(mesh, pid)
 
 
+@on_direct_path("a worker's process tree is the launcher's and vLLM's, whichever path serves")
 def test_kill_9_of_a_worker_takes_its_engine_processes_with_it(mesh):
     pid = ready_worker(mesh)
     engine = descendants(pid)
@@ -332,6 +333,7 @@ def test_kill_9_of_a_worker_takes_its_engine_processes_with_it(mesh):
     wait_worker_back(mesh, pid)
 
 
+@on_direct_path("the registry and the restart are control's and the launcher's, whichever path serves")
 def test_a_worker_whose_engine_dies_leaves_the_registry_and_is_restarted(mesh):
     pid = ready_worker(mesh)
     os.kill(engine_core(pid), signal.SIGKILL)

@@ -18,7 +18,7 @@ from bench.lora import build, deployment
 from gaas.ops import pki
 from gaas.sdk.admin import BillingAdmin
 from gaas.v1 import control_pb2, control_pb2_grpc
-from tests.conftest import INGRESS_PATH
+from tests.conftest import INGRESS_PATH, on_direct_path
 from tests.e2e.support import client, instance, new_tenant
 from tests.meshutil import gaas, own_mesh
 from tests.waiting import eventually
@@ -173,6 +173,7 @@ def test_more_adapters_than_an_engine_keeps_are_served_in_turn_evicting_the_leas
         gaas(m, "lora", "remove", name)
 
 
+@on_direct_path("a worker primes its cache before it registers, whichever path serves")
 def test_a_restarted_worker_primes_the_public_prefixes_before_it_takes_traffic(lmesh):
     """(A warm-up's part, tested on this module's mesh of two workers.) A worker that starts while
     a public prefix exists computes it before it registers: the first request of a new tenant that

@@ -205,13 +205,13 @@ def test_nothing_is_lost_when_billing_is_killed_mid_load(mesh):
     needs_own_mesh(mesh)
     tenant, key = new_tenant(mesh)
     with Load(mesh, key) as load:
-        time.sleep(3)
+        load.goes_on(3)
         pid = children(mesh)["billing-0"]
         os.kill(pid, signal.SIGKILL)
-        time.sleep(3)  # requests go on meanwhile; their events wait in the stream
+        load.goes_on(3)  # requests go on meanwhile; their events wait in the stream
         wait_restarted(mesh, "billing-0", pid)
         wait_serving(mesh, "billing-0")
-        time.sleep(2)
+        load.goes_on(2)
     assert load.errors == [] and load.received.requests > 5
     wait_for_ledger(mesh, tenant, load.received.as_tuple())
     assert "billing-0 restarted" in mesh.output.read_text()
@@ -221,11 +221,11 @@ def test_nothing_is_lost_when_redis_restarts(mesh):
     needs_own_mesh(mesh)
     tenant, key = new_tenant(mesh)
     with Load(mesh, key) as load:
-        time.sleep(3)
+        load.goes_on(3)
         pid = children(mesh)["redis"]
         os.kill(pid, signal.SIGTERM)  # a restart: Redis saves its append-only file and exits
         wait_restarted(mesh, "redis", pid)
-        time.sleep(4)  # routers' spools drain into the new Redis
+        load.goes_on(3)  # served with the new Redis (the spools drain into it; the ledger is awaited below)
     assert load.errors == [] and load.received.requests > 5
     wait_for_ledger(mesh, tenant, load.received.as_tuple())
     # Whoever meters spools: the router on its own path, the workers on the direct path.
@@ -238,9 +238,9 @@ def test_stripe_failing_for_a_while_loses_nothing_and_catches_up(mesh):
     stripe = mesh.stripe
     tenant, key = new_tenant(mesh, customer="cus_failing")
     with Load(mesh, key, clients=2) as load:
-        time.sleep(1)
+        load.goes_on(1)
         stripe.fail_for(8, status=503)
-        time.sleep(10)
+        time.sleep(10)  # the load runs on through the whole outage: its duration is what is tested
     wait_for_ledger(mesh, tenant, load.received.as_tuple())
     want = {"gaas_input_tokens": load.received.prompt - load.received.cached,
             "gaas_cached_input_tokens": load.received.cached, "gaas_output_tokens": load.received.completion}

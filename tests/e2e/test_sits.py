@@ -11,11 +11,13 @@ import sys
 
 import pytest
 
+from tests.conftest import on_direct_path
 from tests.meshutil import ROOT
 
 pytestmark = [pytest.mark.mesh]
 
 
+@on_direct_path("the scorecard points at a run directory, whichever path its mesh serves")
 def test_the_scorecard_measures_a_running_mesh_and_says_what_it_could_not(mesh, tmp_path):
     out = tmp_path / "sits.json"
     r = subprocess.run([sys.executable, "-m", "gaas.cli.main", "bench", "sits", "--target", str(mesh.run_dir),
