@@ -117,6 +117,10 @@ class ServiceRuntime:
         # Servers besides the gRPC one (a worker's HTTP front), stopped with it, with its grace.
         self._also: list[Callable[[float], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
+        # What request_stop asked of the shutdown: the running calls' grace (None: the options'),
+        # and whether to wait drain_seconds before the port closes.
+        self._grace: float | None = None
+        self._drain = True
         # The process's exit status once stopped (request_stop can set a failure).
         self.exit_code = 0
         self._metrics_server: MetricsServer | None = None
@@ -228,9 +232,9 @@ class ServiceRuntime:
         await self.health.enter_graceful_shutdown()
         await self._run_hooks("stop hook", self._stop_hooks)
         hooks_done = time.monotonic()
-        if self.opts.drain_seconds > 0 and getattr(self, "_drain", True):
+        if self.opts.drain_seconds > 0 and self._drain:
             await asyncio.sleep(self.opts.drain_seconds)
-        grace = getattr(self, "_grace", None) or self.opts.grace_seconds
+        grace = self._grace or self.opts.grace_seconds
         drained = time.monotonic()
         await asyncio.gather(self.server.stop(grace), *(stop(grace) for stop in self._also))
         calls_done = time.monotonic()
