@@ -38,8 +38,9 @@ def settings(listing: str) -> dict[str, str]:
 
 def usable(location: str) -> bool:
     """A remote index, or a local folder/file:// index that exists."""
-    path = location.removeprefix("file://")
-    return "://" in location and not location.startswith("file://") or os.path.exists(path)
+    if "://" in location and not location.startswith("file://"):
+        return True
+    return os.path.exists(location.removeprefix("file://"))
 
 
 def uv_args(settings: dict[str, str]) -> list[str]:
