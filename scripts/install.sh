@@ -66,9 +66,11 @@ else
   else
     $PIP install --quiet --upgrade pip
   fi
-  # pkg_install REQUIREMENT...: with uv when it is there, else (or when it fails) with pip.
+  # pkg_install REQUIREMENT...: with uv when it is there, else (or when it fails) with pip. uv
+  # compiles the bytecode at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing
+  # else ever would, and every process would compile torch and vLLM at each start.
   pkg_install() {
-    if [ -n "$UV" ] && "$UV" pip install --quiet --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; then
+    if [ -n "$UV" ] && "$UV" pip install --quiet --compile-bytecode --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; then
       return 0
     fi
     [ -z "$UV" ] || say "uv could not install $*; pip does instead"
