@@ -51,6 +51,7 @@ test-router: proto
 bench: proto
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.cost
+	$(BIN)/python -m bench.extproc_call
 	$(BIN)/python -m bench.anchor
 	$(BIN)/python -m bench.hops
 	$(BIN)/python -m bench.routing

@@ -18,6 +18,7 @@ OPENAI_SERVICE = "gaas.v1.OpenAI"
 # (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
 OPENAI_GENERATION = ("Completions", "ChatCompletions")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXT_PROC_PROCESS = f"/{EXT_PROC_SERVICE}/Process"
 # Every generation method the ingress asks the router about and may send to a worker straight
 # (ingress.path: direct): both OpenAI routes and the native API's Generate, as gRPC paths.
 # Their gRPC paths (a worker serves them over its HTTP front, services/worker/http.py).

@@ -21,11 +21,12 @@ HTTP2 = {
         "explicit_http_config": {"http2_protocol_options": {}},
     }
 }
-# A server of plain HTTP/1.1 (a worker's HTTP front): one request at a time per connection.
+# A server of plain HTTP/1.1 (a service's HTTP front): one request at a time per connection; its
+# trailers passed on (a router's decision calls end with their gRPC status there).
 HTTP1 = {
     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http_protocol_options": {}},
+        "explicit_http_config": {"http_protocol_options": {"enable_trailers": True}},
     }
 }
 

@@ -20,24 +20,32 @@ from gaas.envoy.routes import RETRY_UNREACHED, decorator, grpc_route, unreached_
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_PATHS
+from gaas.contracts.services import EXT_PROC_PROCESS, GRPC_SERVICE, OPENAI_GENERATION_PATHS
 from gaas.ops.topology import TALKS_TO, Instance, LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import PEER_ADDRESS_HEADER, WORKER_HEADER
 
 
-# A worker's HTTP/1.1 front (services/worker/http.py), where its sidecar sends the OpenAI
-# generations the ingress streams from it (ingress.path: direct).
+# A service's HTTP/1.1 front on the direct path, where its sidecar sends what it serves there: a
+# worker's OpenAI generations the ingress streams from it (services/worker/http.py), a router's
+# decision calls (services/router/extproc_http.py).
 LOCAL_HTTP = "local_http"
+
+
+def http_paths(kind: str, direct: bool) -> tuple[str, ...]:
+    """The paths kind's sidecar sends to its HTTP front (LOCAL_HTTP)."""
+    if not direct:
+        return ()
+    return {"worker": OPENAI_GENERATION_PATHS, "router": (EXT_PROC_PROCESS,)}.get(kind, ())
 
 
 def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarget | None = None,
                 envoy: str = "", instance: str = "", direct: bool = False) -> dict:
     """A sidecar's inbound HTTP connection manager, to its one service (the local_service cluster;
-    a worker's OpenAI generations on the direct path to its HTTP front, LOCAL_HTTP): RBAC for
-    kind's methods, the verified caller passed on, its own replies for a service it could not
-    reach marked."""
-    to_http = OPENAI_GENERATION_PATHS if kind == "worker" and direct else ()
+    what it serves over HTTP/1.1 on the direct path to its HTTP front, LOCAL_HTTP: http_paths):
+    RBAC for kind's methods, the verified caller passed on, its own replies for a service it could
+    not reach marked."""
+    to_http = http_paths(kind, direct)
     return hcm(
         stat_prefix,
         [*({"match": {"path": path}, "route": {"cluster": LOCAL_HTTP, "timeout": "0s"},
@@ -72,7 +80,7 @@ def sidecar_config(topo: Topology, inst: Instance, log_dir: Path, authority: pki
     listeners = [listener("inbound", topo.bind(inst), inst.inbound_port, inbound, server_tls(creds))]
     clusters = [pipe_cluster("local_service", local.service, health_check=topo.pod) if local
                 else static_cluster("local_service", [(inst.host, inst.port)], health_check=False)]
-    if inst.service == "worker" and topo.ingress_path == "direct":
+    if http_paths(inst.service, topo.ingress_path == "direct"):
         clusters.append(pipe_cluster(LOCAL_HTTP, local.http, http1=True) if local
                         else static_cluster(LOCAL_HTTP, [(inst.host, inst.http_port)], health_check=False, http1=True))
 

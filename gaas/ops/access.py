@@ -11,7 +11,7 @@ not named here is the operator's alone; health checks are open to every identity
 from __future__ import annotations
 
 from gaas.contracts.services import (
-    AUTHZ_SERVICE, DIRECT_GENERATION, EXT_PROC_SERVICE, GRPC_SERVICE, OPENAI_SERVICE, XDS_SERVICE,
+    AUTHZ_SERVICE, DIRECT_GENERATION, EXT_PROC_PROCESS, GRPC_SERVICE, OPENAI_SERVICE, XDS_SERVICE,
 )
 
 # Per kind, who may call each method of its own gRPC service (GRPC_SERVICE).
@@ -60,7 +60,7 @@ def method_paths(kind: str, direct: bool = False) -> dict[str, tuple[str, ...]]:
                  f"/{AUTHZ_SERVICE}/Check": ("ingress",)}
         if direct:
             # The ingress asks the router where each generation goes (services/router/extproc.py).
-            paths[f"/{EXT_PROC_SERVICE}/Process"] = ("ingress",)
+            paths[EXT_PROC_PROCESS] = ("ingress",)
         return paths
     from google.protobuf import descriptor_pool
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from gaas.settings.worker import HTTP_PORT_OFFSET, HTTP_SOCKET, engine_options, topology_defaults
+from gaas.settings.common import HTTP_PORT_OFFSET, HTTP_SOCKET
+from gaas.settings.worker import engine_options, topology_defaults
 
 # Start order; also the order `gaas status` lists them.
 SERVICES = ("control", "kvcache", "billing", "worker", "router")

@@ -78,6 +78,22 @@ def check_socket_free(path: Path) -> None:
     raise OSError(f"cannot listen on unix:{path}: it is in use (is another instance running?)")
 
 
+async def listen_plain(factory: Callable[[], asyncio.Protocol], listen: str) -> asyncio.AbstractServer:
+    """A plain asyncio server of this service beside its gRPC one (an HTTP/1.1 front), at listen:
+    unix:/path (a leftover socket file replaced, a live one refused; only the owner may connect)
+    or host:port."""
+    loop = asyncio.get_running_loop()
+    if listen.startswith("unix:"):
+        path = Path(listen.removeprefix("unix:"))
+        check_socket_free(path)
+        path.unlink(missing_ok=True)  # what kill -9 left: asyncio, unlike gRPC, does not replace it
+        server = await loop.create_unix_server(factory, str(path))
+        path.chmod(0o600)
+        return server
+    host, _, port = listen.rpartition(":")
+    return await loop.create_server(factory, host, int(port), reuse_address=True)
+
+
 def options_for(service: str, cfg, **extra) -> ServerOptions:
     """ServerOptions from a service's settings (each carries gaas/settings/common.py's fields)."""
     return ServerOptions(

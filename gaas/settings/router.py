@@ -91,6 +91,8 @@ class RouterSettings(Settings):
     host: str = common.host()
     port: int = common.port(50071)
     listen: str = common.listen()
+    http_listen: str = common.http_listen("the ingress's decision calls (Envoy's external processing) its "
+                                          "sidecar forwards on the direct path")
     metrics_port: int = common.metrics_port()
     grace_seconds: float = common.grace_seconds()
     outbound: str = setting("GAAS_OUTBOUND", REQUIRED, "host:port (or unix:/path) of the sidecar's outbound "

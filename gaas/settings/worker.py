@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gaas.settings import common
@@ -34,19 +33,6 @@ def _at_least_one_gib(gib: int) -> str | None:
     return None if gib >= 1 else "must be at least 1"
 
 
-# A worker's HTTP/1.1 front (services/worker/http.py) listens this many ports above its gRPC port
-# (or, on a Unix socket, beside it).
-HTTP_PORT_OFFSET = 6
-HTTP_SOCKET = "http.sock"
-
-
-def http_listen(listen: str, host: str, port: int) -> str:
-    """Where a worker serving gRPC at listen (unix:/path, or "" for host:port) serves its HTTP front."""
-    if listen.startswith("unix:"):
-        return f"unix:{Path(listen.removeprefix('unix:')).with_name(HTTP_SOCKET)}"
-    return f"{host}:{int(port) + HTTP_PORT_OFFSET if int(port) else 0}"
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerSettings(Settings):
     instance: str = common.instance("worker-0", "also its worker id in the registry")
@@ -58,10 +44,7 @@ class WorkerSettings(Settings):
     advertise: str = setting("GAAS_ADVERTISE", REQUIRED, "host:port peers reach it at: its sidecar's inbound "
                              "listener", derived=lambda s: f"{s['host']}:{s['port']}",
                              shown_default="GAAS_HOST:GAAS_PORT")
-    http_listen: str = setting("GAAS_HTTP_LISTEN", REQUIRED, "where its HTTP/1.1 front listens (unix:/path or "
-                               "host:port): the OpenAI generations its sidecar forwards on the direct path",
-                               derived=lambda s: http_listen(s["listen"], s["host"], s["port"]),
-                               shown_default=f"http.sock beside GAAS_LISTEN's socket, else GAAS_PORT+{HTTP_PORT_OFFSET}")
+    http_listen: str = common.http_listen("the OpenAI generations its sidecar forwards on the direct path")
     outbound: str = setting("GAAS_OUTBOUND", "", "host:port (or unix:/path) of its sidecar's outbound listener "
                             "(control); empty: it runs standalone, unregistered")
     model: str = setting("GAAS_MODEL", REQUIRED, "the served model's name")

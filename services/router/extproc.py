@@ -1,7 +1,8 @@
 """The router's decision at the ingress, with the router out of the token stream (topology:
 ingress.path: direct), the way the Gateway API Inference Extension's endpoint picker works:
 Envoy's external processing protocol (envoy.service.ext_proc.v3; the part of it used here is
-protos/gaas/v1/ext_proc.proto).
+protos/gaas/v1/ext_proc.proto), its calls served over HTTP/1.1 from the router's sidecar
+(extproc_http.py).
 
 For each generation (both OpenAI routes and the native API's Generate), the ingress sends the
 request's headers and its (transcoded) body here. The router authenticates, admits and places it as
@@ -47,7 +48,7 @@ from gaas.runtime.interceptors import malformed
 from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, begin_request, client_request_id_var
 from gaas.contracts.services import GRPC_SERVICE, OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
-from gaas.v1 import ext_proc_pb2_grpc, inference_pb2, worker_pb2
+from gaas.v1 import inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
@@ -142,7 +143,7 @@ def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
     ]
 
 
-class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
+class ExternalProcessor:
     def __init__(self, pipeline: Pipeline, max_body_bytes: int, instance: str = "", moves: int = 0,
                  max_stream_s: float = 3600.0) -> None:
         self._pipeline = pipeline
@@ -307,8 +308,9 @@ class ExternalProcessor(ext_proc_pb2_grpc.ExternalProcessorServicer):
             finally:
                 await client.aclose()
 
-    async def Process(self, request_iterator, context):
-        requests = request_iterator.__aiter__()
+    async def process(self, requests):
+        """One decision call: the ingress's ProcessingRequest messages (its request's headers, then
+        its body) in, the ProcessingResponses that answer them out (extproc_http.py serves it)."""
         headers: dict[str, str] = {}
         body = bytearray()
         timing = Timing()

@@ -25,9 +25,9 @@ from gaas.settings.env import ConfigError
 from gaas.settings.router import RouterSettings
 from gaas.contracts.sessions import SessionPolicy
 from gaas.model.tokenizer import TokenizerCache
-from gaas.contracts.services import AUTHZ_SERVICE, EXT_PROC_SERVICE
+from gaas.contracts.services import AUTHZ_SERVICE
 from gaas.v1 import (
-    billing_pb2_grpc, control_pb2_grpc, ext_authz_pb2_grpc, ext_proc_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
+    billing_pb2_grpc, control_pb2_grpc, ext_authz_pb2_grpc, inference_pb2_grpc, kvcache_pb2_grpc, openai_pb2_grpc, router_pb2_grpc,
     worker_pb2_grpc,
 )
 from services.router.auth import Authenticator, SharedKeys
@@ -40,6 +40,7 @@ from services.router.directory import DirectoryCollector, MeshDirectory
 from services.router.stages import RouterMetrics, Stages
 from services.router.edgeauth import EdgeAuthorizer
 from services.router.extproc import ExternalProcessor
+from services.router.extproc_http import ExtProcFront
 from services.router.flow import Flow, FlowCollector, FlowSettings
 from services.router.flowstatus import RouterServicer
 from services.router.kvclient import KVDirectoryClient
@@ -185,15 +186,15 @@ async def serve(cfg: RouterSettings) -> None:
     rt.add_service(ext_authz_pb2_grpc.add_AuthorizationServicer_to_server, EdgeAuthorizer(auth), AUTHZ_SERVICE,
                    listed=False)
     # The ingress's decision call when the router is out of the token stream (ingress.path: direct).
-    rt.add_service(
-        ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server,
-        extproc := ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance, cfg.moves, cfg.max_stream_seconds),
-        EXT_PROC_SERVICE,
-        listed=False,
-    )
+    # Its sidecar forwards them over HTTP/1.1 (extproc_http.py): grpc.aio's machinery per call and
+    # message cost three times what the decision's calls need.
+    extproc = ExternalProcessor(pipeline, cfg.max_body_bytes, cfg.instance, cfg.moves, cfg.max_stream_seconds)
+    front = ExtProcFront(extproc, rt.metrics, rt.opts.max_request_bytes, tracer_provider=rt.tracer_provider)
+    rt.stop_with_server(front.stop)
     rt.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(cfg.instance, flow, stages.activity, sessions), "gaas.v1.Router",
                    listed=False)  # reached through the router's sidecar only, never the ingress
     await rt.start()
+    await front.start(cfg.http_listen)
     refresher = asyncio.create_task(directory.run(), name="mesh-view")
     following = asyncio.create_task(follower.run(), name="kv-replica")
     spool = asyncio.create_task(meter.run_spool(), name="usage-spool")

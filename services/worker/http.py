@@ -25,12 +25,10 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httptools
 from google.api import httpbody_pb2
@@ -42,7 +40,7 @@ from gaas.contracts.headers import UNREACHED_HEADER
 from gaas.runtime import status, telemetry
 from gaas.runtime.interceptors import enter_call
 from gaas.runtime.metrics import ServiceMetrics
-from gaas.runtime.server import check_socket_free
+from gaas.runtime.server import listen_plain
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +80,7 @@ class HttpFront:
 
     async def start(self, listen: str) -> None:
         """Listen at listen: unix:/path (a leftover socket file replaced, a live one refused) or host:port."""
-        loop = asyncio.get_running_loop()
-        if listen.startswith("unix:"):
-            path = Path(listen.removeprefix("unix:"))
-            check_socket_free(path)  # (one a live process holds is refused)
-            path.unlink(missing_ok=True)  # what kill -9 left: asyncio, unlike gRPC, does not replace it
-            self._server = await loop.create_unix_server(lambda: _Connection(self), str(path))
-            os.chmod(path, 0o600)
-        else:
-            host, _, port = listen.rpartition(":")
-            self._server = await loop.create_server(lambda: _Connection(self), host, int(port), reuse_address=True)
+        self._server = await listen_plain(lambda: _Connection(self), listen)
         log.info("HTTP front listening on %s", listen)
 
     async def stop(self, grace: float) -> None:

@@ -279,7 +279,7 @@ async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before
         read_on = True
         await asyncio.Event().wait()  # (the body never comes)
 
-    answers = [r async for r in ep.Process(messages(), None)]
+    answers = [r async for r in ep.process(messages())]
     assert [a.WhichOneof("response") for a in answers] == ["immediate_response"] and not read_on
     assert answers[0].immediate_response.status.code == 401
     assert b"API key" in answers[0].immediate_response.body

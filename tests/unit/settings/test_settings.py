@@ -44,7 +44,8 @@ DEFAULTS = {
                "GAAS_MAX_LORAS": "0", "GAAS_MAX_LORA_RANK": "16", "GAAS_MAX_CPU_LORAS": "0",
                "GAAS_TOOL_PARSER": "", "GAAS_KV_EVENTS": "true", "GAAS_WARMUP_REQUESTS": "2", "GAAS_LEASE_RENEW_SECONDS": "0.5", "GAAS_REDIS_URL": "",
                "GAAS_SPOOL_DIR": ".gaas/spool"},
-    "router": {**BASE, "GAAS_INSTANCE": "router-0", "GAAS_PORT": "50071", "GAAS_OUTBOUND": "unix:/o",
+    "router": {**BASE, "GAAS_INSTANCE": "router-0", "GAAS_PORT": "50071", "GAAS_HTTP_LISTEN": "127.0.0.1:50077",
+               "GAAS_OUTBOUND": "unix:/o",
                "GAAS_ROUTER_POLICY": "kv_aware", "GAAS_ROUTER_WEIGHTS": "", "GAAS_REGISTRY_REFRESH_SECONDS": "0.5",
                "GAAS_ROUTER_RETRIES": "2", "GAAS_ROUTER_STREAM_MOVES": "2", "GAAS_QOS": "on",
                "GAAS_QUEUE_MAX": "256", "GAAS_WINDOW_INITIAL": "8", "GAAS_WINDOW_MIN": "4", "GAAS_WINDOW_MAX": "64",
@@ -78,10 +79,12 @@ def test_what_to_env_writes_from_env_reads_back(service):
 def test_unset_or_empty_takes_the_default_and_required_ones_are_named():
     assert RouterSettings.from_env({"GAAS_OUTBOUND": "o", "GAAS_QUEUE_MAX": ""}).max_waiting == 256
     assert WorkerSettings.from_env({**REQUIRED["worker"], "GAAS_HOST": "h", "GAAS_PORT": "7"}).advertise == "h:7"
-    # A worker's HTTP front: beside its gRPC socket, or six ports above its gRPC port.
-    assert WorkerSettings.from_env({**REQUIRED["worker"], "GAAS_HOST": "h", "GAAS_PORT": "7"}).http_listen == "h:13"
-    assert WorkerSettings.from_env({**REQUIRED["worker"], "GAAS_LISTEN": "unix:/run/w/service.sock"}).http_listen \
-        == "unix:/run/w/http.sock"
+    # A worker's or a router's HTTP front: beside its gRPC socket, or six ports above its gRPC port.
+    for service in ("worker", "router"):
+        cls = SETTINGS[service]
+        assert cls.from_env({**REQUIRED[service], "GAAS_HOST": "h", "GAAS_PORT": "7"}).http_listen == "h:13"
+        assert cls.from_env({**REQUIRED[service], "GAAS_LISTEN": "unix:/run/w/service.sock"}).http_listen \
+            == "unix:/run/w/http.sock"
     for service, env in REQUIRED.items():
         for name in env:
             with pytest.raises(ConfigError, match=f"^{name} is required$"):
