@@ -58,8 +58,10 @@ OPEN_GRPC_SERVICES = (
 # --------------------------------------------------------------- requests
 
 # The largest OpenAI request body (GAAS_MAX_BODY_BYTES); the ingress buffers at most this and
-# the transcoder's framing.
+# the transcoder's framing (a body past both is 413 at the ingress, one between them the router's 400
+# naming the limit).
 MAX_BODY_BYTES = 1 * MIB
+FRAMING_BYTES = 16 * KIB
 # The largest gRPC request the router takes: a native prompt of gaas.contracts.genrequest.MAX_PROMPT_CHARS
 # characters (up to 4 bytes each in UTF-8) and the rest of the request.
 MAX_GRPC_REQUEST_BYTES = 4 * MIB + 256 * KIB

@@ -23,6 +23,8 @@ EXT_PROC_PROCESS = f"/{EXT_PROC_SERVICE}/Process"
 # (ingress.path: direct): both OpenAI routes and the native API's Generate, as gRPC paths.
 # Their gRPC paths (a worker serves them over its HTTP front, services/worker/http.py).
 OPENAI_GENERATION_PATHS = tuple(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION)
+# And their HTTP paths (protos/gaas/v1/openai.proto's http rules), which the ingress transcodes.
+OPENAI_GENERATION_HTTP = ("/v1/completions", "/v1/chat/completions")
 DIRECT_GENERATION = (*OPENAI_GENERATION_PATHS, f"/{GRPC_SERVICE['router']}/Generate")
 # The router's key check for the ingress, on each request's headers (Envoy's external authorization).
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"

@@ -7,17 +7,22 @@ from __future__ import annotations
 
 from gaas.envoy.clusters import WORKERS_CLUSTER
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, ROUTER_CALL_RETRY, UNREACHED_HEADER, decorator, grpc_route
-from gaas.contracts.services import DIRECT_GENERATION
+from gaas.contracts.services import DIRECT_GENERATION, OPENAI_GENERATION_HTTP
 from gaas.runtime.context import WORKER_HEADER
 
+# The router's decision, twice in the ingress's filters: before the transcoder for the OpenAI routes'
+# HTTP requests (their JSON bodies; the key checked on their headers before anything reads the
+# body), and after it for the native API's Generate, gRPC or transcoded from JSON.
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+OPENAI_DECISION_FILTER = "gaas.decision.openai"
 EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 # How long the router may take to decide (a request may wait in its queue for a worker's room
 # that long; its tier's deadline ends the wait first).
 DECISION_TIMEOUT = "300s"
 
 
-def ext_proc() -> dict:
+def ext_proc(name: str = EXT_PROC_FILTER) -> dict:
     """The ingress asks a router where each generation goes (ingress.path: direct;
     services/router/extproc.py): the request's headers and whole body go to the router, which
     answers with the worker (x-gaas-worker) and the body to send it, and ends the call there: it
@@ -29,9 +34,11 @@ def ext_proc() -> dict:
     decided goes on unprocessed: without x-gaas-worker it takes the router's own route,
     which retries it on another router (gaas.envoy.routes.RETRY_BEFORE_RESPONSE) and serves it
     there, or answers router_unavailable when none is up; a request is never sent to a worker
-    undecided (only a router sets x-gaas-worker)."""
+    undecided (only a router sets x-gaas-worker). name: OPENAI_DECISION_FILTER's call, which is
+    made as the request's body arrives, does not fail open (its body went to the call): its failure
+    to reach a router is answered router_unavailable (gaas.envoy.errors)."""
     return {
-        "name": EXT_PROC_FILTER,
+        "name": name,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": "router"}, "retry_policy": ROUTER_CALL_RETRY},
@@ -47,14 +54,35 @@ def ext_proc() -> dict:
                 "response_trailer_mode": "SKIP",
             },
             "message_timeout": DECISION_TIMEOUT,
-            "failure_mode_allow": True,
+            # (The OpenAI routes' HTTP requests are asked about as their body arrives, which then
+            # cannot go on without the call: its failure is answered 503, gaas.envoy.errors.)
+            "failure_mode_allow": name == EXT_PROC_FILTER,
         },
     }
 
 
-def ext_proc_disabled() -> dict:
-    """A route's typed_per_filter_config that keeps the router's decision (ext_proc) off it."""
-    return {EXT_PROC_FILTER: {"@type": EXT_PROC_PER_ROUTE, "disabled": True}}
+def ext_proc_disabled(*names: str) -> dict:
+    """A route's typed_per_filter_config that keeps the router's decision (those ext_proc filters,
+    both by default) off it."""
+    return {name: {"@type": EXT_PROC_PER_ROUTE, "disabled": True} for name in names or (EXT_PROC_FILTER,
+                                                                                         OPENAI_DECISION_FILTER)}
+
+
+def openai_http_routes(descriptor_set_limit: dict) -> list[dict]:
+    """The OpenAI generation routes as their HTTP requests arrive (POST /v1/completions, POST
+    /v1/chat/completions), before the transcoder: the router's decision is asked here (the key
+    checked on the headers, the JSON body read as it comes), then the transcoder turns the
+    decision's body into the gRPC request to the worker named and the route is chosen again by the
+    gRPC path. A request the transcoder did not turn (none should) is not found: nothing reaches a
+    router or a worker from here unchecked. descriptor_set_limit: the transcoder's config here, its
+    limit the decision's body (the client's and what the router adds: the prompts' token ids, a
+    session's context)."""
+    return [{
+        "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
+        "direct_response": {"status": 404},
+        "typed_per_filter_config": {TRANSCODER: descriptor_set_limit},
+        **decorator("ingress, asking a router"),
+    } for path in OPENAI_GENERATION_HTTP]
 
 
 # On the direct path, a generation that never reached its worker (no connection, a refused or

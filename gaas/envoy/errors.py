@@ -84,4 +84,10 @@ def router_unanswered_replies() -> dict:
     # (gaas.envoy.direct.ext_proc), which has none to send it to.
     no_router = mapper("no_healthy_upstream", "serve this request")
     no_router["filter"] = cel("response.code_details == 'no_healthy_upstream' && xds.cluster_name == 'router'")
-    return {"mappers": [mapper("ext_authz_error", "check this request's API key"), no_router, malformed]}
+    # An OpenAI request's decision call, asked as its body arrives (gaas.envoy.direct's
+    # OPENAI_DECISION_FILTER), cannot fail open once its body went to the call: with no router to
+    # reach (the call retried on every one), Envoy's 500 is that same 503.
+    no_decision = mapper("ext_proc_error_gRPC_error_14", "serve this request")
+    no_decision["status_code"] = 503
+    return {"mappers": [mapper("ext_authz_error", "check this request's API key"), no_router, no_decision,
+                        malformed]}

@@ -15,14 +15,15 @@ from gaas.contracts import batches as batch_terms, edge
 from gaas.settings import router as router_settings
 from gaas.envoy.bootstrap import bootstrap
 from gaas.envoy.clusters import static_cluster, workers_cluster, xds_cluster
-from gaas.envoy.direct import direct_routes, ext_proc, ext_proc_disabled
+from gaas.envoy.direct import DIRECT_RETRY_BUFFER, EXT_PROC_FILTER, OPENAI_DECISION_FILTER, TRANSCODER, \
+    direct_routes, ext_proc, ext_proc_disabled, openai_http_routes
 from gaas.envoy.errors import openai_errors_filter, router_unanswered_replies
 from gaas.envoy.listeners import hcm, listener, pipe_address, socket_address
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, ROUTER_CALL_RETRY, UNREACHED_HEADER, grpc_route
 from gaas.envoy.tls import client_tls, downstream_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import DIRECT_GENERATION, GRPC_SERVICE, OPENAI_SERVICE
+from gaas.contracts.services import DIRECT_GENERATION, GRPC_SERVICE, OPENAI_GENERATION_HTTP, OPENAI_SERVICE
 from gaas.ops.topology import LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
@@ -101,15 +102,12 @@ def ext_authz_disabled() -> dict:
 def max_http_body() -> int:
     """The largest HTTP body the ingress buffers for transcoding: the router's limit, and room for
     the framing (a larger body is refused at the ingress with 413, unread)."""
-    return router_settings.max_body_bytes() + 16 * edge.KIB
-
-
-TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+    return router_settings.max_body_bytes() + edge.FRAMING_BYTES
 
 
 def max_upload_body() -> int:
     """The largest body of an upload (POST /v1/files): a batch input file and its multipart framing."""
-    return batch_terms.MAX_UPLOAD_BYTES + 16 * edge.KIB
+    return batch_terms.MAX_UPLOAD_BYTES + edge.FRAMING_BYTES
 
 
 def upload_route(descriptor_set: Path) -> dict:
@@ -196,8 +194,12 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
     listener shares the port with the others', SO_REUSEPORT)."""
     name = f"ingress-{replica}"
     direct = topo.ingress_path == "direct"
+    # The decision's body, which the transcoder reads on the OpenAI routes' HTTP requests: the
+    # client's (the router's limit) and what the router adds (direct.DIRECT_RETRY_BUFFER bounds it).
+    decided = transcoder(descriptor_set, DIRECT_RETRY_BUFFER)["typed_config"]
     routes = [
         *(direct_routes() if direct else []),
+        *(openai_http_routes(decided) if direct else []),
         upload_route(descriptor_set),
         grpc_route(f"/{GRPC_SERVICE['router']}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
         grpc_route(f"/{OPENAI_SERVICE}/", "router", retry=RETRY_BEFORE_RESPONSE, operation="ingress"),
@@ -207,19 +209,33 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
     ]
     if direct:
-        # The router is asked about the generation routes only, and checks their keys as it decides.
-        for route in routes[:len(DIRECT_GENERATION) * 2]:
+        # The router is asked about the generation routes only, and checks their keys as it decides:
+        # the OpenAI routes' HTTP requests before the transcoder (OPENAI_DECISION_FILTER), the rest
+        # (a native Generate, gRPC or JSON; an OpenAI route's gRPC request) after it. A request sent
+        # to its worker is not asked about again.
+        n = len(DIRECT_GENERATION)
+        to_workers, to_router = routes[:n], routes[n:2 * n]
+        asking = routes[2 * n:2 * n + len(OPENAI_GENERATION_HTTP)]
+        for route in routes[:2 * n + len(asking)]:
             route.setdefault("typed_per_filter_config", {}).update(ext_authz_disabled())
-        for route in routes[len(DIRECT_GENERATION) * 2:]:
+        for route in to_workers:
+            route["typed_per_filter_config"].update(ext_proc_disabled())
+        for route in to_router:
+            route["typed_per_filter_config"].update(ext_proc_disabled(OPENAI_DECISION_FILTER))
+        for route in asking:
+            route["typed_per_filter_config"].update(ext_proc_disabled(EXT_PROC_FILTER))
+        for route in routes[2 * n + len(asking):]:
             route.setdefault("typed_per_filter_config", {}).update(ext_proc_disabled())
     manager = hcm(
         "ingress",
         routes,
         # On responses filters run in reverse: the transcoder's output reaches the Lua filter.
         # The key check (ext_authz) comes before the transcoder, which reads the whole body. The
-        # router's decision (direct) comes after it: it reads and replaces the gRPC request, and
-        # reads the worker's gRPC trailers before they are transcoded.
-        [internal_headers_dropped(), openai_errors_filter(), ext_authz(), transcoder(descriptor_set),
+        # router's decision (direct) comes before it for the OpenAI routes' HTTP requests (it reads
+        # the JSON and replaces it with the worker's request, which the transcoder frames) and
+        # after it for the rest (it reads and replaces the gRPC request).
+        [internal_headers_dropped(), openai_errors_filter(), ext_authz(),
+         *([ext_proc(OPENAI_DECISION_FILTER)] if direct else []), transcoder(descriptor_set),
          *([ext_proc()] if direct else [])],
         log_dir / "envoy-ingress-access.log",
         vhost={"response_headers_to_remove": [UNREACHED_HEADER],

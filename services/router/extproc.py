@@ -46,7 +46,7 @@ from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
 from gaas.runtime.interceptors import malformed
 from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, begin_request, client_request_id_var
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_SERVICE
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_HTTP, OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import inference_pb2, worker_pb2
 from services.router.placement import DirectPlacement
@@ -60,11 +60,14 @@ log = logging.getLogger(__name__)
 # How often the requests no report ended are looked for (sweep).
 SWEEP_SECONDS = 1.0
 
-# The OpenAI routes the ingress asks the router about, and how their bodies parse.
+# The OpenAI routes the ingress asks the router about, and how their bodies parse: by their gRPC
+# paths (a gRPC client's request, its body one framed HttpBody), and by their HTTP paths (an HTTP
+# client's, asked about before the transcoder: its body the JSON itself).
 PARSERS = {
     f"/{OPENAI_SERVICE}/Completions": (openai_api.parse_completion, False),
     f"/{OPENAI_SERVICE}/ChatCompletions": (openai_api.parse_chat, True),
 }
+HTTP_PARSERS = dict(zip(OPENAI_GENERATION_HTTP, PARSERS.values(), strict=True))
 # The native API's generation, whose body is the GenerateRequest itself (gaas.contracts.services.DIRECT_GENERATION).
 NATIVE_GENERATE = f"/{GRPC_SERVICE['router']}/Generate"
 
@@ -100,6 +103,21 @@ def _header(key: str, value: str) -> ep.HeaderValueOption:
 
 def _headers_of(header_map) -> dict[str, str]:
     return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in header_map.headers}
+
+
+def http_path(headers: dict[str, str]) -> str:
+    """The OpenAI HTTP path of a request asked about before the transcoder (its query left out), or ""."""
+    path = headers.get(":path", "").partition("?")[0]
+    return path if path in HTTP_PARSERS else ""
+
+
+def too_large() -> ep.ProcessingResponse:
+    """The answer to an OpenAI request whose body passes what the ingress takes (the router's limit
+    and the framing's room, gaas.contracts.edge), as the ingress gave it when its transcoder read
+    the body first: 413, which the ingress's error filter words with the limit (a body between the
+    two is jsonbody's 400 naming it)."""
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=ep.HttpStatus(code=413), body=b"Payload Too Large", details="request_too_large"))
 
 
 def immediate(err: errors.GaasError) -> ep.ProcessingResponse:
@@ -315,6 +333,8 @@ class ExternalProcessor:
         body = bytearray()
         timing = Timing()
         principal = None
+        # An OpenAI route's HTTP request (asked about before the transcoder): its body is the JSON.
+        json_body = False
         async for req in requests:
             kind = req.WhichOneof("request")
             if kind == "request_headers":
@@ -329,8 +349,15 @@ class ExternalProcessor:
                 except Exception as exc:  # noqa: BLE001 - every failure is answered, in the client's shape
                     yield self._refusal(exc, headers)
                     return
+                json_body = bool(http_path(headers))
+                if json_body and int(headers.get("content-length") or 0) > self._max_body + edge.FRAMING_BYTES:
+                    yield too_large()
+                    return
             elif kind == "request_body":
                 body += req.request_body.body
+                if json_body and len(body) > self._max_body + edge.FRAMING_BYTES:
+                    yield too_large()
+                    return
                 if req.request_body.end_of_stream:
                     break
         else:
@@ -355,19 +382,20 @@ class ExternalProcessor:
             return
         direct, p, g = decided.direct, decided.placement, decided.generation
         message = direct.SerializeToString()
-        if not native:
-            message = httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE, data=message).SerializeToString()
-        framed = grpc_frame(message)
+        set_headers = [_header(WORKER_HEADER, p.addresses), _header(REQUEST_ID_HEADER, direct.request_id),
+                       _header(TENANT_HEADER, p.principal.tenant)]
+        if json_body:
+            # The transcoder makes the worker's request of it: an HttpBody of this content type, framed.
+            set_headers.append(_header("content-type", direct_contract.CONTENT_TYPE))
+        elif native:
+            message = grpc_frame(message)
+        else:
+            message = grpc_frame(httpbody_pb2.HttpBody(content_type=direct_contract.CONTENT_TYPE,
+                                                       data=message).SerializeToString())
         yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(set_headers=[
-                _header(WORKER_HEADER, p.addresses),
-                _header(REQUEST_ID_HEADER, direct.request_id),
-                _header(TENANT_HEADER, p.principal.tenant),
-            ]),
-            clear_route_cache=True,
-        )))
+            header_mutation=ep.HeaderMutation(set_headers=set_headers), clear_route_cache=True)))
         yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=framed, end_of_stream=True)))))
+            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=message, end_of_stream=True)))))
         self._pending[direct.request_id] = _Pending(p, g.metered, g.plan.held if g.plan is not None else None,
                                                     time.monotonic())
         if not self._hearing:
@@ -387,15 +415,18 @@ class ExternalProcessor:
     async def _decide(self, principal, headers: dict[str, str], body: bytes, timing: Timing) -> Decided | None:
         """The request decided for its worker; None: the router's own route serves it (a path this
         router does not decide)."""
-        parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
-        if parse is None:
-            return None
+        if path := http_path(headers):
+            (parse, chat), data = HTTP_PARSERS[path], body
+        else:
+            parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
+            if parse is None:
+                return None
+            data = _message(httpbody_pb2.HttpBody, body).data
         client_id = client_request_id_var.get()
-        http = _message(httpbody_pb2.HttpBody, body)
-        parsed = parse(jsonbody.parse(http.data, self._max_body))
+        parsed = parse(jsonbody.parse(data, self._max_body))
         session_id_of(parsed, headers)  # (on the engine requests: the pipeline reads it there)
         return await self._placed(principal, engine_requests(parsed), timing, headers,
-                                  client_id or parsed.client_request_id, parsed.client_request_id, http.data, chat,
+                                  client_id or parsed.client_request_id, parsed.client_request_id, data, chat,
                                   check=answer_check(parsed))
 
     async def _decide_native(self, principal, headers: dict[str, str], body: bytes, timing: Timing) -> Decided:

@@ -21,6 +21,8 @@ from gaas.contracts import errors, pricing
 from gaas.metering import direct
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.extproc import grpc_frame, grpc_unframe, immediate
+from gaas.ops import probe
+from gaas.ops.topology import LocalSockets, sockets_root
 from tests.conftest import INGRESS_PATH
 from tests.meshutil import (
     cli_tenant, cli_usage, generate, http, openai_client, own_mesh, refused_on_headers, served_again,
@@ -127,6 +129,31 @@ def test_the_openai_client_is_served_by_the_worker_with_the_router_out_of_the_st
     # And the router recorded each one as its own, from the worker's report.
     metrics = http(direct_mesh, "/metrics", method="GET", key="")[1]
     assert 'gaas_router_requests_total{model="gaas-tiny",outcome="length",tier="gold"} 3.0' in metrics
+
+
+def ingress_key_checks(mesh) -> int:
+    """The key checks (ext_authz) the ingress's Envoys have asked the routers for, all together."""
+    root, total = sockets_root(mesh.run_dir.resolve()), 0
+    for replica in itertools.count():
+        admin = LocalSockets.of(root, f"ingress-{replica}").admin
+        if not admin.exists():
+            return total
+        status, body = probe.envoy_admin(admin, r"/stats?filter=^http\.ingress\.ext_authz\.(ok|denied|error)$")
+        assert status == 200 and b"ext_authz.ok" in body, body[:200]
+        total += sum(int(line.rsplit(":", 1)[1]) for line in body.decode().splitlines() if ":" in line)
+
+
+def test_an_http_clients_generation_costs_one_call_to_a_router(direct_mesh):
+    """The key of an OpenAI request sent over HTTP is checked in its decision call, on its headers
+    before its body is read: the ingress makes no key check of its own (it did, before the
+    transcoder, whose routes it was decided by)."""
+    c = openai_client(direct_mesh)
+    c.models.list()  # (a route the ingress checks the key of itself: the counter is there)
+    before = ingress_key_checks(direct_mesh)
+    assert c.completions.create(model=MODEL, prompt="one call", max_tokens=1).choices
+    assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "one call"}],
+                                     max_tokens=1).choices
+    assert ingress_key_checks(direct_mesh) == before
 
 
 def test_the_ledger_holds_exactly_what_the_client_was_told(direct_mesh):

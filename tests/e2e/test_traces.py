@@ -99,10 +99,11 @@ def test_the_mesh_own_background_calls_make_no_traces(mesh):
     generate(mesh, prompt="only this", max_tokens=2)
     time.sleep(6)  # leases renew and registries refresh meanwhile
     collected = traces.load(mesh.run_dir / traces.TRACES_FILE)
-    # A client's request leaves a span in the router's public methods or its key check, even where
-    # Envoy's exporter dropped the ingress's own (it drops spans when the collector falls behind:
-    # a few did under the fuzzing before this, every request traced on two cores).
-    client_methods = ("/gaas.v1.OpenAI/", "/gaas.v1.Inference/", "/envoy.service.auth.v3.Authorization/")
+    # A client's request leaves a span in the router's public methods, its key check or its decision
+    # call, even where Envoy's exporter dropped the ingress's own (it drops spans when the collector
+    # falls behind: a few did under the fuzzing before this, every request traced on two cores).
+    client_methods = ("/gaas.v1.OpenAI/", "/gaas.v1.Inference/", "/envoy.service.auth.v3.Authorization/",
+                      "/envoy.service.ext_proc.v3.ExternalProcessor/")
     background = [t for t in collected.values() if not any(s.service == "envoy-ingress" for s in t.spans)
                   and not any(s.name.startswith(client_methods) for s in t.spans)]
     assert not background, [(t.trace_id, [(s.service, s.name) for s in t.spans]) for t in background[:3]]

@@ -340,9 +340,13 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     listener = configs["ingress-0"]["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    # The router reads the transcoded gRPC request, and the worker's trailers before transcoding.
-    assert names.index("envoy.filters.http.grpc_json_transcoder") < names.index("envoy.filters.http.ext_proc")
-    ext_proc = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}["envoy.filters.http.ext_proc"]
+    # The router reads an OpenAI route's HTTP request before the transcoder (its JSON, the key
+    # checked on its headers before anything reads the body) and the rest transcoded (gRPC).
+    transcoder = names.index("envoy.filters.http.grpc_json_transcoder")
+    assert names.index("gaas.decision.openai") < transcoder < names.index("envoy.filters.http.ext_proc")
+    filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
+    assert {**filters["gaas.decision.openai"], "failure_mode_allow": True} == filters["envoy.filters.http.ext_proc"]
+    ext_proc = filters["envoy.filters.http.ext_proc"]
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == "router"
     mode = ext_proc["processing_mode"]
     # Nothing of the response passes through the router: not the tokens, nor the trailers.
@@ -376,8 +380,13 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
 
     asked = [r for r in routes if not off(r, "envoy.filters.http.ext_proc")]
     assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == generations
-    assert all(off(r, "envoy.filters.http.ext_authz") for r in asked)
-    assert not any(off(r, "envoy.filters.http.ext_authz") for r in routes if r not in asked)
+    assert all("x-gaas-worker" not in str(r["match"]) for r in asked)  # (once sent to a worker: not again)
+    asked_http = [r for r in routes if not off(r, "gaas.decision.openai")]
+    assert {r["match"]["path"] for r in asked_http} == {"/v1/completions", "/v1/chat/completions"}
+    # Untranscoded, such a request reaches nothing: only its transcoded form is routed.
+    assert all(r["direct_response"]["status"] == 404 and "route" not in r for r in asked_http)
+    assert all(off(r, "envoy.filters.http.ext_authz") for r in asked + asked_http + to_workers)
+    assert not any(off(r, "envoy.filters.http.ext_authz") for r in routes if r not in asked + asked_http + to_workers)
     # The ingress can reach exactly the mesh's workers' sidecars, as the ingress identity, in the
     # order the router names them.
     # (The workers are those control says have registered.)

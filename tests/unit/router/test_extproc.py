@@ -259,7 +259,8 @@ async def test_a_router_that_cannot_hear_the_workers_holds_no_place_for_its_dire
     assert meter.done == ["reservation"] and ep.pending == 1 and not ep._hearing
 
 
-async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before_its_body_is_read():
+@pytest.mark.parametrize("path", ["/gaas.v1.OpenAI/Completions", "/v1/completions"])
+async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before_its_body_is_read(path):
     import asyncio
 
     from gaas.v1 import ext_proc_pb2 as ep_pb
@@ -272,7 +273,7 @@ async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before
 
     async def messages():
         nonlocal read_on
-        headers = [(":path", b"/gaas.v1.OpenAI/Completions"), ("authorization", b"Bearer gaas_not_a_key"),
+        headers = [(":path", path.encode()), ("authorization", b"Bearer gaas_not_a_key"),
                    ("x-gaas-client-address", b"192.0.2.7")]
         yield ep_pb.ProcessingRequest(request_headers=ep_pb.HttpHeaders(headers=ep_pb.HeaderMap(
             headers=[ep_pb.HeaderValue(key=k, raw_value=v) for k, v in headers])))
@@ -283,3 +284,58 @@ async def test_a_generation_without_a_valid_key_is_refused_on_its_headers_before
     assert [a.WhichOneof("response") for a in answers] == ["immediate_response"] and not read_on
     assert answers[0].immediate_response.status.code == 401
     assert b"API key" in answers[0].immediate_response.body
+
+
+def _asked(path: str, body: bytes | None, key: str = "gaas_acme", **extra: str):
+    """The ingress's messages for one request: its headers, then its body in one piece (if any)."""
+    from gaas.v1 import ext_proc_pb2 as ep_pb
+
+    headers = {":path": path, "authorization": f"Bearer {key}", "x-gaas-client-address": "192.0.2.7", **extra}
+
+    async def messages():
+        yield ep_pb.ProcessingRequest(request_headers=ep_pb.HttpHeaders(headers=ep_pb.HeaderMap(
+            headers=[ep_pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])))
+        if body is not None:
+            yield ep_pb.ProcessingRequest(request_body=ep_pb.HttpBody(body=body, end_of_stream=True))
+
+    return messages()
+
+
+def _acme_processor(max_body: int = 1 << 20) -> ExternalProcessor:
+    async def lookup(key):
+        return ACME if key == "gaas_acme" else None
+
+    return ExternalProcessor(Pipeline(stages(), Authenticator(lookup, 1.0)), max_body, instance="router-0")
+
+
+async def test_an_http_clients_openai_request_is_decided_on_its_json_and_its_worker_sent_the_decision_to_frame():
+    """Asked about before the transcoder (the ingress's OpenAI routes): the body is the client's
+    JSON, and the answer's body the worker's DirectGenerate itself, with the content type the
+    transcoder puts in the HttpBody it frames."""
+    import json
+
+    from gaas.v1 import worker_pb2
+
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4}).encode()
+    answers = [r async for r in _acme_processor().process(_asked("/v1/completions?api-version=1", body))]
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    set_headers = {h.header.key: h.header.raw_value.decode()
+                   for h in answers[0].request_headers.response.header_mutation.set_headers}
+    assert set_headers["x-gaas-worker"] and set_headers["content-type"] == direct.CONTENT_TYPE
+    sent = answers[1].request_body.response.body_mutation.streamed_response
+    decided = worker_pb2.DirectGenerate.FromString(sent.body)
+    assert sent.end_of_stream and decided.openai_body == body and not decided.chat
+    assert decided.metering.tenant == "acme" and decided.prompts[0].request.prompt_token_ids
+
+
+@pytest.mark.parametrize("sent_length", [True, False])
+async def test_an_http_clients_body_past_what_the_ingress_takes_is_413_as_the_ingress_gave_it(sent_length):
+    """By its content-length, before the body is read; or, sent without one, once it passes the
+    router's limit and the framing's room (edge.FRAMING_BYTES; between the two: jsonbody's 400)."""
+    from gaas.contracts import edge
+
+    body = b"x" * (1000 + edge.FRAMING_BYTES + 1)
+    extra = {"content-length": str(len(body))} if sent_length else {}
+    answers = [r async for r in _acme_processor(max_body=1000).process(_asked("/v1/chat/completions", body, **extra))]
+    assert [a.WhichOneof("response") for a in answers] == ["immediate_response"]
+    assert answers[0].immediate_response.status.code == 413
