@@ -78,6 +78,14 @@ def check_socket_free(path: Path) -> None:
     raise OSError(f"cannot listen on unix:{path}: it is in use (is another instance running?)")
 
 
+# Connections a plain server's listener holds before it accepts them (the kernel caps it at
+# net.core.somaxconn). asyncio's default of 100 overflowed under a flood of keyless requests, each of
+# whose decision calls the router's sidecar makes on a new connection (a refused call is not
+# finished, so its connection is not kept): the sidecar's connects were refused, its 503s ejected
+# the router at the ingress, and a real request failed.
+PLAIN_BACKLOG = 4096
+
+
 async def listen_plain(factory: Callable[[], asyncio.Protocol], listen: str) -> asyncio.AbstractServer:
     """A plain asyncio server of this service beside its gRPC one (an HTTP/1.1 front), at listen:
     unix:/path (a leftover socket file replaced, a live one refused; only the owner may connect)
@@ -87,11 +95,11 @@ async def listen_plain(factory: Callable[[], asyncio.Protocol], listen: str) -> 
         path = Path(listen.removeprefix("unix:"))
         check_socket_free(path)
         path.unlink(missing_ok=True)  # what kill -9 left: asyncio, unlike gRPC, does not replace it
-        server = await loop.create_unix_server(factory, str(path))
+        server = await loop.create_unix_server(factory, str(path), backlog=PLAIN_BACKLOG)
         path.chmod(0o600)
         return server
     host, _, port = listen.rpartition(":")
-    return await loop.create_server(factory, host, int(port), reuse_address=True)
+    return await loop.create_server(factory, host, int(port), reuse_address=True, backlog=PLAIN_BACKLOG)
 
 
 def options_for(service: str, cfg, **extra) -> ServerOptions:
