@@ -2,7 +2,7 @@
 ingress.path: direct), the way the Gateway API Inference Extension's endpoint picker works:
 Envoy's external processing protocol (envoy.service.ext_proc.v3; the part of it used here is
 protos/gaas/v1/ext_proc.proto), its calls served over HTTP/1.1 from the router's sidecar
-(extproc_http.py).
+(extproc_http.py), its messages' shapes in extproc_wire.py.
 
 For each generation (both OpenAI routes and the native API's Generate), the ingress sends the
 request's headers and its (transcoded) body here. The router authenticates, admits and places it as
@@ -26,29 +26,27 @@ trailers-only response with the status and its details.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-import struct
 import time
 from dataclasses import dataclass
 
 import grpc
 from google.api import httpbody_pb2
-from google.protobuf.message import DecodeError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gaas.metering import admission, direct as direct_contract
-from gaas.contracts import edge, errors, jsonbody
+from gaas.contracts import edge, jsonbody
 from gaas.openai import api as openai_api
 from gaas.metering.meter import Metered
 from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
-from gaas.runtime.interceptors import malformed
 from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, begin_request, client_request_id_var
 from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_HTTP, OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import inference_pb2, worker_pb2
+from services.router.extproc_wire import TRANSCODED_HEADER, grpc_frame, header, headers_of, immediate, \
+    immediate_grpc, message_of, passed_on, too_large
 from services.router.placement import DirectPlacement
 from services.router.openai_servicer import answer_check, engine_requests, session_id_of
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
@@ -72,93 +70,11 @@ HTTP_PARSERS = dict(zip(OPENAI_GENERATION_HTTP, PARSERS.values(), strict=True))
 NATIVE_GENERATE = f"/{GRPC_SERVICE['router']}/Generate"
 
 
-def grpc_frame(message: bytes) -> bytes:
-    """One uncompressed gRPC message frame."""
-    return struct.pack(">BI", 0, len(message)) + message
-
-
-def grpc_unframe(body: bytes) -> bytes:
-    """The message of a request body holding one uncompressed gRPC frame."""
-    if len(body) < 5:
-        raise errors.InvalidArgument("the request body is empty")
-    compressed, size = struct.unpack(">BI", body[:5])
-    if compressed or len(body) != 5 + size:
-        raise errors.InvalidArgument("the request body is not one uncompressed gRPC message")
-    return body[5:]
-
-
-def _message(cls, body: bytes):
-    """The request message of a request body of one gRPC frame, refused as the router's own routes
-    refuse one that does not parse (gaas.runtime.interceptors.malformed)."""
-    try:
-        return cls.FromString(grpc_unframe(body))
-    except DecodeError:
-        raise malformed(cls.__name__) from None
-
-
-def _header(key: str, value: str) -> ep.HeaderValueOption:
-    return ep.HeaderValueOption(header=ep.HeaderValue(key=key, raw_value=value.encode()),
-                                append_action=ep.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-
-
-def _headers_of(header_map) -> dict[str, str]:
-    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in header_map.headers}
-
-
 def http_path(headers: dict[str, str]) -> str:
     """The OpenAI HTTP path of a request asked about before the transcoder (its query left out), or ""."""
     path = headers.get(":path", "").partition("?")[0]
     return path if path in HTTP_PARSERS else ""
 
-
-def too_large() -> ep.ProcessingResponse:
-    """The answer to an OpenAI request whose body passes what the ingress takes (the router's limit
-    and the framing's room, gaas.contracts.edge), as the ingress gave it when its transcoder read
-    the body first: 413, which the ingress's error filter words with the limit (a body between the
-    two is jsonbody's 400 naming it)."""
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=ep.HttpStatus(code=413), body=b"Payload Too Large", details="request_too_large"))
-
-
-def immediate(err: errors.GaasError) -> ep.ProcessingResponse:
-    """The client's answer to a refused request, as the ingress's transcoder renders a failed call
-    of the router's own routes (the HTTP status of err's code, the google.rpc.Status as JSON), so
-    that its error filter gives it OpenAI's shape and Retry-After as it does theirs. (The ingress
-    answers an HTTP client here, not a gRPC one: the transcoder does not see this answer.)"""
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=ep.HttpStatus(code=err.info.http_status),
-        body=status.status_json(err).encode(),
-        headers=ep.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
-        details=err.code,
-    ))
-
-
-def immediate_grpc(err: errors.GaasError) -> ep.ProcessingResponse:
-    """A gRPC client's answer to a refused request (the native API's Generate): the trailers-only
-    response the router's own route would give, its status, message and details (retry delay,
-    quota) as the server interceptor sets them."""
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=ep.HttpStatus(code=200),
-        grpc_status=ep.GrpcStatus(status=grpc.StatusCode[err.code].value[0]),
-        body=err.message.encode(),
-        headers=ep.HeaderMutation(set_headers=[_header(status.DETAILS_KEY, base64.b64encode(
-            status.status_details(err)).decode())]),
-        details=err.code,
-    ))
-
-
-# The transcoder keeps a JSON request's own path here: such a native request's client reads HTTP.
-TRANSCODED_HEADER = "x-envoy-original-path"
-
-
-def _passed_on(body: bytes) -> list[ep.ProcessingResponse]:
-    """Let the request go on unchanged to the router's own route (whatever worker a client named)."""
-    return [
-        ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(remove_headers=[WORKER_HEADER]), clear_route_cache=True))),
-        ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(
-            streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=True))))),
-    ]
 
 
 class ExternalProcessor:
@@ -338,7 +254,7 @@ class ExternalProcessor:
         async for req in requests:
             kind = req.WhichOneof("request")
             if kind == "request_headers":
-                headers = _headers_of(req.request_headers.headers)
+                headers = headers_of(req.request_headers.headers)
                 if req.request_headers.end_of_stream:  # no body: nothing to decide
                     yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
                     return
@@ -377,16 +293,16 @@ class ExternalProcessor:
             yield self._refusal(exc, headers)
             return
         if decided is None:
-            for r in _passed_on(bytes(body)):
+            for r in passed_on(bytes(body)):
                 yield r
             return
         direct, p, g = decided.direct, decided.placement, decided.generation
         message = direct.SerializeToString()
-        set_headers = [_header(WORKER_HEADER, p.addresses), _header(REQUEST_ID_HEADER, direct.request_id),
-                       _header(TENANT_HEADER, p.principal.tenant)]
+        set_headers = [header(WORKER_HEADER, p.addresses), header(REQUEST_ID_HEADER, direct.request_id),
+                       header(TENANT_HEADER, p.principal.tenant)]
         if json_body:
             # The transcoder makes the worker's request of it: an HttpBody of this content type, framed.
-            set_headers.append(_header("content-type", direct_contract.CONTENT_TYPE))
+            set_headers.append(header("content-type", direct_contract.CONTENT_TYPE))
         elif native:
             message = grpc_frame(message)
         else:
@@ -421,7 +337,7 @@ class ExternalProcessor:
             parse, chat = PARSERS.get(headers.get(":path", ""), (None, False))
             if parse is None:
                 return None
-            data = _message(httpbody_pb2.HttpBody, body).data
+            data = message_of(httpbody_pb2.HttpBody, body).data
         client_id = client_request_id_var.get()
         parsed = parse(jsonbody.parse(data, self._max_body))
         session_id_of(parsed, headers)  # (on the engine requests: the pipeline reads it there)
@@ -432,7 +348,7 @@ class ExternalProcessor:
     async def _decide_native(self, principal, headers: dict[str, str], body: bytes, timing: Timing) -> Decided:
         """_decide for the native API's Generate, whose body is the GenerateRequest."""
         client_id = client_request_id_var.get()
-        request = _message(inference_pb2.GenerateRequest, body)
+        request = message_of(inference_pb2.GenerateRequest, body)
         return await self._placed(principal, [request], timing, headers, client_id or request.request_id,
                                   request.request_id)
 

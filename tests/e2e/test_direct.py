@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from gaas.contracts import errors, pricing
 from gaas.metering import direct
 from gaas.v1 import common_pb2, worker_pb2
-from services.router.extproc import grpc_frame, grpc_unframe, immediate
+from services.router.extproc_wire import grpc_frame, grpc_unframe, immediate
 from gaas.ops import probe
 from gaas.ops.topology import LocalSockets, sockets_root
 from tests.conftest import INGRESS_PATH

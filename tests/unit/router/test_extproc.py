@@ -230,7 +230,7 @@ def test_a_native_grpc_refusal_at_the_ingress_is_a_trailers_only_grpc_status_wit
     from google.rpc import status_pb2
 
     from gaas.contracts import errors
-    from services.router.extproc import immediate_grpc
+    from services.router.extproc_wire import immediate_grpc
 
     err = errors.ResourceExhausted("tenant x has made 3 requests", reason="rate_limit_exceeded", retry_after=2.0)
     r = immediate_grpc(err).immediate_response
