@@ -47,6 +47,21 @@ INGRESS_START_VALUE = "%START_TIME(%s.%6f)%"
 CLIENT_ADDRESS_VALUE = "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"
 
 
+def internal_headers_dropped_early() -> list[dict]:
+    """The connection manager's early header mutation: the headers only the router may set, dropped
+    from what a client sent before the route is chosen (the connection manager chooses it as the
+    headers arrive, and a filter that drops them after leaves that choice in place: a native
+    Generate sent with its own x-gaas-worker kept the route to the workers, on which the router is
+    not asked, and reached a worker undecided)."""
+    return [{
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove": h} for h in (TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER)],
+        },
+    }]
+
+
 def internal_headers_dropped() -> dict:
     """Only the router may say who the tenant is, which worker serves, or what GaaS's own request
     id is; never a client: the ingress drops what a client sent of them before anything else
@@ -248,6 +263,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # The client's x-request-id is kept (not replaced by Envoy's) and echoed in the response,
         # as vLLM's server echoes it; GaaS keys everything internal on its own id.
         preserve_external_request_id=True,
+        early_header_mutation_extensions=internal_headers_dropped_early(),
         always_set_request_id_in_response=True,
         local_reply_config=router_unanswered_replies(),
         **edge_hcm_options(xff_trusted_hops),
