@@ -5,7 +5,8 @@ protos/gaas/v1/ext_proc.proto), its calls served over HTTP/1.1 from the router's
 (extproc_http.py), its messages' shapes in extproc_wire.py.
 
 For each generation (both OpenAI routes and the native API's Generate), the ingress sends the
-request's headers and its (transcoded) body here. The router authenticates, admits and places it as
+request's headers and its body here (an OpenAI route's HTTP request before the transcoder, its
+JSON; the rest transcoded, gRPC). The router authenticates, admits and places it as
 it does for its own routes, then answers with the worker to send it to (x-gaas-worker, which picks
 the ingress's cluster of that worker's sidecar) and the body replaced by a gaas.v1.DirectGenerate:
 the tokens then stream from the worker to the ingress without passing through the router, and the

@@ -32,6 +32,7 @@ from gaas.runtime.metrics import ServiceMetrics
 from gaas.runtime.server import listen_plain
 from gaas.v1 import ext_proc_pb2 as ep
 from services.router.extproc import ExternalProcessor
+from services.router.extproc_wire import grpc_frame
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class _Call(asyncio.Protocol):
     async def _answer(self) -> None:
         async for response in self.front.processor.process(self._messages()):
             message = response.SerializeToString()
-            frame = FRAME.pack(0, len(message)) + message
+            frame = grpc_frame(message)
             chunk = b"%x\r\n%s\r\n" % (len(frame), frame)
             self.transport.write(chunk if self.answering else HEAD + chunk)
             self.answering = True
