@@ -37,6 +37,12 @@ def enabled(provider: trace.TracerProvider) -> bool:
     return not isinstance(provider, trace.NoOpTracerProvider)
 
 
+def plain_tracer(provider: trace.TracerProvider | None, name: str) -> trace.Tracer | None:
+    """The tracer a plain (non-gRPC) front of a service starts its server spans with; None when
+    tracing is off (its calls then start none)."""
+    return provider.get_tracer(name) if provider is not None and enabled(provider) else None
+
+
 def server_interceptors(provider: trace.TracerProvider) -> list:
     if not enabled(provider):
         return []

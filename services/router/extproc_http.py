@@ -53,8 +53,7 @@ class ExtProcFront:
         self.metrics = metrics
         # The most a call may send (its messages together: the request's headers and body).
         self.max_call_bytes = max_call_bytes
-        self.tracer = tracer_provider.get_tracer(__name__) \
-            if tracer_provider is not None and telemetry.enabled(tracer_provider) else None
+        self.tracer = telemetry.plain_tracer(tracer_provider, __name__)
         self._server: asyncio.AbstractServer | None = None
         self.calls: set[_Call] = set()
 

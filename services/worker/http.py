@@ -73,8 +73,7 @@ class HttpFront:
         self.routes = dict(routes)
         self.metrics = metrics
         self.named_as = named_as
-        self.tracer = tracer_provider.get_tracer(__name__) \
-            if tracer_provider is not None and telemetry.enabled(tracer_provider) else None
+        self.tracer = telemetry.plain_tracer(tracer_provider, __name__)
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
 
