@@ -48,11 +48,12 @@ CLIENT_ADDRESS_VALUE = "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"
 
 
 def internal_headers_dropped_early() -> list[dict]:
-    """The connection manager's early header mutation: the headers only the router may set, dropped
-    from what a client sent before the route is chosen (the connection manager chooses it as the
-    headers arrive, and a filter that drops them after leaves that choice in place: a native
-    Generate sent with its own x-gaas-worker kept the route to the workers, on which the router is
-    not asked, and reached a worker undecided)."""
+    """The connection manager's early header mutation: only the router may say who the tenant is,
+    which worker serves, or what GaaS's own request id is; never a client. What a client sent of
+    them is dropped before anything else, the route's choice included: the connection manager
+    chooses the route as the headers arrive, and a filter dropping them after would leave a route
+    chosen by a client's own x-gaas-worker (the route to the workers, on which the router is not
+    asked). So what the router says at the ingress, on the direct path, is all a worker hears."""
     return [{
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
@@ -62,19 +63,17 @@ def internal_headers_dropped_early() -> list[dict]:
     }]
 
 
-def internal_headers_dropped() -> dict:
-    """Only the router may say who the tenant is, which worker serves, or what GaaS's own request
-    id is; never a client: the ingress drops what a client sent of them before anything else
-    (so that what the router says at the ingress, on the direct path, reaches the worker), and
-    stamps the request's arrival and the client's address (what the key check's limiter keys on:
-    Envoy's external authorization reports the connection's peer, which behind a load balancer
-    is the balancer) over whatever a client sent as them."""
+def ingress_stamps() -> dict:
+    """The ingress's first filter: it stamps the request's arrival and the client's address (what
+    the key check's limiter keys on: Envoy's external authorization reports the connection's peer,
+    which behind a load balancer is the balancer) over whatever a client sent as them. (What a
+    client sent of the headers only the router may set is gone already:
+    internal_headers_dropped_early.)"""
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
             "mutations": {"request_mutations": [
-                *({"remove": h} for h in (TENANT_HEADER, WORKER_HEADER, REQUEST_ID_HEADER)),
                 # The request's arrival, stamped before any filter reads it (a client's own value
                 # overwritten): the router's decision on the direct path reads it here.
                 {"append": {"header": {"key": INGRESS_START_HEADER, "value": INGRESS_START_VALUE},
@@ -249,7 +248,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # router's decision (direct) comes before it for the OpenAI routes' HTTP requests (it reads
         # the JSON and replaces it with the worker's request, which the transcoder frames) and
         # after it for the rest (it reads and replaces the gRPC request).
-        [internal_headers_dropped(), openai_errors_filter(), ext_authz(),
+        [ingress_stamps(), openai_errors_filter(), ext_authz(),
          *([ext_proc(OPENAI_DECISION_FILTER)] if direct else []), transcoder(descriptor_set),
          *([ext_proc()] if direct else [])],
         log_dir / "envoy-ingress-access.log",

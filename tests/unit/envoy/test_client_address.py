@@ -15,7 +15,7 @@ import yaml
 
 from gaas.contracts import edge
 from gaas.envoy import config as envoyconf
-from gaas.envoy.ingress import edge_hcm_options, internal_headers_dropped, proxy_protocol
+from gaas.envoy.ingress import edge_hcm_options, ingress_stamps, proxy_protocol
 from gaas.envoy.listeners import hcm, listener
 from gaas.ops import pki, protogen, topology
 from tests.waiting import eventually
@@ -70,7 +70,7 @@ def echo_envoy(tmp_path):
         seen = {"key": "seen", "value": f"%REQ({edge.CLIENT_ADDRESS_HEADER})%"}
         route = {"match": {"prefix": "/"}, "direct_response": {"status": 200},
                  "response_headers_to_add": [{"header": seen}]}
-        manager = hcm("edge", [route], [internal_headers_dropped()], tmp_path / "access.log", **edge_hcm_options(hops))
+        manager = hcm("edge", [route], [ingress_stamps()], tmp_path / "access.log", **edge_hcm_options(hops))
         lst = listener("ingress", "127.0.0.1", port, manager)
         if proxied:
             lst["listener_filters"] = [proxy_protocol()]
