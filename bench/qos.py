@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -28,9 +27,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from bench import footprint
+from bench.common import sse
 from bench.common.mesh import admin, bench_mesh, running, tenant_key
 from bench.common.output import RESULTS, ROOT, progress, write_json
 from bench.common.stats import parts_p50_p95, percentile
@@ -50,24 +50,20 @@ def prompt(rng: random.Random, words: int = 90) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def one(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -> dict:
+async def one(client: aiohttp.ClientSession, key: str, text: str, max_tokens: int) -> dict:
     """One streamed completion: outcome, TTFT (ms), tokens, and where the mesh says its time went
     (gaas.contracts.latency's parts, asked for with x-gaas-explain)."""
     body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     started = time.perf_counter()
     ttft, tokens, parts = None, 0, None
-    headers = {"Authorization": f"Bearer {key}", "x-gaas-explain": "1"}
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                await r.aread()
-                kind = {503: "shed", 504: "timed_out", 429: "rate_limited"}.get(r.status_code, f"http_{r.status_code}")
+        async with client.post("/v1/completions", json=body, headers=sse.bearer(key, {"x-gaas-explain": "1"})) as r:
+            if r.status != 200:
+                await r.read()
+                kind = {503: "shed", 504: "timed_out", 429: "rate_limited"}.get(r.status, f"http_{r.status}")
                 return {"outcome": kind, "ms": (time.perf_counter() - started) * 1000}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse.events(r):
                 if "error" in chunk:
                     return {"outcome": "failed", "ms": (time.perf_counter() - started) * 1000}
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -76,7 +72,7 @@ async def one(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -
                         ttft = (time.perf_counter() - started) * 1000
                 if (chunk.get("usage") or {}).get("gaas_latency_ms"):
                     parts = chunk["usage"]["gaas_latency_ms"]
-    except httpx.HTTPError as exc:
+    except sse.CLIENT_ERRORS as exc:
         return {"outcome": f"client_{type(exc).__name__}", "ms": (time.perf_counter() - started) * 1000}
     return {"outcome": "ok", "ttft_ms": ttft or 0.0, "tokens": tokens, "ms": (time.perf_counter() - started) * 1000,
             "parts": parts}
@@ -87,7 +83,7 @@ async def closed_loop(base: str, keys: dict, streams: int, seconds: float, max_t
     rng = random.Random(1)
     ttfts: list[float] = []
     deadline = time.perf_counter() + seconds
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=streams + 8)) as c:
+    async with sse.session(base, connections=streams + 8, timeout=120) as c:
         async def loop(i: int) -> None:
             while time.perf_counter() < deadline:
                 r = await one(c, keys[TIERS[i % 3]][0], prompt(rng), max_tokens)
@@ -117,7 +113,7 @@ async def unloaded(base: str, key: str, n: int, max_tokens: int) -> list[dict]:
     """n requests one at a time: the ones served."""
     rng = random.Random(2)
     out = []
-    async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+    async with sse.session(base, timeout=60) as c:
         for _ in range(n):
             r = await one(c, key, prompt(rng), max_tokens)
             if r["outcome"] == "ok":
@@ -131,7 +127,7 @@ async def open_loop(base: str, keys: dict, rate: float, seconds: float, max_toke
     results: dict[str, list[dict]] = {t: [] for t in TIERS}
     turn = {t: 0 for t in TIERS}
     tasks = []
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=2000)) as c:
+    async with sse.session(base, connections=2000, timeout=120) as c:
         async def run(tier: str, key: str, text: str) -> None:
             r = await one(c, key, text, max_tokens)
             r["ended"] = time.perf_counter()
@@ -235,14 +231,15 @@ async def hammer(base: str, key: str, seconds: float, streams: int) -> tuple[int
     admitted = refused = 0
     deadline = time.perf_counter() + seconds
     body = {"model": MODEL, "prompt": "count me", "max_tokens": 1}
-    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+    async with sse.session(base, timeout=30) as c:
         async def loop() -> None:
             nonlocal admitted, refused
             while time.perf_counter() < deadline:
-                r = await c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
-                if r.status_code == 200:
+                async with c.post("/v1/completions", json=body, headers=sse.bearer(key)) as r:
+                    await r.read()
+                if r.status == 200:
                     admitted += 1
-                elif r.status_code == 429:
+                elif r.status == 429:
                     refused += 1
                     await asyncio.sleep(0.01)
         await asyncio.gather(*(loop() for _ in range(streams)))

@@ -13,6 +13,7 @@ windows' trace, read from the routers every half second."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -21,6 +22,7 @@ from bench.common.stats import percentile
 from bench.sits.card import Dimension, Unmeasured
 from bench.sits.load import open_loop, poisson, stream, text
 from bench.sits.target import OwnMeshOnly, Target
+from gaas.contracts.latency import PARTS
 
 MODEL = "gaas-tiny"
 PROMPT_TOKENS, OUT_TOKENS = 90, 32
@@ -84,6 +86,13 @@ def mesh_ttft_ms(parts: dict) -> float:
     return parts["total"] - parts["decode"]
 
 
+def slowest_parts(parts: list[dict], share: float = 0.1) -> dict:
+    """Where the slowest tenth of a tier's first tokens spent their time: each part's mean (ms) over
+    the requests whose mesh-measured TTFT is in that tenth (the decode left out)."""
+    slow = sorted(parts, key=mesh_ttft_ms)[-max(1, math.ceil(len(parts) * share)):] if parts else []
+    return {p: round(sum(x.get(p, 0.0) for x in slow) / len(slow), 1) for p in PARTS if p != "decode"} if slow else {}
+
+
 def run(t: Target, keys: dict[str, str], quick: bool) -> dict:
     def send(tier: str, name: str, prompt: str):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": OUT_TOKENS, "ignore_eos": True, "temperature": 0}
@@ -106,7 +115,8 @@ def run(t: Target, keys: dict[str, str], quick: bool) -> dict:
             mesh_p95 = percentile(mesh, 0.95) if mesh else None
             row[tier] = {"requests": len(mine), "served": len(ok), "refused": sum(1 for o in mine if not o.ok),
                          "ttft_p95_ms": round(p95, 1), "mesh_ttft_p95_ms": round(mesh_p95, 1) if mesh else None,
-                         "target_ms": target, "within_target": bool(mesh) and mesh_p95 <= target}
+                         "target_ms": target, "within_target": bool(mesh) and mesh_p95 <= target,
+                         "slowest_parts_ms": slowest_parts([o.parts for o in mine if o.ok and o.parts])}
         out["phases"][name] = row
     served = [o for o in outcomes if o.ok]
     out["requests_per_s"] = round(len(served) / elapsed, 2)

@@ -20,8 +20,7 @@ import random
 import threading
 import time
 
-import httpx
-
+from bench.common import sse
 from bench.sits.card import Dimension
 from bench.sits.load import Outcome, stream, text
 from bench.sits.target import Target
@@ -33,8 +32,7 @@ async def churn(base_url: str, key: str, streams: int, seconds: float, seed: int
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     deadline = time.perf_counter() + seconds
-    async with httpx.AsyncClient(base_url=base_url, timeout=300,
-                                 limits=httpx.Limits(max_connections=streams + 4)) as c:
+    async with sse.session(base_url, connections=streams + 4, timeout=300) as c:
         async def loop(i: int) -> None:
             while time.perf_counter() < deadline:
                 body = {"model": MODEL, "prompt": f"{i} {rng.random()} " + text(rng, rng.randint(100, 1400)),

@@ -21,8 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
-
+from bench.common import sse
 from bench.sits.card import Dimension, Unmeasured
 from bench.sits.load import Outcome, stream, text
 from bench.sits.target import Target
@@ -45,7 +44,7 @@ class Chats:
         body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
         async def one() -> Outcome:
-            async with httpx.AsyncClient(base_url=self.t.base_url, timeout=120) as c:
+            async with sse.session(self.t.base_url, timeout=120) as c:
                 return await stream(c, key, body, chat=True, headers=headers)
 
         out = asyncio.run(one())

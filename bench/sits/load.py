@@ -1,16 +1,17 @@
-"""Requests as a client sends them (streamed, through the ingress, over HTTP), timed where the
-client sees them, and the text that fills their prompts to a given number of tokens."""
+"""Requests as a client sends them (streamed, through the ingress, over HTTP: bench.common.sse), timed
+where the client sees them, and the text that fills their prompts to a given number of tokens."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+
+from bench.common import sse
 
 WORDS = ("river stone cloud harbor signal copper forest market ladder paper lamp window garden winter thread "
          "engine meadow silver canyon lantern orbit valley prism ember falcon glacier harvest island jasmine").split()
@@ -43,8 +44,8 @@ class Outcome:
     parts: dict | None = None
 
 
-async def stream(client: httpx.AsyncClient, key: str, body: dict, *, chat: bool = False, headers: Sequence = (),
-                 kind: str = "", explain: bool = False) -> Outcome:
+async def stream(client: aiohttp.ClientSession, key: str, body: dict, *, chat: bool = False,
+                 headers: Sequence = (), kind: str = "", explain: bool = False) -> Outcome:
     """One streamed completion (chat: a chat completion) with its usage: its TTFT and tokens (explain:
     and where the mesh says its time went, x-gaas-explain)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -52,17 +53,14 @@ async def stream(client: httpx.AsyncClient, key: str, body: dict, *, chat: bool 
     started = time.perf_counter()
     out = Outcome(ok=False, started=started, kind=kind)
     try:
-        async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body,
-                                 headers={"authorization": f"Bearer {key}", **dict(headers)}) as r:
-            out.status = r.status_code
-            if r.status_code != 200:
-                await r.aread()
+        async with client.post("/v1/chat/completions" if chat else "/v1/completions", json=body,
+                               headers=sse.bearer(key, dict(headers))) as r:
+            out.status = r.status
+            if r.status != 200:
+                await r.read()
                 out.ms = (time.perf_counter() - started) * 1000
                 return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse.events(r):
                 if "error" in chunk:
                     out.ms = (time.perf_counter() - started) * 1000
                     return out
@@ -79,7 +77,7 @@ async def stream(client: httpx.AsyncClient, key: str, body: dict, *, chat: bool 
                     out.completion_tokens = usage.get("completion_tokens", 0)
                     out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     out.parts = usage.get("gaas_latency_ms") or out.parts
-    except httpx.HTTPError:
+    except sse.CLIENT_ERRORS:
         out.status = 0
         out.ms = (time.perf_counter() - started) * 1000
         return out
@@ -91,8 +89,7 @@ async def stream(client: httpx.AsyncClient, key: str, body: dict, *, chat: bool 
 async def open_loop(base_url: str, schedule: Sequence[tuple[float, Callable]], timeout: float = 300) -> list[Outcome]:
     """Each (at, send) of schedule started at its time (seconds from now), whatever the ones before
     are doing; send(client) -> Outcome. All of them once they ended."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200)) as client:
+    async with sse.session(base_url, connections=1000, timeout=timeout) as client:
         start = time.perf_counter()
         tasks = []
         for at, send in schedule:
@@ -108,8 +105,7 @@ async def closed_loop(base_url: str, concurrency: int, seconds: float, send: Cal
     """concurrency clients each sending send(client) -> Outcome one after another for `seconds`: the
     outcomes of the requests that ended within that time (the ones still running then are awaited,
     not counted)."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=concurrency + 10)) as client:
+    async with sse.session(base_url, connections=concurrency + 10, timeout=timeout) as client:
         until = time.perf_counter() + seconds
         ended: list[Outcome] = []
 
