@@ -81,9 +81,16 @@ def worker_parts(t: common_pb2.Timings, router_queue_ms: float) -> float:
 
 def add_tenant(t: common_pb2.Timings, seconds: float) -> None:
     """More of the tenant's time after the last token (writing its usage event before the last
-    chunk is released): part of the request, so of the total too."""
+    chunk is released): part of the request, so of the total too, but not of its first token."""
     t.tenant_ms += seconds * 1000
+    t.usage_ms += seconds * 1000
     t.total_ms += seconds * 1000
+
+
+def first_token_ms(t: common_pb2.Timings) -> float:
+    """From the request's arrival (the ingress's, else the router's) to its first token: the total
+    less the decode and the usage event's writing after the last token."""
+    return max(0.0, t.total_ms - t.decode_ms - t.usage_ms)
 
 
 def part_ms(t: common_pb2.Timings, part: str) -> float:
@@ -91,5 +98,7 @@ def part_ms(t: common_pb2.Timings, part: str) -> float:
 
 
 def as_dict(t: common_pb2.Timings) -> dict[str, float]:
-    """The decomposition as the OpenAI routes return it (usage.gaas_latency_ms)."""
-    return {**{p: round(part_ms(t, p), 3) for p in PARTS}, "total": round(t.total_ms, 3)}
+    """The decomposition as the OpenAI routes return it (usage.gaas_latency_ms): the parts, their
+    total and the time to the first token."""
+    return {**{p: round(part_ms(t, p), 3) for p in PARTS}, "total": round(t.total_ms, 3),
+            "ttft": round(first_token_ms(t), 3)}

@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import trace
 
 from gaas.contracts import batches as batch_terms
-from gaas.contracts import errors, finish
+from gaas.contracts import errors, finish, latency
 from gaas.contracts.principal import Principal
 from gaas.v1 import common_pb2, worker_pb2
 from services.router.activity import TenantActivity
@@ -259,7 +259,7 @@ class Placer:
             t, u = final.timings, final.usage
             # What the tenant waited for the first token, from the ingress's arrival; the window's
             # measure leaves out the ingress's hop and the router's queue, as for the router's streams.
-            seen_ms = t.total_ms - t.decode_ms
+            seen_ms = latency.first_token_ms(t)
             self._hooks.first_token(Response(worker, p.principal.band_name, t.ttft_ms,
                                              seen_ms - t.ingress_ms - t.router_queue_ms,
                                              prompt_work(u.prompt_tokens - u.cached_tokens)))

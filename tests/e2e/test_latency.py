@@ -36,6 +36,9 @@ def test_every_request_says_where_its_time_went_and_the_parts_add_up(mesh):
     assert abs(sum(parts.values()) - t.total_ms) < 0.01
     assert parts["decode"] > 0 and parts["prefill"] > 0 and parts["net"] > 0 and parts["tenant"] > 0
     assert t.queue_ms >= t.router_queue_ms
+    # Writing the usage event after the last token is the tenant's, not the first token's.
+    assert 0 < t.usage_ms <= t.tenant_ms
+    assert 0 < latency.first_token_ms(t) <= t.total_ms - t.decode_ms - t.usage_ms + 0.01
     # Against the end-to-end time measured independently at the edge: the ingress Envoy's own
     # duration of this request (its arrival to the last byte it sent back, whole milliseconds). The
     # parts cover it but for the last chunk's way back out: within 5%.
@@ -51,8 +54,9 @@ def test_the_openai_routes_explain_on_request(mesh):
     assert status == 200 and "gaas_latency_ms" not in json.loads(plain)["usage"]
     status, explained = http(mesh, "/v1/completions", body, headers=[("x-gaas-explain", "1")])
     got = json.loads(explained)["usage"]["gaas_latency_ms"]
-    assert set(got) == {*latency.PARTS, "total"}
+    assert set(got) == {*latency.PARTS, "total", "ttft"}
     assert abs(sum(got[p] for p in latency.PARTS) - got["total"]) < 0.01
+    assert 0 < got["ttft"] <= got["total"] - got["decode"]
 
     stream = json.dumps({"model": "gaas-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                          "stream": True}).encode()
@@ -77,7 +81,7 @@ def test_gaas_generate_explain_prints_the_parts(mesh):
     for part in latency.PARTS:
         assert f"   {part}" in out.stderr
     js = gaas(mesh, "generate", "--json", "--max-tokens", "4", "Hello")
-    assert set(json.loads(js.stdout)["latency_ms"]) == {*latency.PARTS, "total"}
+    assert set(json.loads(js.stdout)["latency_ms"]) == {*latency.PARTS, "total", "ttft"}
 
 
 def test_the_router_records_the_parts_as_histograms_by_tier(mesh):

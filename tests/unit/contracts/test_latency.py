@@ -35,6 +35,18 @@ def test_the_parts_add_up_to_the_total_and_are_each_what_was_measured(
     assert abs(t.ingress_ms - ingress) < tol and abs(t.router_queue_ms - router_queue) < tol
 
 
+def test_the_usage_events_writing_after_the_last_token_is_the_tenants_time_but_not_the_first_tokens():
+    t = common_pb2.Timings(queue_ms=2, ttft_ms=40, engine_ms=200)
+    latency.complete(t, total_s=0.230, tenant_s=0.004, router_queue_s=0.0, call_s=0.220, ingress_s=0.001)
+    before = latency.first_token_ms(t)
+    assert abs(before - (t.total_ms - t.decode_ms)) < 1e-9
+    latency.add_tenant(t, 0.150)  # a slow write of the usage event, after the last token
+    assert abs(t.tenant_ms - 154) < 1e-6 and abs(t.total_ms - 381) < 1e-6
+    assert abs(t.total_ms - sum(latency.part_ms(t, p) for p in latency.PARTS)) < 1e-6
+    assert latency.first_token_ms(t) == before
+    assert latency.as_dict(t)["ttft"] == round(before, 3)
+
+
 def test_a_worker_clock_ahead_of_the_routers_never_gives_negative_parts():
     t = common_pb2.Timings(queue_ms=5, ttft_ms=3, engine_ms=2)  # inconsistent: each at least the one before
     latency.complete(t, total_s=0.001, tenant_s=0.0, router_queue_s=0.0, call_s=0.0001, ingress_s=0.0)
