@@ -126,6 +126,18 @@ def test_the_step_load_floods_bronze_in_its_step_only():
     assert counts[("step", "gold")] < 3 * counts[("before", "gold")] + 10
 
 
+def test_the_first_token_the_mesh_measured_leaves_out_the_usage_write_and_the_slowest_tenths_parts_say_where():
+    older = {"tenant": 5.0, "router": 1.0, "queue": 0.0, "prefill": 40.0, "decode": 300.0, "net": 4.0, "total": 350.0}
+    assert batching.mesh_ttft_ms(older) == 50.0  # a mesh that does not give "ttft"
+    assert batching.mesh_ttft_ms({**older, "tenant": 105.0, "total": 450.0, "ttft": 50.0}) == 50.0
+    fast = [{**older, "ttft": 50.0 + i} for i in range(18)]
+    slow = [{**older, "prefill": 900.0, "ttft": 910.0}, {**older, "net": 604.0, "ttft": 650.0}]
+    got = batching.slowest_parts(fast + slow)
+    assert set(got) == {"tenant", "router", "queue", "prefill", "net"}
+    assert got["prefill"] == 470.0 and got["net"] == 304.0
+    assert batching.slowest_parts([]) == {}
+
+
 @given(rate=st.floats(0.5, 50), seconds=st.floats(0.5, 20), seed=st.integers(0, 1000))
 @settings(max_examples=50, deadline=None)
 def test_poisson_arrivals_are_ordered_and_within_the_window(rate, seconds, seed):
