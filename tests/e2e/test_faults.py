@@ -31,7 +31,7 @@ from tests.e2e.support import (MODEL, Load, Received, children, client, instance
 
 pytestmark = [pytest.mark.mesh, pytest.mark.destructive]
 WORKER = "worker-1"
-# A worker loads its engine in ~20-40 s on a CPU; more while the other worker is busy.
+# A worker loads its engine in ~10-20 s on a CPU; more while the other worker is busy.
 START_SECONDS = 180
 
 

@@ -22,7 +22,7 @@ from tests.waiting import eventually
 
 pytestmark = [pytest.mark.mesh]
 MODEL = "gaas-tiny"
-# A worker loads its engine in ~20-40 s on a CPU; more while others are busy.
+# A worker loads its engine in ~10-20 s on a CPU; more while others are busy.
 READY_SECONDS = 240
 
 

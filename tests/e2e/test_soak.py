@@ -28,7 +28,7 @@ STREAMS = 8
 PAUSE_S = 0.25
 # A process killed is serving again within this (its replacement started by `gaas up`) ...
 BACK_S = 10.0
-# ... but a worker loads its engine first: ~20-40 s on an idle CPU, minutes on a loaded one.
+# ... but a worker loads its engine first: ~10-20 s on an idle CPU, minutes on a loaded one.
 WORKER_BACK_S = 300.0
 # Kills after which a client's tokens may still go unbilled (see the test).
 KNOWN_GAPS = ("worker",)

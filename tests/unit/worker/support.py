@@ -50,3 +50,11 @@ def wreq(request_id="req-1", cache_salt="", **kw):
     return worker_pb2.WorkerGenerateRequest(
         request=inference_pb2.GenerateRequest(**kw), request_id=request_id, cache_salt=cache_salt
     )
+
+
+def write_environ_value(name: str, path: str) -> None:
+    """A process target: write the value of environment variable name (or "-") to path."""
+    import os
+
+    with open(path, "w") as f:
+        f.write(os.environ.get(name, "-"))

@@ -1,0 +1,37 @@
+"""The engine core's process forked from the worker's preloaded server (services/worker/enginefork.py)
+and the environment a CPU engine's processes start with."""
+
+import os
+
+from gaas.settings.worker import WorkerSettings
+from services.worker import enginefork
+from tests.unit.worker.support import write_environ_value
+
+
+def test_an_engine_process_runs_in_its_starters_environment_at_start_not_the_servers(tmp_path, monkeypatch):
+    ctx = enginefork.start_server({"GAAS_TEST_SERVER_START": "server"}, set(), modules=("json",))
+    assert ctx is not None
+    monkeypatch.setenv("GAAS_TEST_SERVER_START", "starter")
+    monkeypatch.setenv("GAAS_TEST_SET_LATER", "later")
+    for name in ("GAAS_TEST_SERVER_START", "GAAS_TEST_SET_LATER"):
+        out = tmp_path / name
+        p = ctx.Process(target=write_environ_value, args=(name, str(out)))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        assert out.read_text() == os.environ[name]
+    # Forked from the server, not spawned from this process.
+    assert ctx.get_start_method() == "forkserver"
+
+
+def test_a_cpu_engine_preloads_torchs_openmp_unless_one_is_preloaded(monkeypatch):
+    s = WorkerSettings.from_env({"GAAS_MODEL": "m", "GAAS_MODEL_PATH": "/m", "GAAS_KV_CACHE_GIB": "2"})
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    env = enginefork.cpu_engine_environment(s)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert "libgomp" in env["LD_PRELOAD"] and os.path.exists(env["LD_PRELOAD"].split(":")[-1])
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libiomp5.so")
+    assert env.get("LD_PRELOAD", "") != enginefork.cpu_engine_environment(s).get("LD_PRELOAD")
+    assert "libgomp" not in enginefork.cpu_engine_environment(s)["LD_PRELOAD"]
