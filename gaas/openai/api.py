@@ -372,21 +372,21 @@ def parse_detokenize(body: dict) -> tuple[str, list[int]]:
     return model, tokens
 
 
-def models_list(models: list[tuple[str, int, int, dict[str, str]]], created: int,
+def models_list(models: list[tuple[str, int, int, dict[str, str], str]], created: int,
                 adapters: list[tuple[str, str, int, int]] = ()) -> dict:
     """models: (name, ready workers, context length, version -> its role for the versions with
-    workers), shaped as vLLM's model cards (versions: GaaS's own field); adapters: (name, base
-    model, ready workers, context length) of the LoRA adapters the caller may use, as vLLM lists
-    its LoRA modules (parent: the base model)."""
+    workers, state: ready, starting or scaled_to_zero), shaped as vLLM's model cards (versions and
+    state: GaaS's own fields); adapters: (name, base model, ready workers, context length) of the
+    LoRA adapters the caller may use, as vLLM lists its LoRA modules (parent: the base model)."""
     return {
         "object": "list",
         "data": [
             {
                 "id": name, "object": "model", "created": created, "owned_by": "gaas", "root": name, "parent": None,
-                "max_model_len": ctx, "ready_workers": ready, "permission": [],
+                "max_model_len": ctx, "ready_workers": ready, "state": state, "permission": [],
                 "versions": [{"version": v, "role": role} for v, role in sorted(versions.items())],
             }
-            for name, ready, ctx, versions in models
+            for name, ready, ctx, versions, state in models
         ] + [
             {
                 "id": name, "object": "model", "created": created, "owned_by": "gaas", "root": name, "parent": base,

@@ -50,6 +50,7 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
                 {TIER_FROM_PB.get(p.tier, DEFAULT_TIER): Price(p.input, p.cached_input, p.output) for p in m.prices},
                 versions={v.version: VersionEntry(v.source, v.max_model_len, v.role) for v in m.versions},
                 split=_split(m), autoscaled=m.autoscaled, adapters={a.name: _adapter(a) for a in m.adapters},
+                wants_workers=m.replicas not in ("", "0"),
             )
             for m in models_resp.models
         ]

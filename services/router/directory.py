@@ -35,6 +35,20 @@ class VersionEntry:
     role: str = "stable"
 
 
+# What /v1/models says of a model: workers serve it; they are starting; its autoscaler starts one
+# on its first request. A model in none of these states (catalogued, no workers) is not listed.
+READY, STARTING, SCALED_TO_ZERO = "ready", "starting", "scaled_to_zero"
+
+
+def model_state(model: "ModelEntry", ready_workers: int) -> str:
+    """READY, STARTING, SCALED_TO_ZERO, or "" for a model that nothing serves or will."""
+    if ready_workers:
+        return READY
+    if model.wants_workers:
+        return STARTING
+    return SCALED_TO_ZERO if model.autoscaled else ""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
     """A model: its stable version (or, from at(), the version a request was given) and the
@@ -56,6 +70,8 @@ class ModelEntry:
     split: Split | None = None
     # Its pools scale on load: a request while no worker serves it waits for one to start.
     autoscaled: bool = False
+    # The deployment gives it workers (replicas above 0): while none serves, they are starting.
+    wants_workers: bool = False
     # Its LoRA adapters by name, and the one a request was resolved to (None: the base model).
     adapters: Mapping[str, Adapter] = field(default_factory=dict)
     adapter: Adapter | None = None
@@ -227,8 +243,16 @@ class MeshDirectory:
             serving = of(fresh.workers)
         if not serving:
             which = f"{model!r} {version}" if version else repr(model)
+            if await self.state(model) == STARTING:
+                raise errors.Unavailable(f"no worker serves {which} yet: its workers are starting (vLLM loads the "
+                                         "model); retry in a few seconds", retry_after=5.0)
             raise errors.Unavailable(f"no worker is serving {which} right now; retry in a few seconds")
         return serving
+
+    async def state(self, model: str) -> str:
+        """What the deployment says of model while no worker of it serves (model_state)."""
+        entry = next((m for m in (await self.snapshot()).models if m.name == model), None)
+        return model_state(entry, 0) if entry is not None else ""
 
     async def serving(self) -> list[tuple[ModelEntry, int, dict[str, int]]]:
         """The deployed models, each with how many serving workers it has now, in all and by version."""

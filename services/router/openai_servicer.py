@@ -21,6 +21,7 @@ from gaas.openai import api as openai_api, batches as openai_batches, multipart,
 from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
 from gaas.v1 import billing_pb2, common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
+from services.router.directory import model_state
 from services.router.pipeline import Pipeline, Timing, note_client_id
 from services.router.responses import LEASE_RENEW_S, ResponseStore
 
@@ -45,9 +46,12 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
-        served = [(m, n, by_version) for m, n, by_version in await self._stages.directory.serving() if n > 0]
-        listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}) for m, n, by_version in served]
-        adapters = [(a.name, m.name, n, m.max_model_len) for m, n, _ in served for a in m.adapters.values()
+        # Every model that serves or is about to (its workers starting, or started by a first request).
+        served = [(m, n, by_version, state) for m, n, by_version in await self._stages.directory.serving()
+                  if (state := model_state(m, n))]
+        listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}, state)
+                  for m, n, by_version, state in served]
+        adapters = [(a.name, m.name, n, m.max_model_len) for m, n, _, _ in served for a in m.adapters.values()
                     if a.may_use(principal.tenant)]
         return openai_stream.json_body(openai_api.models_list(listed, int(time.time()), adapters))
 

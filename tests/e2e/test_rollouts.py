@@ -242,7 +242,8 @@ def test_a_stream_on_a_version_that_is_rolled_back_finishes_whole(rmesh):
 @on_direct_path("pools come and go the same whichever path serves")
 def test_a_second_model_is_served_beside_the_first_and_removed_again(rmesh):
     """gaas-small given a worker: both models serve behind the one ingress (`/v1/models` lists
-    both); given none again, its worker drains and leaves."""
+    both, gaas-small as starting until its worker serves); given none again, its worker drains and
+    leaves."""
     versions = stable(rmesh)
     served = deployment(rmesh.files / "two.yaml", version=versions).read_text().replace(
         "    preset: small\n    max_model_len: 4096\n    replicas: 0", "    preset: small\n    max_model_len: 4096\n    replicas: 1")
@@ -251,8 +252,13 @@ def test_a_second_model_is_served_beside_the_first_and_removed_again(rmesh):
     apply(rmesh, two)
     _, key = new_tenant(rmesh, prefix="two-models")
     c = client(rmesh, key)
-    eventually(lambda: {m.id for m in c.models.list().data} == {MODEL, "gaas-small"}, READY_SECONDS, every=1,
-               what="gaas-small's worker serving")
+    def small():
+        return next((m for m in c.models.list().data if m.id == "gaas-small"), None)
+
+    listed = eventually(small, 30, every=0.5, what="gaas-small listed once its pool has a worker")
+    assert listed.state in ("starting", "ready"), "listed while its worker starts, and saying so"
+    eventually(lambda: small().ready_workers > 0, READY_SECONDS, every=1, what="gaas-small's worker serving")
+    assert small().state == "ready"
     assert c.completions.create(model="gaas-small", prompt="small", max_tokens=2).model == "gaas-small"
     assert c.completions.create(model=MODEL, prompt="tiny", max_tokens=2).model == MODEL
     apply(rmesh, deployment(rmesh.files / "one-again.yaml", version=versions))

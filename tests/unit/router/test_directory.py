@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from gaas.contracts import errors
-from services.router.directory import MeshDirectory, ModelEntry
+from services.router.directory import READY, SCALED_TO_ZERO, STARTING, MeshDirectory, ModelEntry, model_state
 from services.router.scheduling import Candidate, WorkerId
 from tests.fakeclock import FakeClock
 
@@ -77,6 +77,29 @@ async def test_workers_of_a_model(setup):
     assert len(await d.workers("tiny")) == 2
     with pytest.raises(errors.Unavailable, match="no worker is serving 'small'"):
         await d.workers("small")
+
+
+async def test_a_request_for_a_model_whose_workers_are_starting_is_told_so_with_retry_after():
+    starting = [ModelEntry("tiny", "1", 2048, True, wants_workers=True)]
+
+    async def fetch():
+        return starting, []
+
+    d = MeshDirectory(fetch, refresh_seconds=1.0, clock=FakeClock())
+    with pytest.raises(errors.Unavailable, match="its workers are starting") as caught:
+        await d.workers("tiny")
+    assert caught.value.retry_after == 5.0
+
+
+@pytest.mark.parametrize("entry, ready, state", [
+    (ModelEntry("m", "1", 2048, True), 2, READY),
+    (ModelEntry("m", "1", 2048, True, wants_workers=True), 0, STARTING),
+    (ModelEntry("m", "1", 2048, True, autoscaled=True), 0, SCALED_TO_ZERO),
+    (ModelEntry("m", "1", 2048, True, autoscaled=True, wants_workers=True), 0, STARTING),
+    (ModelEntry("m", "1", 2048, True), 0, ""),  # catalogued only: not listed
+])
+def test_what_the_model_list_says_of_a_model_by_its_workers_and_deployment(entry, ready, state):
+    assert model_state(entry, ready) == state
 
 
 async def test_a_miss_looks_again_unless_the_view_is_brand_new():
