@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure the mesh only (no ratio to vLLM's server is shown)")
     ap.add_argument("--no-profile", action="store_true",
                     help="no py-spy profiles of the router, the worker's front end and vLLM's API server "
-                    "(py-spy, pip install py-spy, samples them during the 128+32 stream runs)")
+                    "(py-spy, .venv/bin/uv pip install py-spy, samples them during the 128+32 stream runs)")
     ap.add_argument("--out", default=str(RESULTS / "cost.json"), help="where the JSON goes (bench/results/cost.json)")
     args = ap.parse_args(argv)
 

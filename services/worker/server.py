@@ -83,8 +83,10 @@ async def sample_device(servicer: WorkerServicer) -> None:
 async def serve(cfg: WorkerSettings) -> None:
     if cfg.device == "cpu":
         # vLLM's engine core process imports on the other core while this one does (enginefork).
-        enginefork.start_server(enginefork.cpu_engine_environment(cfg), parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")),
-                                enginefork.ENGINE_MODULES + (__spec__.name,))
+        # (This module first: importing services lets the server write bytecode, as this process does.)
+        enginefork.start_server(enginefork.cpu_engine_environment(cfg),
+                                parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")),
+                                (__spec__.name, *enginefork.ENGINE_MODULES))
     # What Envoy sends here that names another worker (it had not heard of that one yet) is refused untaken.
     rt = ServiceRuntime(options_for("worker", cfg, named_as=cfg.advertise))
     rt.install_signal_handlers()
