@@ -87,8 +87,7 @@ async def test_events_a_dead_consumer_held_are_claimed_by_another(redis, ledger)
     await append(redis, *(event(f"{t}-{i}", t) for i in range(5)))
     # billing-0 reads them, then dies before writing the ledger.
     await redis.xreadgroup(GROUP, "billing-0", {STREAM: ">"}, count=100)
-    await asyncio.sleep(0.05)
-    other = UsageConsumer(redis, ledger, "billing-1", claim_idle_ms=10)
+    other = UsageConsumer(redis, ledger, "billing-1", claim_idle_ms=0)  # (idle any time at all)
     assert await other.claim() == 5
     assert (await ledger.totals(t)).requests == 5
     assert (await redis.xpending(STREAM, GROUP))["pending"] == 0

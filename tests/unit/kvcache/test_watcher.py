@@ -33,7 +33,7 @@ class Fake:
         self.started += 1
         for b in self.watches.pop(0) if self.watches else []:
             yield b
-        await asyncio.sleep(3600)
+        await asyncio.Event().wait()  # (a watch that stays open)
 
 
 async def running(watcher, until, what: str):

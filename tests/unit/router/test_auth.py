@@ -4,6 +4,7 @@ from gaas.contracts.errors import Unauthenticated
 from services.router.auth import Authenticator, SharedKeys, bearer_key
 from tests.fakeclock import FakeClock
 from tests.unit.router.support import ACME
+from tests.waiting import eventually_async
 
 
 @pytest.mark.parametrize(
@@ -133,10 +134,7 @@ class FakeRedis:
 
 
 async def settled(auth):
-    import asyncio
-
-    while auth._sharing:
-        await asyncio.sleep(0)
+    await eventually_async(lambda: not auth._sharing, 5, every=0, what="the keys it verified shared")
 
 
 async def test_a_router_restarted_while_control_is_away_accepts_the_keys_its_peers_verified():

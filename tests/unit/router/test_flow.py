@@ -19,6 +19,7 @@ from services.router.scheduling import Candidate, RequestContext, WorkerId, make
 from services.router.waitqueue import WaitQueue
 from services.router.windows import Windows
 from tests.fakeclock import FakeClock
+from tests.waiting import eventually_async
 
 
 # ------------------------------------------------------------------ bands
@@ -65,8 +66,12 @@ class Room:
 
 
 async def queued(q: WaitQueue, room: Room, name: str, band: int, tenant: str, deadline: float = 1e12):
+    def arrivals() -> int:
+        return sum(s.queued + s.shed + s.admitted for s in q.stats)
+
+    before = arrivals()
     task = asyncio.create_task(q.wait(band, tenant, "m", deadline, room.placer(name), "test", abandon=lambda r: None))
-    await asyncio.sleep(0)
+    await eventually_async(lambda: arrivals() > before, 5, every=0, what=f"{name} queued, shed or placed")
     return task
 
 
@@ -122,7 +127,7 @@ async def test_a_caller_that_leaves_after_being_placed_gives_its_room_back():
     q, room = WaitQueue(), Room()
     given_back = []
     task = asyncio.create_task(q.wait(0, "t", "m", 1e12, room.placer("x"), "test", abandon=given_back.append))
-    await asyncio.sleep(0)
+    await eventually_async(lambda: len(q) == 1, 5, every=0, what="the caller queued")
     room.free = 1
     q.dispatch()  # placed...
     task.cancel()  # ...and the client hangs up before it runs
@@ -316,7 +321,7 @@ async def test_a_gold_request_gets_room_bronze_cannot_take():
     for _ in range(2):  # bronze fills its half of the window
         await flow.place(s, RequestContext(model="m"), workers, "bronze", "cheap", None)
     bronze = asyncio.create_task(flow.place(s, RequestContext(model="m"), workers, "bronze", "cheap", 5.0))
-    await asyncio.sleep(0)
+    await eventually_async(lambda: len(flow.queue) == 1 or bronze.done(), 5, every=0, what="bronze queued")
     assert not bronze.done() and len(flow.queue) == 1, "bronze waits"
     gold = await asyncio.wait_for(flow.place(s, RequestContext(model="m"), workers, "gold", "rich", 5.0), 1)
     assert gold.worker.worker_id == "w0"

@@ -9,6 +9,7 @@ from gaas.contracts.rollout import OUTCOMES_STREAM, Outcome, Split
 from services.router.directory import ModelEntry, VersionEntry
 from services.router.outcomes import Outcomes, RolloutReporter, RouterMetrics
 from services.router.shadow import Shadow
+from tests.waiting import eventually_async
 
 
 class FakeRedis:
@@ -66,8 +67,6 @@ class RecordingShadow(Shadow):
 
 
 async def test_a_share_of_the_stable_versions_requests_is_copied_while_shadowing():
-    import asyncio
-
     from gaas.contracts.principal import Principal
 
     shadow = RecordingShadow(max_copies=1000)
@@ -77,18 +76,16 @@ async def test_a_share_of_the_stable_versions_requests_is_copied_while_shadowing
         shadow.maybe_copy(None, p, model(shadowing), "r")
     shadow.maybe_copy(None, p, model(shadowing, "2"), "r")  # served by the new version itself: no copy
     shadow.maybe_copy(None, p, model(Split("m", stable="1", canary="2", weight=5)), "r")  # a canary: no copy
-    await asyncio.sleep(0)
+    await eventually_async(lambda: len(shadow.copied) >= 50, 5, every=0, what="the copies sent")
     assert len(shadow.copied) == 50 and set(shadow.copied) == {"2"}
 
 
 async def test_copies_beyond_the_cap_are_dropped_not_queued():
-    import asyncio
-
     from gaas.contracts.principal import Principal
 
     shadow = RecordingShadow(max_copies=3)
     p = Principal(tenant="acme", tier="gold", key_id="k", cache_salt="s")
     for _ in range(10):
         shadow.maybe_copy(None, p, model(Split("m", stable="1", canary="2", shadow=100)), "r")
-    await asyncio.sleep(0)
+    await eventually_async(lambda: len(shadow.copied) >= 3, 5, every=0, what="the copies sent")
     assert (len(shadow.copied), shadow.dropped) == (3, 7)

@@ -10,6 +10,7 @@ import pytest
 from gaas.contracts import errors
 from services.worker import kvevents
 from services.worker.kvevents import EventSource, KVEventRelay, RawBatch, RawStored, from_vllm
+from tests.waiting import eventually_async
 
 
 class Script(EventSource):
@@ -31,11 +32,6 @@ class Script(EventSource):
 
 def stored(hashes, parent=None, salt="s"):
     return RawStored(hashes, parent, list(range(len(hashes) * 2)), 2, salt if parent is None else "", "")
-
-
-async def settle():
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 @pytest.fixture
@@ -61,7 +57,7 @@ async def take(it, n):
 async def test_a_watcher_gets_a_snapshot_then_live_batches(relay):
     r, source, _ = relay
     source.emit(RawBatch(0, [stored([1, 2])]))
-    await settle()
+    await eventually_async(lambda: r.blocks == 2, what="the batch relayed")
     it = r.watch().__aiter__()
     snap, = await take(it, 1)
     assert snap.snapshot and snap.seq == 1 and [list(e.stored.block_hashes) for e in snap.events] == [[1], [2]]
@@ -78,20 +74,20 @@ async def test_a_gap_is_filled_from_the_replay_buffer(relay):
     source.emit(RawBatch(0, [stored([1])]))
     source.emit(RawBatch(1, [stored([2], parent=1)]), deliver=False)  # lost on the PUB socket
     source.emit(RawBatch(2, [stored([3], parent=2)]))
-    await settle()
+    await eventually_async(lambda: r.last_seq == 2, what="the batches relayed, the lost one replayed")
     assert r.last_seq == 2 and r.blocks == 3 and r.lost == 0 and resets == []
 
 
 async def test_events_lost_beyond_replay_start_an_empty_epoch_and_clear_the_engine(relay):
     r, source, resets = relay
     source.emit(RawBatch(0, [stored([1])]))
-    await settle()
+    await eventually_async(lambda: r.blocks == 1, what="the batch relayed")
     it = r.watch().__aiter__()
     snap, = await take(it, 1)
     epoch = r.epoch
     source.kept.clear()  # the replay buffer no longer has batch 1
     source.emit(RawBatch(2, [stored([9])]))
-    await settle()
+    await eventually_async(lambda: r.lost == 1, what="the loss noticed")
     assert r.lost == 1 and resets == [1] and r.epoch != epoch
     with pytest.raises(StopAsyncIteration):
         await take(it, 1)  # the watch ended: its watcher resynchronises
@@ -110,7 +106,7 @@ async def test_a_quiet_watch_gets_heartbeats(relay, monkeypatch):
 async def test_a_stopping_worker_ends_its_watches_and_takes_no_new_one(relay):
     r, source, _ = relay
     source.emit(RawBatch(0, [stored([1])]))
-    await settle()
+    await eventually_async(lambda: r.blocks == 1, what="the batch relayed")
     it = r.watch().__aiter__()
     await take(it, 1)
     r.close()
