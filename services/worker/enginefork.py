@@ -60,6 +60,21 @@ class EngineContext(context.ForkServerContext):
 _context: EngineContext | None = None
 
 
+def _ready_process_titles() -> None:
+    """setproctitle finds the command line's memory on its first use, which a process forked from
+    the server no longer can: vLLM's engine would not show as VLLM::EngineCore (in ps, and to
+    bench.common.chaos, which finds it so). Each importer of this module uses it once, the server
+    among them (it imports the worker's server, which imports this)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.getproctitle()
+
+
+_ready_process_titles()
+
+
 def start_server(
     env: dict[str, str], cpus: set[int], modules: tuple[str, ...] = ENGINE_MODULES,
 ) -> EngineContext | None:
