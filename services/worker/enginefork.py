@@ -25,8 +25,10 @@ from gaas.settings.worker import WorkerSettings
 log = logging.getLogger(__name__)
 
 # What vLLM's engine core process imports on the CPU: its loop, the in-process executor, the CPU
-# model runner and the Llama family's model code (other architectures import theirs in the child).
+# model runner and the Llama family's model code (other architectures import theirs in the child);
+# first, what lets a process forked from the server set its title (enginetitle).
 ENGINE_MODULES = (
+    "services.worker.enginetitle",
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.cpu_worker",
@@ -60,19 +62,6 @@ class EngineContext(context.ForkServerContext):
 _context: EngineContext | None = None
 
 
-def _ready_process_titles() -> None:
-    """setproctitle finds the command line's memory on its first use, which a process forked from
-    the server no longer can: vLLM's engine would not show as VLLM::EngineCore (in ps, and to
-    bench.common.chaos, which finds it so). Each importer of this module uses it once, the server
-    among them (it imports the worker's server, which imports this)."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.getproctitle()
-
-
-_ready_process_titles()
 
 
 def start_server(

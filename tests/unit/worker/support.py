@@ -58,3 +58,14 @@ def write_environ_value(name: str, path: str) -> None:
 
     with open(path, "w") as f:
         f.write(os.environ.get(name, "-"))
+
+
+def write_titled_cmdline(title: str, path: str) -> None:
+    """A process target: set the process's title as vLLM does, write its /proc cmdline to path."""
+    import os
+
+    import setproctitle
+
+    setproctitle.setproctitle(title)
+    with open(f"/proc/{os.getpid()}/cmdline", "rb") as f, open(path, "wb") as out:
+        out.write(f.read())

@@ -5,11 +5,12 @@ import os
 
 from gaas.settings.worker import WorkerSettings
 from services.worker import enginefork
-from tests.unit.worker.support import write_environ_value
+from tests.unit.worker.support import write_environ_value, write_titled_cmdline
 
 
 def test_an_engine_process_runs_in_its_starters_environment_at_start_not_the_servers(tmp_path, monkeypatch):
-    ctx = enginefork.start_server({"GAAS_TEST_SERVER_START": "server"}, set(), modules=("json",))
+    # (One forkserver per process: this test starts it for the module's tests.)
+    ctx = enginefork.start_server({"GAAS_TEST_SERVER_START": "server"}, set(), modules=enginefork.ENGINE_MODULES[:1])
     assert ctx is not None
     monkeypatch.setenv("GAAS_TEST_SERVER_START", "starter")
     monkeypatch.setenv("GAAS_TEST_SET_LATER", "later")
@@ -22,6 +23,18 @@ def test_an_engine_process_runs_in_its_starters_environment_at_start_not_the_ser
         assert out.read_text() == os.environ[name]
     # Forked from the server, not spawned from this process.
     assert ctx.get_start_method() == "forkserver"
+
+
+def test_a_forked_engine_process_shows_vllms_title_and_the_worker_keeps_its_environment(tmp_path):
+    ctx = enginefork.start_server({}, set(), modules=enginefork.ENGINE_MODULES[:1])
+    out = tmp_path / "cmdline"
+    p = ctx.Process(target=write_titled_cmdline, args=("VLLM::EngineCore", str(out)))
+    p.start()
+    p.join(60)
+    assert out.read_bytes().startswith(b"VLLM::EngineCore")
+    # The title's set-up moves a process's environment out of what /proc shows: never in the worker.
+    with open(f"/proc/{os.getpid()}/environ", "rb") as f:
+        assert b"PATH=" in f.read()
 
 
 def test_a_cpu_engine_preloads_torchs_openmp_unless_one_is_preloaded(monkeypatch):
