@@ -25,10 +25,10 @@ from gaas.runtime.server import ServiceRuntime, options_for, run_service
 from gaas.settings.docs import help_epilog
 from gaas.settings.worker import WorkerSettings
 from gaas.v1 import control_pb2, control_pb2_grpc, worker_pb2_grpc
+from services.worker import enginefork
 from services.worker.carryon import CarryOn, CarryOnMetrics
 from services.worker.direct import NATIVE_SERVICE, DirectServicer, add_native_to_server
 from services.worker.http import HttpFront
-from services.worker import enginefork
 from services.worker.vllm_engine import KV_TOPIC, VllmEngine
 from services.worker.kvevents import KVEventRelay, ZmqEventSource
 from services.worker.lease import LeaseKeeper

@@ -83,9 +83,9 @@ class VllmEngine(Engine):
 
     @classmethod
     async def start(cls, s: WorkerSettings, kv_events_dir: str | None = None) -> "VllmEngine":
-        """Build the engine (~5 s on a CPU once vLLM is imported) without blocking the event loop: the one mapping of
-        the worker's settings to vLLM's engine arguments. kv_events_dir: a directory, private to the
-        worker, for the KV-event sockets (ipc://); None publishes none."""
+        """Build the engine (~5 s on a CPU once vLLM is imported) without blocking the event loop:
+        the one mapping of the worker's settings to vLLM's engine arguments. kv_events_dir: a
+        directory, private to the worker, for the KV-event sockets (ipc://); None publishes none."""
         # Imported in a thread: the health checks and the stop signal keep being answered meanwhile.
         await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
         from vllm import __version__ as vllm_version
