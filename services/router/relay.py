@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 # Codes that mean "this worker could not take the request": another may.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# What the router's own sidecar answers for a worker its membership (control's xDS) does not hold
+# yet: a worker that has just registered, announced to the router and pushed to its Envoy at once.
+# Not the worker's failure: the same choice is tried again after a pause, a few times at most.
+SIDECAR_UNKNOWN = "no healthy upstream"
+SIDECAR_LAG_PAUSE_S = 0.2
+SIDECAR_LAG_TRIES = 10
 # How long a call whose client left before its first chunk still waits for it (the worker's own
 # bound, services.worker.engine.ABANDONED_FIRST_OUTPUT_S, and a little more).
 ABANDONED_FIRST_CHUNK_S = 35.0
@@ -150,8 +156,12 @@ class Relay:
                                  "gaas.tier": principal.tier, "gaas.model": model.name,
                                  "gaas.stream_interval": worker_request.stream_interval or 1})
         loop = asyncio.get_running_loop()
-        attempt = 0
+        attempt = lagging = 0
+        pause = False
         while True:
+            if pause:
+                pause = False
+                await asyncio.sleep(SIDECAR_LAG_PAUSE_S)
             ctx.tried = frozenset(tried)
             moved = carried.moves > 0
             try:
@@ -231,6 +241,13 @@ class Relay:
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                if (not sent_any and code == grpc.StatusCode.UNAVAILABLE and exc.details() == SIDECAR_UNKNOWN
+                        and lagging < SIDECAR_LAG_TRIES):
+                    log.info("worker %s is not in this router's sidecar yet; trying it again shortly", worker.worker_id)
+                    lagging += 1
+                    pause = True
+                    tried.discard(worker.worker_id)
+                    continue
                 self._hooks.failed(Response(worker.worker_id, principal.tier, code=code, detail=exc.details() or ""))
                 if not sent_any and code in RETRYABLE and attempt < self._retries:
                     log.warning("worker %s failed before its first token (%s: %s); trying another",

@@ -96,9 +96,8 @@ def test_an_idle_pool_goes_to_zero_and_its_next_request_waits_for_a_worker_and_i
     wait_for("its last worker gone", lambda: serving(m) == [], 120)
     assert "idle for" in pool(m)["autoscale"]["reason"]
     _, key = new_tenant(m, prefix="zero")
-    # No retry: the first request after zero used to be answered 503 no_healthy_upstream at once,
-    # now and then (once in six runs: placed on the worker that had just left, by a router whose
-    # view lagged the ingress's membership; routers now follow the registry's changes at once).
+    # No retry by the client: the router holds the request until a worker serves and its own sidecar
+    # knows that worker (services/router/relay.py, SIDECAR_UNKNOWN), never a 503 no_healthy_upstream.
     c = client(m, key).with_options(timeout=START_SECONDS + 60, max_retries=0)
     start = time.monotonic()
     r = c.completions.create(model=MODEL, prompt="the first request after zero", max_tokens=4)

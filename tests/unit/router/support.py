@@ -2,6 +2,8 @@
 behind their interfaces, the router's stages built on them, and a router serving the native API
 over a real gRPC server."""
 
+from collections.abc import Iterator
+
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -52,7 +54,8 @@ class FakeCall:
 
 
 class FakeWorkers:
-    """WorkerStub stand-in: each address follows its script (chunks, then maybe an error)."""
+    """WorkerStub stand-in: each address follows its script (chunks, then maybe an error) on every
+    call, or, given an iterator of scripts, the next one on each call."""
 
     def __init__(self, scripts):
         self.scripts = scripts
@@ -66,7 +69,8 @@ class FakeWorkers:
         address = dict(metadata)["x-gaas-worker"]
         self.calls.append((address, request))
         self.tenants.append(current_tenant())  # what the channel's interceptor would send on
-        call = FakeCall(self.scripts[address], request)
+        script = self.scripts[address]
+        call = FakeCall(next(script) if isinstance(script, Iterator) else script, request)
         self.made.append(call)
         return call
 

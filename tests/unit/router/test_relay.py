@@ -1,5 +1,6 @@
 """Stage 6, stream (services/router/relay.py), with the workers, directory and tokenizer faked: a
-worker that does not take the request is replaced while no token has gone out, never after; each
+worker that does not take the request is replaced while no token has gone out, never after; one
+the router's sidecar does not know yet is tried again; each
 worker's failure is its breaker's; the room a request took is given back however it ends; the last
 chunk carries the request's latency decomposition."""
 
@@ -11,6 +12,7 @@ import pytest
 from gaas.contracts import errors
 from gaas.contracts.principal import Principal
 from gaas.v1 import inference_pb2
+from services.router import relay as relay_module
 from services.router.scheduling import WorkerId
 from tests.unit.router import support
 from tests.unit.router.support import OK, FakeWorkers, chunk, rpc_error
@@ -35,6 +37,17 @@ async def test_a_worker_that_does_not_take_the_request_is_replaced_and_its_break
     assert [a for a, _ in fake.calls] == ["w0:1", "w1:1"]
     assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 1
     assert d.in_flight == 0 and d.flow.windows.state()[WorkerId("w0")].in_flight == 0
+
+
+async def test_a_worker_the_routers_sidecar_does_not_know_yet_is_tried_again_and_its_breaker_not_told(monkeypatch):
+    monkeypatch.setattr(relay_module, "SIDECAR_LAG_PAUSE_S", 0.0)
+    unknown = rpc_error(grpc.StatusCode.UNAVAILABLE, relay_module.SIDECAR_UNKNOWN)
+    d, fake = relay({"w0": iter([[unknown], [unknown], OK])}, retries=0)
+    chunks = await run(d)
+    assert [c.text for c in chunks] == ["a", "b"]
+    assert [a for a, _ in fake.calls] == ["w0:1"] * 3
+    assert d.flow.breakers.state()[WorkerId("w0")].consecutive == 0
+    assert d.in_flight == 0
 
 
 async def test_once_a_token_went_out_a_failing_worker_is_not_retried():
