@@ -103,9 +103,13 @@ def stream_completion(c: openai.OpenAI, received: Received, prompt: str, max_tok
 
 
 class Load:
-    """Clients streaming completions in the background, counting the usage they receive."""
+    """Clients streaming completions in the background, counting the usage they receive. Each
+    pauses `pause` seconds between its requests: the requests keep coming, and the host keeps
+    the CPU a worker needs to start meanwhile (three clients without pauses held both cores, and a
+    restarting worker took 45 s to import vLLM, not 14)."""
 
-    def __init__(self, mesh, key: str, clients: int = 3) -> None:
+    def __init__(self, mesh, key: str, clients: int = 3, pause: float = 0.1) -> None:
+        self.pause = pause
         self.received = Received()
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -120,6 +124,7 @@ class Load:
                 stream_completion(self._client, self.received, f"load {i} request {n}", 6 + n % 5)
             except Exception as exc:  # noqa: BLE001 - collected and asserted on
                 self.errors.append(repr(exc))
+            self._stop.wait(self.pause)
 
     def goes_on(self, more: int, timeout: float = 30.0) -> None:
         """Until `more` requests beyond those finished now have finished: the load went on (a fault

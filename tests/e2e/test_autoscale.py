@@ -73,7 +73,7 @@ def test_a_step_load_adds_a_worker_that_serves_and_its_end_removes_it_failing_no
     m = amesh
     assert serving(m) == ["worker-0"] and replicas(m) == 1, "an autoscaled pool starts with one worker"
     _, key = new_tenant(m, prefix="scale")
-    with Load(m, key, clients=6) as load:
+    with Load(m, key, clients=6, pause=0) as load:  # a step of demand, unpaced: what scales the pool
         wait_for("a worker more asked for", lambda: replicas(m) == 2, 60)
         took = wait_for("the new worker serving", lambda: "worker-1" in serving(m), START_SECONDS)
         md = (("authorization", f"Bearer {key}"),)
