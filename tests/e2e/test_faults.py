@@ -360,7 +360,7 @@ def test_a_rolling_restart_of_the_workers_under_load_fails_nothing(mesh):
     assert load.received.requests > 10
 
 
-def test_with_control_stopped_30_s_known_keys_are_served_and_unknown_ones_refused(mesh):
+def test_with_control_stopped_past_the_workers_leases_known_keys_are_served_and_unknown_ones_refused(mesh):
     needs_own_mesh(mesh)
     _, key = new_tenant(mesh)
     _, unused_key = new_tenant(mesh)
@@ -369,7 +369,7 @@ def test_with_control_stopped_30_s_known_keys_are_served_and_unknown_ones_refuse
     with Load(mesh, key) as load:
         os.kill(control, signal.SIGSTOP)  # alive but answering nothing
         try:
-            time.sleep(30)  # three times a worker's lease
+            time.sleep(20)  # twice a worker's lease (10 s; renewed every 0.5 s)
             with pytest.raises(Exception) as refused:
                 client(mesh, unused_key).completions.create(model=MODEL, prompt="who am I", max_tokens=2)
         finally:
