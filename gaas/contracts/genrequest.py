@@ -65,6 +65,13 @@ VLLM_PRIORITY = {
 }
 
 
+def priority_class(priority: int) -> int:
+    """A client's vLLM priority (any integer, lower served first) as GaaS's three classes (the
+    tenant's tier bounds them)."""
+    return common_pb2.PRIORITY_HIGH if priority < 0 else common_pb2.PRIORITY_LOW if priority > 0 else \
+        common_pb2.PRIORITY_NORMAL
+
+
 def _invalid(param: str, message: str) -> InvalidArgument:
     return InvalidArgument(f"'{param}' {message}", param=param)
 

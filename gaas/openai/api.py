@@ -137,10 +137,7 @@ def _common(f: Fields, kind: str) -> OpenAIRequest:
     if (n := f.integer("n", 1, genrequest.MAX_N)) is not None:
         req.n = n
     if (priority := f.integer("priority", INT64_MIN, INT64_MAX)) is not None:
-        # vLLM serves lower values first; GaaS has three classes (the tenant's tier bounds them).
-        req.priority = (
-            common_pb2.PRIORITY_HIGH if priority < 0 else common_pb2.PRIORITY_LOW if priority > 0 else common_pb2.PRIORITY_NORMAL
-        )
+        req.priority = genrequest.priority_class(priority)
     if (session := f.string("session_id", genrequest.ID_MAX)) is not None:
         req.session_id = session
     f.string("user", MAX_USER_CHARS)
@@ -372,21 +369,33 @@ def parse_detokenize(body: dict) -> tuple[str, list[int]]:
     return model, tokens
 
 
-def models_list(models: list[tuple[str, int, int, dict[str, str], str]], created: int,
-                adapters: list[tuple[str, str, int, int]] = ()) -> dict:
-    """models: (name, ready workers, context length, version -> its role for the versions with
-    workers, state: ready, starting or scaled_to_zero), shaped as vLLM's model cards (versions and
-    state: GaaS's own fields); adapters: (name, base model, ready workers, context length) of the
-    LoRA adapters the caller may use, as vLLM lists its LoRA modules (parent: the base model)."""
+@dataclass(frozen=True, slots=True)
+class ListedModel:
+    name: str
+    ready_workers: int
+    max_model_len: int
+    # Version -> its role (stable, canary or kept), for the versions with workers.
+    versions: dict[str, str]
+    # ready, starting or scaled_to_zero.
+    state: str
+    # What it serves: generate or embed (gaas.contracts.tasks).
+    task: str = "generate"
+
+
+def models_list(models: list[ListedModel], created: int, adapters: list[tuple[str, str, int, int]] = ()) -> dict:
+    """models shaped as vLLM's model cards (versions, state and task: GaaS's own fields); adapters:
+    (name, base model, ready workers, context length) of the LoRA adapters the caller may use, as
+    vLLM lists its LoRA modules (parent: the base model)."""
     return {
         "object": "list",
         "data": [
             {
-                "id": name, "object": "model", "created": created, "owned_by": "gaas", "root": name, "parent": None,
-                "max_model_len": ctx, "ready_workers": ready, "state": state, "permission": [],
-                "versions": [{"version": v, "role": role} for v, role in sorted(versions.items())],
+                "id": m.name, "object": "model", "created": created, "owned_by": "gaas", "root": m.name,
+                "parent": None, "max_model_len": m.max_model_len, "ready_workers": m.ready_workers, "state": m.state,
+                "task": m.task, "permission": [],
+                "versions": [{"version": v, "role": role} for v, role in sorted(m.versions.items())],
             }
-            for name, ready, ctx, versions, state in models
+            for m in models
         ] + [
             {
                 "id": name, "object": "model", "created": created, "owned_by": "gaas", "root": name, "parent": base,

@@ -4,7 +4,7 @@ dimensions; the user), and the answer written from the engine's vectors in vLLM'
 arrays, or base64 of each vector's float32 bytes (little-endian, what the openai client decodes).
 
 What vLLM's server accepts and GaaS cannot honour is refused with a 400 naming it, never silently
-ignored. Pure functions, no I/O and no gRPC; failures are gaas.contracts.errors.InvalidArgument.
+ignored. Pure functions, no I/O; failures are gaas.contracts.errors.InvalidArgument.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from gaas.contracts import genrequest
 from gaas.contracts.errors import InvalidArgument
 from gaas.contracts.jsonbody import INT64_MAX, INT64_MIN, UINT32_MAX, Fields, int_items, type_name
+from gaas.v1 import inference_pb2
 
-# Inputs in one request, at most (OpenAI's own limit).
+# Inputs in one request, and their tokens all together, at most (OpenAI's own limits).
 MAX_INPUTS = 2048
+MAX_TOKENS = 300_000
 # Characters of one text input, at most (the tokens are counted against the model's length later).
 MAX_INPUT_CHARS = 1 << 20
 MAX_USER_CHARS = 256
@@ -110,6 +112,21 @@ def _inputs(f: Fields) -> tuple[str | tuple[int, ...], ...]:
             raise InvalidArgument(f"'input[{i}]' must be a non-empty string or array of token ids, not "
                                   f"{'an empty one' if item in ('', []) else type_name(item)}", param="input")
     return tuple(out)
+
+
+def engine_request(r: EmbeddingRequest) -> inference_pb2.GenerateRequest:
+    """The engine request of an embeddings request: every input in it (one engine batch)."""
+    req = inference_pb2.GenerateRequest(model=r.model, priority=genrequest.priority_class(r.priority),
+                                        request_id=r.client_request_id)
+    for item in r.inputs:
+        if isinstance(item, str):
+            req.embed.inputs.add(text=item)
+        else:
+            req.embed.inputs.add(token_ids=item)
+    if r.dimensions is not None:
+        req.embed.dimensions = r.dimensions
+    req.embed.add_special_tokens = r.add_special_tokens
+    return req
 
 
 def vector_bytes(values: Sequence[float]) -> bytes:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gaas.settings import common
+from gaas.contracts.tasks import TASKS
 from gaas.settings.env import BOOL, REQUIRED, Kind, Settings, setting, variables
 
 # Where a worker's model runs, vLLM's names: "uni", in the engine core's own process; "mp", a
@@ -102,6 +103,10 @@ class WorkerSettings(Settings):
                                "\"required\" choices need none)",
                                check=lambda n: None if n == "" or n.replace("_", "").replace("-", "").isalnum()
                                else f"must be a tool parser's name (hermes, llama3_json, ...), got {n!r}")
+    task: str = setting("GAAS_TASK", "generate", "what the model serves: generate (completions and chats) or embed "
+                        "(a vector per input, /v1/embeddings: vLLM's pooling runner, a generative model converted "
+                        "as vLLM converts it)",
+                        check=lambda t: None if t in TASKS else f"must be one of {', '.join(TASKS)}, got {t!r}")
     kv_events: bool = setting("GAAS_KV_EVENTS", True, "publish the engine's KV events to the KV directories")
     warmup_requests: int = setting("GAAS_WARMUP_REQUESTS", 2, "requests a worker runs through its engine once "
                                    "loaded, before it registers and takes traffic (0: none)",
@@ -119,8 +124,8 @@ class WorkerSettings(Settings):
 TOPOLOGY_OPTIONS = ("kv_cache_gib", "kv_cache_blocks", "block_size", "enforce_eager", "max_num_seqs",
                     "max_num_batched_tokens", "max_waiting", "stream_interval", "executor")
 # The settings only a pool sets (the control plane checks adapters against its model's): LoRA,
-# and the tool parser its model's chat template calls for.
-POOL_OPTIONS = ("max_loras", "max_lora_rank", "max_cpu_loras", "tool_parser")
+# the tool parser its model's chat template calls for, and what the model serves.
+POOL_OPTIONS = ("max_loras", "max_lora_rank", "max_cpu_loras", "tool_parser", "task")
 ENGINE_OPTIONS = TOPOLOGY_OPTIONS + POOL_OPTIONS
 
 

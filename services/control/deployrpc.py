@@ -107,6 +107,8 @@ class DeploymentRpcs:
             if s is not None:
                 entry.replicas = str(s.model.replicas)
                 entry.autoscaled = any(pool.get("autoscale") for pool in s.versions.values())
+                stable_pool = s.versions.get(m.version) or next(iter(s.versions.values()), {})
+                entry.task = (stable_pool.get("engine") or {}).get("task", "")
                 for version, pool in s.versions.items():
                     entry.versions.append(pb.ModelVersion(version=version, source=pool["source"],
                                                           max_model_len=int(pool["max_model_len"]),

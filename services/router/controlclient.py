@@ -19,6 +19,7 @@ from gaas.v1 import control_pb2, control_pb2_grpc
 from gaas.contracts.principal import Principal
 from gaas.contracts.ids import WorkerId
 from gaas.contracts.rollout import Split
+from gaas.contracts.tasks import GENERATE
 from services.router.directory import ModelEntry, VersionEntry
 from services.router.scheduling.types import Candidate, Load
 
@@ -50,7 +51,7 @@ def control_fetcher(stub: control_pb2_grpc.ControlStub):
                 {TIER_FROM_PB.get(p.tier, DEFAULT_TIER): Price(p.input, p.cached_input, p.output) for p in m.prices},
                 versions={v.version: VersionEntry(v.source, v.max_model_len, v.role) for v in m.versions},
                 split=_split(m), autoscaled=m.autoscaled, adapters={a.name: _adapter(a) for a in m.adapters},
-                wants_workers=m.replicas not in ("", "0"),
+                wants_workers=m.replicas not in ("", "0"), task=m.task or GENERATE,
             )
             for m in models_resp.models
         ]

@@ -15,6 +15,7 @@ from gaas.contracts.adapters import Adapter
 from gaas.contracts.tenancy import TIERS
 from gaas.contracts.pricing import Price
 from gaas.contracts.rollout import Split
+from gaas.contracts.tasks import GENERATE
 from services.router.scheduling.types import Candidate
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class ModelEntry:
     # Its LoRA adapters by name, and the one a request was resolved to (None: the base model).
     adapters: Mapping[str, Adapter] = field(default_factory=dict)
     adapter: Adapter | None = None
+    # What it serves (gaas.contracts.tasks): generations, or a vector per input ("embed").
+    task: str = GENERATE
 
     @property
     def served_name(self) -> str:

@@ -14,10 +14,10 @@ from google.api import httpbody_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from gaas.contracts import errors, jsonbody
+from gaas.contracts import edge, errors, jsonbody
 from gaas.contracts import batches as batch_terms
-from gaas.openai import api as openai_api, batches as openai_batches, multipart, responses as openai_responses, \
-    stream as openai_stream
+from gaas.openai import api as openai_api, batches as openai_batches, embeddings as openai_embeddings, multipart, \
+    responses as openai_responses, stream as openai_stream
 from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
 from gaas.v1 import billing_pb2, common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
@@ -49,7 +49,7 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         # Every model that serves or is about to (its workers starting, or started by a first request).
         served = [(m, n, by_version, state) for m, n, by_version in await self._stages.directory.serving()
                   if (state := model_state(m, n))]
-        listed = [(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}, state)
+        listed = [openai_api.ListedModel(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}, state, m.task)
                   for m, n, by_version, state in served]
         adapters = [(a.name, m.name, n, m.max_model_len) for m, n, _, _ in served for a in m.adapters.values()
                     if a.may_use(principal.tenant)]
@@ -81,6 +81,28 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         truncation = sessions.policy.truncation if sessions is not None else ""
         async for body in openai_stream.respond(parsed, fmt, usage, chunks, truncation):
             yield body
+
+    # ------------------------------------------------------------ embeddings
+
+    async def Embeddings(self, request: httpbody_pb2.HttpBody, context):
+        """A vector per input from a model that pools, every input in one engine request on one
+        worker, answered in vLLM's shape (in pieces: a long list of vectors is megabytes)."""
+        timing = Timing()
+        principal = await self._pipeline.authenticate(timing)
+        metadata = dict(context.invocation_metadata() or ())
+        parsed = openai_embeddings.parse_embedding(jsonbody.parse(request.data, self._max_body))
+        note_client_id(parsed.client_request_id)
+        g = await self._pipeline.start(principal, [openai_embeddings.engine_request(parsed)], timing)
+        last = None
+        async for _, last in self._pipeline.stream(g, context.time_remaining(), metadata):
+            pass
+        if last is None or len(last.embeddings) != len(parsed.inputs):
+            raise errors.Internal(errors.internal_message(g.request_id))
+        answer = openai_embeddings.embeddings_json("embd-" + g.request_id.removeprefix("req-"),
+                                                   g.prepared[0].model.served_name, last.embeddings,
+                                                   last.usage.prompt_tokens, parsed.encoding_format)
+        for start in range(0, len(answer), edge.ANSWER_PIECE_BYTES):
+            yield httpbody_pb2.HttpBody(content_type=openai_stream.JSON, data=answer[start:start + edge.ANSWER_PIECE_BYTES])
 
     # ------------------------------------------------------------ the Responses API
 

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gaas.contracts import errors, genrequest, kvhash
+from gaas.contracts import errors, genrequest, kvhash, tasks
+from gaas.openai import embeddings
 from gaas.contracts.principal import Principal
 from gaas.model.tokenizer import ChatMessage, PromptPrefix, Tokenizer, template_tools
 from gaas.v1 import inference_pb2
@@ -152,6 +153,9 @@ class Preparer:
     async def prepare_at(self, request: inference_pb2.GenerateRequest, principal: Principal, model: ModelEntry,
                          prefix: PromptPrefix | None = None, *, for_ingress: bool = False) -> Prepared:
         """prepare() for the given model version (a shadow copy's: services/router/shadow.py)."""
+        if request.HasField("embed"):
+            return await self._prepare_embed(request, principal, model, for_ingress)
+        tasks.check(model.name, model.task, tasks.GENERATE)
         genrequest.check(request, model.max_model_len or None)
         # A model (version) nobody serves is refused before any work (an autoscaled one's waits
         # for a worker to start first).
@@ -184,6 +188,47 @@ class Preparer:
             prepared.cached_cap = shared_tokens(tok, request, shared[1], ids)
         self._ask_prefix(prepared, workers)
         return prepared
+
+    async def _prepare_embed(self, request: inference_pb2.GenerateRequest, principal: Principal, model: ModelEntry,
+                             for_ingress: bool) -> Prepared:
+        """An embeddings request: every input tokenized and checked against the model's window, the
+        worker sent their token ids (no generation: its tokens are the prompt's alone)."""
+        tasks.check(model.name, model.task, tasks.EMBED)
+        e = request.embed
+        if not e.inputs or len(e.inputs) > embeddings.MAX_INPUTS:
+            raise errors.InvalidArgument(f"an embeddings request takes 1 to {embeddings.MAX_INPUTS} inputs, not "
+                                         f"{len(e.inputs)}", param="input")
+        await self.serving(model, principal, for_ingress)
+        tok = await self.tokenizer(model)
+        forwarded = inference_pb2.GenerateRequest(model=model.name, priority=request.priority,
+                                                  request_id=request.request_id)
+        if e.HasField("dimensions"):
+            forwarded.embed.dimensions = e.dimensions
+        special = e.add_special_tokens if e.HasField("add_special_tokens") else True
+        total, limit = 0, model.max_model_len
+        for i, item in enumerate(e.inputs):
+            if item.token_ids:
+                ids = list(item.token_ids)
+            elif not item.text:
+                raise errors.InvalidArgument(f"'input[{i}]' is empty: give it text or token ids", param="input")
+            elif len(item.text) > INLINE_TOKENIZE_CHARS:
+                ids = await asyncio.to_thread(tok.encode, item.text, special)
+            else:
+                ids = tok.encode(item.text, special)
+            if not ids:
+                raise errors.InvalidArgument(f"'input[{i}]' has no tokens", param="input")
+            if limit and len(ids) > limit:
+                raise errors.InvalidArgument(f"'input[{i}]' is {len(ids)} tokens; {model.name!r} embeds at most {limit} "
+                                             "tokens per input: shorten it or split it", param="input")
+            if max(ids) >= tok.vocab_size:
+                raise errors.InvalidArgument(f"'input[{i}]' holds token id {max(ids)}; this model's vocabulary has "
+                                             f"{tok.vocab_size} tokens", param="input")
+            total += len(ids)
+            if total > embeddings.MAX_TOKENS:
+                raise errors.InvalidArgument(f"the inputs hold more than {embeddings.MAX_TOKENS} tokens; send at most "
+                                             "that many in one request", param="input")
+            forwarded.embed.inputs.add(token_ids=ids)
+        return Prepared(model, forwarded, total, principal.cache_salt)
 
     async def serving(self, model: ModelEntry, principal: Principal, for_ingress: bool = False):
         """The workers serving model's pool; for an autoscaled model none of whose workers serves,

@@ -202,7 +202,7 @@ class Relay:
                         if chunk.HasField("prefill") and self._metrics.moved_prefill_tokens is not None:
                             self._metrics.moved_prefill_tokens.labels(model.name).inc(carried.recomputed(chunk))
                         carried.adjust(chunk, before)
-                    if first and chunk.token_ids:
+                    if first and (chunk.token_ids or chunk.embeddings):
                         first = False
                         watchdog.cancel()
                         now = time.perf_counter()

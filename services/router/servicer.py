@@ -31,7 +31,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(name=m.name, version=m.version, ready_workers=n, max_model_len=m.max_model_len,
-                                        versions=[inference_pb2.ModelVersionInfo(version=v, role=m.role(v),
+                                        task=m.task, versions=[inference_pb2.ModelVersionInfo(version=v, role=m.role(v),
                                                                                  ready_workers=k)
                                                   for v, k in sorted(versions.items())])
                 for m, n, versions in models

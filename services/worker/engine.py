@@ -11,7 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from gaas.contracts import errors
+from gaas.contracts import errors, tasks
+from gaas.contracts.tasks import EMBED, GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,28 @@ class GenerationRequest:
     on_abandoned: Callable[["asyncio.Future[Delta | None]"], None] | None = None
 
 
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """Inputs of a model that pools (its task: embed), embedded together: one engine batch."""
+
+    request_id: str
+    # Each input's token ids, or its text (the router sends ids).
+    inputs: list[list[int] | str]
+    # The vector's length (a Matryoshka model's); None: the model's own.
+    dimensions: int | None = None
+    priority: int = 1
+    cache_salt: str = ""
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    # One per input, in order: the engine's float32 values.
+    vectors: list[list[float]]
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterRef:
     """A LoRA adapter as the engine loads it (gaas.contracts.adapters.Adapter's engine part)."""
@@ -152,6 +175,8 @@ class EngineInfo:
     kv_replay_endpoint: str = ""
     # LoRA adapters it keeps loaded at most (0: it serves none).
     adapter_slots: int = 0
+    # What its model serves (gaas.contracts.tasks).
+    task: str = GENERATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +197,11 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Stream the request's deltas; cancelling the iteration aborts the engine request."""
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        """Each input's vector (a model that pools); InvalidRequest from a model that generates."""
+        tasks.check(self.info.model, self.info.task, EMBED)
+        raise NotImplementedError
 
     @abstractmethod
     def load(self) -> EngineLoad: ...

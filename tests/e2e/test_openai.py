@@ -179,7 +179,7 @@ def test_a_body_larger_than_the_ingress_takes_is_413_naming_the_limit(mesh):
 
 
 def test_unknown_endpoint_is_404_in_openai_shape(mesh):
-    status, body = http(mesh, "/v1/embeddings", b"{}")
+    status, body = http(mesh, "/v1/audio/transcriptions", b"{}")
     assert status == 404 and "no such endpoint" in json.loads(body)["error"]["message"]
 
 

@@ -381,7 +381,7 @@ def test_worker_settings_by_device():
 
 
 def test_a_worker_refuses_a_vllm_build_for_the_other_device():
-    from services.worker.vllm_engine import check_build
+    from services.worker.vllmfaults import check_build
 
     check_build("cuda", "cuda")
     check_build("cpu", "")

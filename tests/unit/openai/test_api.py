@@ -308,11 +308,13 @@ def test_sse_framing_and_errors():
 
 
 def test_models_list_is_shaped_like_vllms_model_cards():
-    listed = openai_api.models_list([("gaas-tiny", 2, 2048, {"1.0.0": "stable", "2.0.0": "canary"}, "ready"),
-                                     ("gaas-small", 0, 4096, {}, "starting")], 1)
+    listed = openai_api.models_list([
+        openai_api.ListedModel("gaas-tiny", 2, 2048, {"1.0.0": "stable", "2.0.0": "canary"}, "ready"),
+        openai_api.ListedModel("gaas-embed", 0, 4096, {}, "starting", "embed")], 1)
     card, starting = listed["data"]
     assert card["id"] == card["root"] == "gaas-tiny" and card["object"] == "model" and card["max_model_len"] == 2048
     assert (card["state"], starting["state"], starting["ready_workers"]) == ("ready", "starting", 0)
+    assert (card["task"], starting["task"]) == ("generate", "embed")
     assert card["versions"] == [{"version": "1.0.0", "role": "stable"}, {"version": "2.0.0", "role": "canary"}]
 
 

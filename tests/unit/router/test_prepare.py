@@ -3,6 +3,7 @@ tokenized once and checked against the model's window, the cache salt (the tenan
 prefix's with its cap on cached tokens), the prompt's blocks looked up in the router's own replica of
 the KV directory, and a model that scales from zero passed on when the ingress waits."""
 
+import re
 import time
 
 import pytest
@@ -127,3 +128,37 @@ async def test_with_one_worker_the_kv_directory_is_not_asked():
     chunks = [c async for c in stages.relay.stream(prepared, principal, "req-y", None, time.perf_counter())]
     assert [c.text for c in chunks] == ["a", "b"]
     assert kv.provisioned == []  # nothing to predict for: the engine's events tell the directory
+
+
+def embed(*inputs, model="embedder"):
+    r = inference_pb2.GenerateRequest(model=model)
+    for i in inputs:
+        r.embed.inputs.add(**({"text": i} if isinstance(i, str) else {"token_ids": i}))
+    return r
+
+
+EMBEDDER = [ModelEntry("tiny", "1.0", 64, True), ModelEntry("embedder", "1.0", 64, False, task="embed")]
+
+
+def embedding_stages():
+    return support.stages(models=EMBEDDER, candidates=[Candidate(WorkerId("w0"), "w0:1", "tiny", "1.0", 64),
+                                                       Candidate(WorkerId("w1"), "w1:1", "embedder", "1.0", 64)])
+
+
+async def test_an_embeddings_request_sends_the_worker_each_inputs_token_ids_and_counts_them_all():
+    d = embedding_stages()
+    p = await d.preparer.prepare(embed("hi", [5, 6, 7]), ACME)
+    assert [list(i.token_ids) for i in p.request.embed.inputs] == [[0, 1 + ord("h"), 1 + ord("i")], [5, 6, 7]]
+    assert p.prompt_tokens == 6 and p.request.max_tokens == 0 and not p.request.prompt_token_ids
+
+
+@pytest.mark.parametrize("request_, says", [
+    (embed("x" * 70), "'input[0]' is 71 tokens; 'embedder' embeds at most 64 tokens per input"),
+    (embed([5], [999_999]), "'input[1]' holds token id 999999"),
+    (embed("x", model="tiny"), "model 'tiny' serves completions and chats"),
+    (inference_pb2.GenerateRequest(model="embedder", prompt="hi", max_tokens=2), "model 'embedder' serves embeddings"),
+])
+async def test_a_request_an_embedding_model_or_its_window_cannot_take_is_refused_naming_it(request_, says):
+    d = embedding_stages()
+    with pytest.raises(errors.InvalidArgument, match=re.escape(says)):
+        await d.preparer.prepare(request_, ACME)

@@ -42,7 +42,7 @@ DEFAULTS = {
                "GAAS_MAX_NUM_SEQS": "64", "GAAS_MAX_NUM_BATCHED_TOKENS": "0", "GAAS_MAX_WAITING": "128", "GAAS_HANDOVER_SECONDS": "2.0", "GAAS_RETIRE_GRACE_SECONDS": "600.0",
                "GAAS_STREAM_INTERVAL": "1", "GAAS_EXECUTOR": "uni", "GAAS_KV_CACHE_BLOCKS": "0",
                "GAAS_MAX_LORAS": "0", "GAAS_MAX_LORA_RANK": "16", "GAAS_MAX_CPU_LORAS": "0",
-               "GAAS_TOOL_PARSER": "", "GAAS_KV_EVENTS": "true", "GAAS_WARMUP_REQUESTS": "2", "GAAS_LEASE_RENEW_SECONDS": "0.5", "GAAS_REDIS_URL": "",
+               "GAAS_TOOL_PARSER": "", "GAAS_TASK": "generate", "GAAS_KV_EVENTS": "true", "GAAS_WARMUP_REQUESTS": "2", "GAAS_LEASE_RENEW_SECONDS": "0.5", "GAAS_REDIS_URL": "",
                "GAAS_SPOOL_DIR": ".gaas/spool"},
     "router": {**BASE, "GAAS_INSTANCE": "router-0", "GAAS_PORT": "50071", "GAAS_HTTP_LISTEN": "127.0.0.1:50077",
                "GAAS_OUTBOUND": "unix:/o",

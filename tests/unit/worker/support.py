@@ -5,7 +5,7 @@ import asyncio
 
 from gaas.contracts.finish import LENGTH
 from gaas.v1 import inference_pb2, worker_pb2
-from services.worker.engine import Delta, Engine, EngineInfo, EngineLoad
+from services.worker.engine import Delta, Embeddings, Engine, EngineInfo, EngineLoad
 
 INFO = EngineInfo("tiny", "1.0", "vllm-cpu", "cpu", 32, 256)
 
@@ -38,6 +38,13 @@ class FakeEngine(Engine):
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.set()
             raise
+
+    async def embed(self, r):
+        """(a model that pools: info's task embed) A vector [input number, its length] per input."""
+        if self.info.task != "embed":
+            await super().embed(r)  # (refused: its model generates)
+        self.requests.append(r)
+        return Embeddings([[float(i), float(len(x))] for i, x in enumerate(r.inputs)], sum(map(len, r.inputs)), 1)
 
     def load(self):
         return EngineLoad(running=len(self.requests), waiting=0, kv_cache_usage=0.25)

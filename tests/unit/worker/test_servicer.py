@@ -2,8 +2,10 @@
 last chunk, cancellation reaching the engine, and error codes."""
 
 import asyncio
+import dataclasses
 
 import grpc
+import numpy as np
 import pytest
 
 from gaas.runtime.server import ServerOptions, ServiceRuntime
@@ -18,7 +20,7 @@ from services.worker.engine import (
     TokenLogprob,
 )
 from services.worker.servicer import WorkerServicer
-from tests.unit.worker.support import FakeEngine, wreq
+from tests.unit.worker.support import INFO, FakeEngine, wreq
 from tests.waiting import eventually_async
 
 
@@ -50,6 +52,41 @@ async def test_streams_deltas_with_usage_last():
     r = engine.requests[0]
     assert (r.request_id, r.cache_salt, r.max_tokens, r.sampling) == ("req-1", "s", 3, {"temperature": 0.0})
     assert (r.n, r.logprobs, r.add_special_tokens) == (1, None, True)
+
+
+async def generate(engine, request):
+    rt = await serve(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            return [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(request, timeout=5)]
+    finally:
+        await rt.shutdown()
+
+
+async def test_an_embeddings_request_is_one_engine_batch_answered_in_one_chunk_with_a_vector_per_input():
+    engine = FakeEngine()
+    engine.info = dataclasses.replace(INFO, task="embed")
+    request = wreq(cache_salt="s")
+    request.request.embed.inputs.add(token_ids=[4, 5, 6])
+    request.request.embed.inputs.add(token_ids=[7])
+    (chunk,) = await generate(engine, request)
+    assert [np.frombuffer(v, "<f4").tolist() for v in chunk.embeddings] == [[0.0, 3.0], [1.0, 1.0]]
+    assert (chunk.usage.prompt_tokens, chunk.usage.cached_tokens, chunk.usage.completion_tokens) == (4, 1, 0)
+    assert chunk.finish_reason == common_pb2.FINISH_REASON_STOP and chunk.worker_id == "worker-7"
+    assert chunk.timings.engine_ms == chunk.timings.ttft_ms > 0
+    (r,) = engine.requests
+    assert (r.inputs, r.cache_salt, r.dimensions) == ([[4, 5, 6], [7]], "s", None)
+
+
+async def test_a_worker_asked_for_what_its_model_does_not_serve_says_what_it_serves():
+    embeds = FakeEngine()
+    embeds.info = dataclasses.replace(INFO, task="embed")
+    with pytest.raises(grpc.aio.AioRpcError, match="serves embeddings"):
+        await generate(embeds, wreq(prompt="hi", max_tokens=3))
+    request = wreq()
+    request.request.embed.inputs.add(text="hi")
+    with pytest.raises(grpc.aio.AioRpcError, match="serves completions and chats"):
+        await generate(FakeEngine(), request)
 
 
 async def test_choices_and_logprobs_map_to_chunks():
