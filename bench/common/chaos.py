@@ -142,6 +142,13 @@ class Target:
         base = self.kind.removeprefix("sidecar-")
         return "worker" if base == "engine" else base
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The groups this target needs to come back: a fresh router serves only once control has
+        answered it (its first view of the mesh), so control is not killed while a router's kill is
+        not back (a worker's bound allows for control's restart)."""
+        return ("control",) if self.group == "router" else ()
+
 
 def kind_of(name: str) -> str:
     if name.endswith(ENGINE):
@@ -247,8 +254,8 @@ def soak(view: MeshView, plan: list[Target], every: float, settle: float, until:
          say: Callable[[str], None]) -> list[Kill]:
     """Kill plan's targets in turn, one every `every` seconds and settle seconds after the last
     kill came back (if it has): once each when until is None, else round and round until
-    time.monotonic() passes until. A target waits while a kill of its group is not back (or its
-    process is not serving); the others go first. Returns once every kill is back (or never will be)."""
+    time.monotonic() passes until. A target waits while a kill of its group, or of a group that
+    needs it (Target.needs), is not back (or its process is not serving); the others go first. Returns once every kill is back (or never will be)."""
     kills: list[Kill] = []
     queue = deque(plan)
     next_at = time.monotonic()
@@ -262,7 +269,7 @@ def soak(view: MeshView, plan: list[Target], every: float, settle: float, until:
         if time.monotonic() < next_at:
             time.sleep(min(0.2, next_at - time.monotonic()))
             continue
-        busy = {k.target.group for k in kills if k.pending()}
+        busy = {g for k in kills if k.pending() for g in (k.target.group, *k.target.needs)}
         ready = next((t for t in queue if t.group not in busy and _serving(view, t.child)), None)
         if ready is None:
             time.sleep(0.5)

@@ -83,3 +83,8 @@ def test_a_kill_is_charged_the_calls_that_ended_until_the_next_kill():
 def test_tally_counts_what_the_openai_client_saw_fail_not_what_it_retried():
     t = tally([call(tokens=24, usage=(1, 0, 24), statuses=(0, 200)), call(statuses=(0, 0, 0))])
     assert (t["requests"], t["failed_before_first_token"], t["retried"]) == (2, 1, 1)
+
+
+def test_control_is_not_killed_while_a_router_it_must_answer_is_not_back():
+    assert Target("router-0", "router").needs == ("control",) == Target("sidecar-router-0", "sidecar-router").needs
+    assert Target("billing-0", "billing").needs == () == Target("worker-0", "worker").needs
