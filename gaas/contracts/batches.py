@@ -18,7 +18,7 @@ from gaas.contracts.tenancy import TIERS
 COMPLETION_WINDOW = "24h"
 WINDOW_SECONDS = 24 * 3600
 # The endpoints a batch's requests may be for.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # The largest file an upload may carry through the ingress and the router (a gRPC message each).
 MAX_UPLOAD_BYTES = 4 * MIB - 64 * KIB
 # An item's lease: its runner renews it every LEASE_RENEW_S while the item runs; a runner that

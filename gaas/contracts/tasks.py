@@ -12,7 +12,7 @@ EMBED = "embed"
 TASKS = (GENERATE, EMBED)
 
 _WHAT = {GENERATE: "completions and chats (/v1/completions, /v1/chat/completions)",
-         EMBED: "embeddings (/v1/embeddings)"}
+         EMBED: "embeddings (/v1/embeddings, /pooling, /score, /rerank)"}
 
 
 def check(model: str, task: str, wanted: str) -> None:

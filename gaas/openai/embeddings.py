@@ -1,5 +1,5 @@
-"""OpenAI's embeddings API as vLLM's server answers it (POST /v1/embeddings): a request body read
-strictly into an EmbeddingRequest (its inputs, text or token ids, one or a list; the encoding; the
+"""OpenAI's embeddings API as vLLM's server answers it (POST /v1/embeddings, and vLLM's POST /pooling
+of an embedding model, the same request with a task): a request body read strictly into an EmbeddingRequest (its inputs, text or token ids, one or a list; the encoding; the
 dimensions; the user), and the answer written from the engine's vectors in vLLM's shape: float
 arrays, or base64 of each vector's float32 bytes (little-endian, what the openai client decodes).
 
@@ -57,11 +57,26 @@ class EmbeddingRequest:
     priority: int = 0
     # The id the client gave in the body (vLLM's request_id field), for the logs.
     client_request_id: str = ""
+    # Asked at /pooling (answered as vLLM's pooling route answers: "object": "pooling", "data").
+    pooling: bool = False
 
 
 def parse_embedding(body: dict) -> EmbeddingRequest:
     """The body of POST /v1/embeddings, checked field by field as vLLM's server checks it."""
+    return _parse(Fields(body), pooling=False)
+
+
+def parse_pooling(body: dict) -> EmbeddingRequest:
+    """The body of vLLM's POST /pooling for a model that embeds: an embeddings request whose task, if
+    given, is "embed" (vLLM's other pooling tasks need models GaaS does not serve)."""
     f = Fields(body)
+    task = f.string("task", 32)
+    if task not in (None, "embed"):
+        raise f.fail("task", f"must be \"embed\" (what GaaS's pooling models serve), got {task!r}")
+    return _parse(f, pooling=True)
+
+
+def _parse(f: Fields, pooling: bool) -> EmbeddingRequest:
     model = f.string("model", genrequest.MAX_MODEL_NAME)
     if not model:
         raise InvalidArgument("'model' is required: the name of an embedding model (GET /v1/models lists them)",
@@ -79,7 +94,7 @@ def parse_embedding(body: dict) -> EmbeddingRequest:
         f.only_default(name, accepted, what)
     f.finish()
     return EmbeddingRequest(model, inputs, encoding or "float", dimensions, True if special is None else special,
-                            priority or 0, client_id)
+                            priority or 0, client_id, pooling)
 
 
 def _inputs(f: Fields) -> tuple[str | tuple[int, ...], ...]:
@@ -134,17 +149,23 @@ def vector_bytes(values: Sequence[float]) -> bytes:
     return struct.pack(f"<{len(values)}f", *values)
 
 
+def vector_floats(raw: bytes) -> tuple[float, ...]:
+    """A vector's float32 little-endian bytes as its values."""
+    return struct.unpack(f"<{len(raw) // 4}f", raw)
+
+
 def embeddings_json(request_id: str, model: str, vectors: Sequence[bytes], prompt_tokens: int, encoding: str,
-                    created: int | None = None) -> bytes:
+                    created: int | None = None, pooling: bool = False) -> bytes:
     """The answer in vLLM's shape: one entry per input vector (float32 little-endian bytes), in
-    order, and the usage (prompt tokens only)."""
+    order, and the usage (prompt tokens only). pooling: as /pooling writes each entry."""
     data = []
     for i, raw in enumerate(vectors):
         if encoding == "base64":
             embedding: object = base64.b64encode(raw).decode("ascii")
         else:
-            embedding = list(struct.unpack(f"<{len(raw) // 4}f", raw))
-        data.append({"index": i, "object": "embedding", "embedding": embedding})
+            embedding = list(vector_floats(raw))
+        data.append({"index": i, "object": "pooling", "data": embedding} if pooling
+                    else {"index": i, "object": "embedding", "embedding": embedding})
     answer = {"id": request_id, "object": "list", "created": int(time.time()) if created is None else created,
               "model": model, "data": data,
               "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from google.api import httpbody_pb2
@@ -28,6 +28,13 @@ LOGPROB_FLOOR = -9999.0
 
 def json_body(obj: dict) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(content_type=JSON, data=dumps(obj))
+
+
+def answer_pieces(answer: bytes) -> Iterator[httpbody_pb2.HttpBody]:
+    """A whole JSON answer in pieces: the ingress's transcoder appends each to the one body it
+    sends, holding none of them whole (it refuses a single message larger than its buffer)."""
+    for start in range(0, len(answer), edge.ANSWER_PIECE_BYTES):
+        yield httpbody_pb2.HttpBody(content_type=JSON, data=answer[start:start + edge.ANSWER_PIECE_BYTES])
 
 
 def sse_body(data: bytes) -> httpbody_pb2.HttpBody:
@@ -368,10 +375,8 @@ async def respond(
                              for i, ch in choices.items()], usage.final(),
                             {SESSION_FIELD: turn} if turn is not None else None)
         choices.clear()
-        # In pieces: the ingress's transcoder appends each to the one JSON body it sends, holding
-        # none of them whole (it refuses a single message larger than its buffer).
-        for start in range(0, len(answer), edge.ANSWER_PIECE_BYTES):
-            yield httpbody_pb2.HttpBody(content_type=JSON, data=answer[start:start + edge.ANSWER_PIECE_BYTES])
+        for piece in answer_pieces(answer):
+            yield piece
         return
     if parsed.include_usage or usage.explain:
         yield sse_body(sse(fmt.usage_chunk(usage.final())))

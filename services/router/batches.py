@@ -31,13 +31,13 @@ import grpc
 
 from gaas.contracts import batches as terms, errors, jsonbody
 from gaas.contracts.principal import Principal
-from gaas.openai import api as openai_api, stream as openai_stream
+from gaas.openai import api as openai_api, embeddings as openai_embeddings, stream as openai_stream
 from gaas.runtime import status
 from gaas.runtime.context import client_request_id_var, request_id_var, sanitize_client_id, tenant_var
 from gaas.runtime.status import translate
 from gaas.v1 import billing_pb2 as pb, billing_pb2_grpc
 from services.router.auth import Authenticator
-from services.router.openai_servicer import answer_check, engine_requests
+from services.router.openai_servicer import answer_check, embed, engine_requests
 from services.router.pipeline import Pipeline, Timing
 
 log = logging.getLogger(__name__)
@@ -225,15 +225,14 @@ class BatchRunner:
 
     async def _answer(self, item: pb.BatchItem) -> bytes:
         """The item's answer, as POST {endpoint} answers it without streaming."""
+        body = jsonbody.parse(item.body, self._max_body)
+        if item.endpoint == "/v1/embeddings":
+            return await self._embeddings(item, openai_embeddings.parse_embedding(body))
         parse = openai_api.parse_chat if item.endpoint == "/v1/chat/completions" else openai_api.parse_completion
-        parsed = parse(jsonbody.parse(item.body, self._max_body))
+        parsed = parse(body)
         if parsed.stream:
             raise errors.InvalidArgument("a batch request cannot be streamed", param="stream")
-        o = item.owner
-        now = await self._owners.authenticate(f"Bearer {o.key_id}")
-        if now.tenant != o.tenant:
-            raise errors.Unauthenticated(f"the batch's API key is no longer tenant {o.tenant}'s")
-        principal = Principal(now.tenant, now.tier, o.key_id, o.cache_salt, limits=now.limits, batch=True)
+        principal = await self._principal(item.owner)
         g = await self._pipeline.start(principal, engine_requests(parsed), Timing(), check=answer_check(parsed),
                                        price_factor=item.price_factor)
         fmt = openai_stream.Formatter(parsed, g.request_id, g.prepared[0].model.served_name)
@@ -249,6 +248,25 @@ class BatchRunner:
             return b"".join(pieces)
         finally:
             await chunks.aclose()
+
+    async def _embeddings(self, item: pb.BatchItem, parsed: openai_embeddings.EmbeddingRequest) -> bytes:
+        g, last = await embed(self._pipeline, await self._principal(item.owner), parsed, Timing(), None, {},
+                              price_factor=item.price_factor)
+        answer = openai_embeddings.embeddings_json("embd-" + g.request_id.removeprefix("req-"),
+                                                   g.prepared[0].model.served_name, last.embeddings,
+                                                   last.usage.prompt_tokens, parsed.encoding_format)
+        if len(answer) > terms.MAX_ANSWER_BYTES:
+            raise errors.InvalidArgument(f"the answer is {len(answer)} bytes, over {terms.MAX_ANSWER_BYTES}, the most a "
+                                         "batch answer may be: send fewer inputs per line, or encoding_format base64",
+                                         reason="answer_too_large")
+        return answer
+
+    async def _principal(self, o: pb.BatchOwner) -> Principal:
+        """The batch's key's tenant now, as a batch item (a revoked key: Unauthenticated)."""
+        now = await self._owners.authenticate(f"Bearer {o.key_id}")
+        if now.tenant != o.tenant:
+            raise errors.Unauthenticated(f"the batch's API key is no longer tenant {o.tenant}'s")
+        return Principal(now.tenant, now.tier, o.key_id, o.cache_salt, limits=now.limits, batch=True)
 
     async def _complete(self, item: pb.BatchItem, code: int, body: bytes, request_id: str) -> None:
         """The answer kept in billing; while billing does not answer, tried again (until the

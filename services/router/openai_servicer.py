@@ -14,15 +14,16 @@ from google.api import httpbody_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from gaas.contracts import edge, errors, jsonbody
+from gaas.contracts import errors, jsonbody
 from gaas.contracts import batches as batch_terms
+from gaas.contracts.principal import Principal
 from gaas.openai import api as openai_api, batches as openai_batches, embeddings as openai_embeddings, multipart, \
-    responses as openai_responses, stream as openai_stream
+    responses as openai_responses, scores as openai_scores, stream as openai_stream
 from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
 from gaas.v1 import billing_pb2, common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
 from services.router.directory import model_state
-from services.router.pipeline import Pipeline, Timing, note_client_id
+from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
 from services.router.responses import LEASE_RENEW_S, ResponseStore
 
 log = logging.getLogger(__name__)
@@ -87,22 +88,50 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
     async def Embeddings(self, request: httpbody_pb2.HttpBody, context):
         """A vector per input from a model that pools, every input in one engine request on one
         worker, answered in vLLM's shape (in pieces: a long list of vectors is megabytes)."""
+        parsed = openai_embeddings.parse_embedding(jsonbody.parse(request.data, self._max_body))
+        async for piece in self._embeddings(parsed, "embd-", context):
+            yield piece
+
+    async def Pooling(self, request: httpbody_pb2.HttpBody, context):
+        parsed = openai_embeddings.parse_pooling(jsonbody.parse(request.data, self._max_body))
+        async for piece in self._embeddings(parsed, "pool-", context):
+            yield piece
+
+    async def _embeddings(self, parsed: openai_embeddings.EmbeddingRequest, id_prefix: str, context):
+        g, last = await self._embed(parsed, context)
+        answer = openai_embeddings.embeddings_json(id_prefix + g.request_id.removeprefix("req-"),
+                                                   g.prepared[0].model.served_name, last.embeddings,
+                                                   last.usage.prompt_tokens, parsed.encoding_format,
+                                                   pooling=parsed.pooling)
+        for piece in openai_stream.answer_pieces(answer):
+            yield piece
+
+    async def Score(self, request: httpbody_pb2.HttpBody, context):
+        async for piece in self._score(openai_scores.parse_score(jsonbody.parse(request.data, self._max_body)),
+                                       context):
+            yield piece
+
+    async def Rerank(self, request: httpbody_pb2.HttpBody, context):
+        async for piece in self._score(openai_scores.parse_rerank(jsonbody.parse(request.data, self._max_body)),
+                                       context):
+            yield piece
+
+    async def _score(self, parsed: openai_scores.ScoreRequest, context):
+        """Queries and documents embedded in one engine request, each pair scored by its vectors'
+        cosine (a bi-encoder, as vLLM's server scores with a model that embeds)."""
+        g, last = await self._embed(openai_scores.embedding_request(parsed), context)
+        answer = openai_scores.answer_json(parsed, ("rerank-" if parsed.rerank else "score-")
+                                           + g.request_id.removeprefix("req-"), g.prepared[0].model.served_name,
+                                           openai_scores.scores(parsed, last.embeddings), last.usage.prompt_tokens)
+        for piece in openai_stream.answer_pieces(answer):
+            yield piece
+
+    async def _embed(self, parsed: openai_embeddings.EmbeddingRequest, context):
         timing = Timing()
         principal = await self._pipeline.authenticate(timing)
-        metadata = dict(context.invocation_metadata() or ())
-        parsed = openai_embeddings.parse_embedding(jsonbody.parse(request.data, self._max_body))
         note_client_id(parsed.client_request_id)
-        g = await self._pipeline.start(principal, [openai_embeddings.engine_request(parsed)], timing)
-        last = None
-        async for _, last in self._pipeline.stream(g, context.time_remaining(), metadata):
-            pass
-        if last is None or len(last.embeddings) != len(parsed.inputs):
-            raise errors.Internal(errors.internal_message(g.request_id))
-        answer = openai_embeddings.embeddings_json("embd-" + g.request_id.removeprefix("req-"),
-                                                   g.prepared[0].model.served_name, last.embeddings,
-                                                   last.usage.prompt_tokens, parsed.encoding_format)
-        for start in range(0, len(answer), edge.ANSWER_PIECE_BYTES):
-            yield httpbody_pb2.HttpBody(content_type=openai_stream.JSON, data=answer[start:start + edge.ANSWER_PIECE_BYTES])
+        return await embed(self._pipeline, principal, parsed, timing, context.time_remaining(),
+                           dict(context.invocation_metadata() or ()))
 
     # ------------------------------------------------------------ the Responses API
 
@@ -373,6 +402,19 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def Metrics(self, request, context) -> httpbody_pb2.HttpBody:
         return httpbody_pb2.HttpBody(content_type=CONTENT_TYPE_LATEST, data=generate_latest(self._metrics))
+
+
+async def embed(pipeline: Pipeline, principal: Principal, parsed: openai_embeddings.EmbeddingRequest, timing: Timing,
+                time_remaining: float | None, metadata: dict, price_factor: float = 1.0,
+                ) -> tuple[Generation, common_pb2.GenerateChunk]:
+    """An embeddings request's vectors: (its pipeline's request, the engine's one chunk)."""
+    g = await pipeline.start(principal, [openai_embeddings.engine_request(parsed)], timing, price_factor=price_factor)
+    last = None
+    async for _, last in pipeline.stream(g, time_remaining, metadata):
+        pass
+    if last is None or len(last.embeddings) != len(parsed.inputs):
+        raise errors.Internal(errors.internal_message(g.request_id))
+    return g, last
 
 
 def session_id_of(parsed: openai_api.OpenAIRequest, metadata: dict) -> str:

@@ -93,8 +93,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling=sampling,
             stop=list(r.stop),
             structured=genrequest.structured_dict(r.structured_output),
-            priority=(request.engine_priority if request.HasField("engine_priority")
-                      else genrequest.VLLM_PRIORITY[r.priority]),
+            priority=engine_priority(request),
             cache_salt=request.cache_salt,
             n=r.n or 1,
             logprobs=r.logprobs if r.HasField("logprobs") else None,
@@ -164,8 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         started = time.perf_counter()
         out = await engine.embed(EmbeddingRequest(
             request.request_id, inputs, e.dimensions if e.HasField("dimensions") else None,
-            priority=request.engine_priority if request.HasField("engine_priority")
-            else genrequest.VLLM_PRIORITY[request.request.priority],
+            priority=engine_priority(request),
             cache_salt=request.cache_salt,
             add_special_tokens=e.add_special_tokens if e.HasField("add_special_tokens") else True))
         took_ms = (time.perf_counter() - started) * 1000
@@ -234,3 +232,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("a KV directory watches this worker (snapshot of %d blocks, then live events)", self.relay.blocks)
         async for batch in self.relay.watch():
             yield batch
+
+
+def engine_priority(request: worker_pb2.WorkerGenerateRequest) -> int:
+    """vLLM's priority for a request: the router's (from the tenant's tier and the client's), or
+    the request class's default where the router gave none."""
+    if request.HasField("engine_priority"):
+        return request.engine_priority
+    return genrequest.VLLM_PRIORITY[request.request.priority]

@@ -2,11 +2,15 @@
 served by vLLM's pooling runner (engine: {task: embed}), one worker each. The official openai client
 gets each input's vector (float and base64, text and token ids) equal to the model's own (its last
 token's final hidden state, normalized: what vLLM's conversion computes, here by transformers); the
-ledger holds exactly the prompt tokens the client was told; a model asked for what it does not serve
-and a malformed body are 400s in OpenAI's shape; /v1/models says what each model serves."""
+ledger holds exactly the prompt tokens the client was told; /pooling, /score and every rerank route
+answer in vLLM's shapes with scores equal to the reference vectors' cosines; a model asked for what it
+does not serve and a malformed body are 400s in OpenAI's shape; /v1/models says what each model
+serves."""
 
 from __future__ import annotations
 
+import io
+import json
 import re
 
 import numpy as np
@@ -17,7 +21,7 @@ from bench.common.mesh import tiny_deployment
 from gaas.sdk.admin import BillingAdmin
 from tests.conftest import INGRESS_PATH, ROOT, on_direct_path
 from tests.e2e.support import instance, new_tenant
-from tests.meshutil import openai_client, own_mesh
+from tests.meshutil import http, openai_client, own_mesh
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.mesh,
@@ -129,3 +133,80 @@ def test_a_malformed_input_is_a_400_in_openais_shape(emesh, given, says):
 def test_models_list_says_what_each_model_serves(emesh):
     listed = {m.id: m.task for m in openai_client(emesh).models.list().data}
     assert listed == {"gaas-tiny": "generate", EMBED: "embed"}
+
+
+def post(mesh, path: str, body: dict) -> dict:
+    status, text = http(mesh, path, json.dumps(body).encode())
+    assert status == 200, text
+    return json.loads(text)
+
+
+QUERY = "where does the river go"
+
+
+def test_scores_and_rankings_are_the_cosines_of_the_engines_vectors(emesh, reference):
+    ids = token_ids([QUERY, *TEXTS])
+    vectors = [d.embedding for d in openai_client(emesh).embeddings.create(model=EMBED, input=[QUERY, *TEXTS],
+                                                                           encoding_format="float").data]
+    want = [cosine(vectors[0], v) for v in vectors[1:]]
+    # (the engine's vectors are the model's own to a cosine of 0.9999: their pairs' cosines to about 1e-3)
+    assert want == pytest.approx([cosine(reference(ids[:1])[0], v) for v in reference(ids[1:])], abs=2e-3)
+    tokens = sum(map(len, ids))
+    for path in ("/score", "/v1/score"):
+        scored = post(emesh, path, {"model": EMBED, "queries": QUERY, "documents": TEXTS})
+        assert [d["index"] for d in scored["data"]] == [0, 1, 2] and scored["usage"]["prompt_tokens"] == tokens
+        assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-5)
+    order = sorted(range(3), key=lambda i: want[i], reverse=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = post(emesh, path, {"model": EMBED, "query": QUERY, "documents": TEXTS, "top_n": 2})
+        assert [r["index"] for r in ranked["results"]] == order[:2], path
+        assert [r["document"]["text"] for r in ranked["results"]] == [TEXTS[i] for i in order[:2]]
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[i] for i in order[:2]],
+                                                                                 abs=1e-5)
+        assert ranked["usage"]["total_tokens"] == tokens
+
+
+def test_pooling_answers_each_vector_as_vllms_pooling_route_does(emesh, reference):
+    pooled = post(emesh, "/pooling", {"model": EMBED, "input": TEXTS, "task": "embed"})
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling"), (2, "pooling")]
+    for got, expected in zip(pooled["data"], reference(token_ids(TEXTS))):
+        assert cosine(got["data"], expected) >= 0.9999
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/score", {"model": EMBED, "queries": ["a", "b"], "documents": ["c", "d", "e"]}, "1:N or N:N"),
+    ("/v2/rerank", {"model": EMBED, "query": "q", "documents": []}, "at least one text"),
+    ("/rerank", {"model": "gaas-tiny", "query": "q", "documents": ["d"]}, "serves completions and chats"),
+    ("/pooling", {"model": EMBED, "input": "x", "task": "classify"}, "'task' must be"),
+])
+def test_a_wrong_score_rerank_or_pooling_request_is_a_400_in_openais_shape(emesh, path, body, says):
+    status, text = http(emesh, path, json.dumps(body).encode())
+    assert status == 400 and says in json.loads(text)["error"]["message"], text
+
+
+def test_a_batch_of_embeddings_answers_each_line_as_v1_embeddings_would_billed_once_each(emesh):
+    tenant, key = new_tenant(emesh, prefix="embed-batch")
+    c = openai_client(emesh, key, timeout=120)
+    rows = [{"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": EMBED, "input": TEXTS[:i + 1], "encoding_format": "float"}} for i in range(3)]
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"model": EMBED, "input": []}})
+    f = c.files.create(file=("e.jsonl", io.BytesIO("\n".join(map(json.dumps, rows)).encode())), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done = eventually(lambda: (x := c.batches.retrieve(b.id)).status in ("completed", "failed") and x, 120,
+                      every=0.5, what=f"embeddings batch {b.id} finished")
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+    out = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, c.files.content(done.output_file_id)
+                                                              .text.splitlines())}
+    direct = c.embeddings.create(model=EMBED, input=TEXTS, encoding_format="float")
+    assert [d["embedding"] for d in out["e-2"]["data"]] == [d.embedding for d in direct.data]
+    errors = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("bad", 400)]
+    told = sum(out[f"e-{i}"]["usage"]["prompt_tokens"] for i in range(3)) + direct.usage.prompt_tokens
+
+    def billed() -> dict | None:
+        with BillingAdmin(instance(emesh, "billing-0"), emesh.run_dir) as adm:
+            total = adm.usage(tenant)["total"]
+        return total if total["requests"] >= 4 else None
+
+    total = eventually(billed, 30, every=0.25, what=f"4 embeddings requests of {tenant} in the ledger")
+    assert (total["requests"], total["prompt_tokens"]) == (4, told)

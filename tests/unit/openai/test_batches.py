@@ -135,7 +135,7 @@ def test_the_create_body_is_checked_field_by_field():
                             "metadata": {"k": "v"}})
     assert (ok.input_file_id, ok.endpoint, ok.metadata) == ("file-1", CHAT, {"k": "v"})
     for body, param in [({"endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
-                        ({"input_file_id": "f", "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
+                        ({"input_file_id": "f", "endpoint": "/v1/moderations", "completion_window": "24h"}, "endpoint"),
                         ({"input_file_id": "f", "endpoint": CHAT, "completion_window": "1h"}, "completion_window"),
                         ({"input_file_id": "f", "endpoint": CHAT, "completion_window": "24h", "metadata": {"k": 1}},
                          "metadata"),

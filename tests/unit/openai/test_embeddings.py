@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gaas.contracts import edge, errors, jsonbody
-from gaas.openai.embeddings import MAX_INPUTS, embeddings_json, parse_embedding, vector_bytes
+from gaas.openai.embeddings import MAX_INPUTS, embeddings_json, parse_embedding, parse_pooling, vector_bytes
 from tests.hostile import at, fragments, splice
 
 BODY = {"model": "m", "input": "hello"}
@@ -97,3 +97,19 @@ def test_base64_vectors_decode_as_the_openai_client_decodes_them():
     for item, v in zip(body["data"], VECTORS):
         # (openai/resources/embeddings.py: np.frombuffer(base64.b64decode(data), dtype="float32"))
         assert np.frombuffer(base64.b64decode(item["embedding"]), dtype="float32").tolist() == v.tolist()
+
+
+def test_a_pooling_request_is_an_embeddings_request_whose_task_is_embed():
+    assert parse_pooling({**BODY, "task": "embed"}).inputs == parse_pooling(BODY).inputs == ("hello",)
+    assert parse_pooling(BODY).pooling and not parse_embedding(BODY).pooling
+    with pytest.raises(errors.InvalidArgument, match=re.escape("'task' must be \"embed\"")) as err:
+        parse_pooling({**BODY, "task": "classify"})
+    assert err.value.param == "task"
+    with pytest.raises(errors.InvalidArgument, match="unknown field"):
+        parse_embedding({**BODY, "task": "embed"})
+
+
+def test_a_pooling_answer_carries_each_vector_as_data_of_a_pooling_object():
+    body = json.loads(embeddings_json("pool-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "float",
+                                      pooling=True))
+    assert body["data"] == [{"index": i, "object": "pooling", "data": v.tolist()} for i, v in enumerate(VECTORS)]
