@@ -14,18 +14,19 @@ GRPC_SERVICE = {
 
 # The router's second public API: OpenAI's HTTP API over HttpBody methods.
 OPENAI_SERVICE = "gaas.v1.OpenAI"
-# Its generation methods, which a worker serves too when the ingress sends them there straight
-# (ingress.path: direct), and the router's decision call for that (Envoy's external processing).
-OPENAI_GENERATION = ("Completions", "ChatCompletions")
+# Its methods a worker serves too when the ingress sends them there straight (ingress.path:
+# direct), decided by the router's call for that (Envoy's external processing): the generations
+# and embeddings.
+OPENAI_DIRECT = ("Completions", "ChatCompletions", "Embeddings")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 EXT_PROC_PROCESS = f"/{EXT_PROC_SERVICE}/Process"
-# Every generation method the ingress asks the router about and may send to a worker straight
-# (ingress.path: direct): both OpenAI routes and the native API's Generate, as gRPC paths.
 # Their gRPC paths (a worker serves them over its HTTP front, services/worker/http.py).
-OPENAI_GENERATION_PATHS = tuple(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_GENERATION)
+OPENAI_DIRECT_PATHS = tuple(f"/{OPENAI_SERVICE}/{m}" for m in OPENAI_DIRECT)
 # And their HTTP paths (protos/gaas/v1/openai.proto's http rules), which the ingress transcodes.
-OPENAI_GENERATION_HTTP = ("/v1/completions", "/v1/chat/completions")
-DIRECT_GENERATION = (*OPENAI_GENERATION_PATHS, f"/{GRPC_SERVICE['router']}/Generate")
+OPENAI_DIRECT_HTTP = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+# Every method the ingress asks the router about and may send to a worker straight (ingress.path:
+# direct): the OpenAI routes above and the native API's Generate, as gRPC paths.
+DIRECT_GENERATION = (*OPENAI_DIRECT_PATHS, f"/{GRPC_SERVICE['router']}/Generate")
 # The router's key check for the ingress, on each request's headers (Envoy's external authorization).
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 # Envoy's aggregated discovery service, which control serves: every Envoy that reaches workers takes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gaas.envoy.clusters import WORKERS_CLUSTER
 from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, ROUTER_CALL_RETRY, UNREACHED_HEADER, decorator, grpc_route
-from gaas.contracts.services import DIRECT_GENERATION, OPENAI_GENERATION_HTTP
+from gaas.contracts.services import DIRECT_GENERATION, OPENAI_DIRECT_HTTP
 from gaas.runtime.context import WORKER_HEADER
 
 # The router's decision, twice in the ingress's filters: before the transcoder for the OpenAI routes'
@@ -82,7 +82,7 @@ def openai_http_routes(descriptor_set_limit: dict) -> list[dict]:
         "direct_response": {"status": 404},
         "typed_per_filter_config": {TRANSCODER: descriptor_set_limit},
         **decorator("ingress, asking a router"),
-    } for path in OPENAI_GENERATION_HTTP]
+    } for path in OPENAI_DIRECT_HTTP]
 
 
 # On the direct path, a generation that never reached its worker (no connection, a refused or

@@ -23,7 +23,7 @@ from gaas.envoy.routes import RETRY_BEFORE_RESPONSE, ROUTER_CALL_RETRY, UNREACHE
 from gaas.envoy.tls import client_tls, downstream_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import DIRECT_GENERATION, GRPC_SERVICE, OPENAI_GENERATION_HTTP, OPENAI_SERVICE
+from gaas.contracts.services import DIRECT_GENERATION, GRPC_SERVICE, OPENAI_DIRECT_HTTP, OPENAI_SERVICE
 from gaas.ops.topology import LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import INGRESS_START_HEADER, REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER
@@ -229,7 +229,7 @@ def ingress_config(topo: Topology, descriptor_set: Path, log_dir: Path, authorit
         # to its worker is not asked about again.
         n = len(DIRECT_GENERATION)
         to_workers, to_router = routes[:n], routes[n:2 * n]
-        asking = routes[2 * n:2 * n + len(OPENAI_GENERATION_HTTP)]
+        asking = routes[2 * n:2 * n + len(OPENAI_DIRECT_HTTP)]
         for route in routes[:2 * n + len(asking)]:
             route.setdefault("typed_per_filter_config", {}).update(ext_authz_disabled())
         for route in to_workers:

@@ -20,7 +20,7 @@ from gaas.envoy.routes import RETRY_UNREACHED, decorator, grpc_route, unreached_
 from gaas.envoy.tls import client_tls, server_tls
 from gaas.envoy.tracing import tracing
 from gaas.ops import pki
-from gaas.contracts.services import EXT_PROC_PROCESS, GRPC_SERVICE, OPENAI_GENERATION_PATHS
+from gaas.contracts.services import EXT_PROC_PROCESS, GRPC_SERVICE, OPENAI_DIRECT_PATHS
 from gaas.ops.topology import TALKS_TO, Instance, LocalSockets, Topology
 from gaas.ops.traces import TraceTarget
 from gaas.runtime.context import PEER_ADDRESS_HEADER, WORKER_HEADER
@@ -36,7 +36,7 @@ def http_paths(kind: str, direct: bool) -> tuple[str, ...]:
     """The paths kind's sidecar sends to its HTTP front (LOCAL_HTTP)."""
     if not direct:
         return ()
-    return {"worker": OPENAI_GENERATION_PATHS, "router": (EXT_PROC_PROCESS,)}.get(kind, ())
+    return {"worker": OPENAI_DIRECT_PATHS, "router": (EXT_PROC_PROCESS,)}.get(kind, ())
 
 
 def inbound_hcm(stat_prefix: str, kind: str, access_log: Path, trace: TraceTarget | None = None,

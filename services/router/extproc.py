@@ -38,12 +38,12 @@ from redis.exceptions import RedisError
 
 from gaas.metering import admission, direct as direct_contract
 from gaas.contracts import edge, jsonbody
-from gaas.openai import api as openai_api
+from gaas.openai import api as openai_api, embeddings as openai_embeddings
 from gaas.metering.meter import Metered
 from gaas.openai.stream import EXPLAIN_HEADER
 from gaas.runtime import redisconn, status
 from gaas.runtime.context import REQUEST_ID_HEADER, TENANT_HEADER, WORKER_HEADER, begin_request, client_request_id_var
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_HTTP, OPENAI_SERVICE
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_DIRECT_HTTP, OPENAI_SERVICE
 from gaas.v1 import ext_proc_pb2 as ep
 from gaas.v1 import inference_pb2, worker_pb2
 from services.router.extproc_wire import TRANSCODED_HEADER, grpc_frame, header, headers_of, immediate, \
@@ -65,8 +65,9 @@ SWEEP_SECONDS = 1.0
 PARSERS = {
     f"/{OPENAI_SERVICE}/Completions": (openai_api.parse_completion, False),
     f"/{OPENAI_SERVICE}/ChatCompletions": (openai_api.parse_chat, True),
+    f"/{OPENAI_SERVICE}/Embeddings": (openai_embeddings.parse_embedding, False),
 }
-HTTP_PARSERS = dict(zip(OPENAI_GENERATION_HTTP, PARSERS.values(), strict=True))
+HTTP_PARSERS = dict(zip(OPENAI_DIRECT_HTTP, PARSERS.values(), strict=True))
 # The native API's generation, whose body is the GenerateRequest itself (gaas.contracts.services.DIRECT_GENERATION).
 NATIVE_GENERATE = f"/{GRPC_SERVICE['router']}/Generate"
 
@@ -341,6 +342,9 @@ class ExternalProcessor:
             data = message_of(httpbody_pb2.HttpBody, body).data
         client_id = client_request_id_var.get()
         parsed = parse(jsonbody.parse(data, self._max_body))
+        if isinstance(parsed, openai_embeddings.EmbeddingRequest):
+            return await self._placed(principal, [openai_embeddings.engine_request(parsed)], timing, headers,
+                                      client_id or parsed.client_request_id, parsed.client_request_id, data)
         session_id_of(parsed, headers)  # (on the engine requests: the pipeline reads it there)
         return await self._placed(principal, engine_requests(parsed), timing, headers,
                                   client_id or parsed.client_request_id, parsed.client_request_id, data, chat,

@@ -1,4 +1,4 @@
-"""gaas.v1.OpenAI's generation methods (served over the worker's HTTP front, http.py) and
+"""gaas.v1.OpenAI's generation and embeddings methods (served over the worker's HTTP front, http.py) and
 gaas.v1.Inference's Generate (gRPC) on a worker, for requests the router decided at the ingress
 (topology: ingress.path: direct; gaas/metering/direct.py): the body is a DirectGenerate the router
 put there, never a client's. The worker generates (every prompt
@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from gaas.contracts import errors, jsonbody
 from gaas.contracts.sessions import Context
 from gaas.metering import direct
-from gaas.openai import api as openai_api, stream as openai_stream
+from gaas.openai import api as openai_api, embeddings as openai_embeddings, stream as openai_stream
 from gaas.metering.admission import PROGRESS_HEARTBEAT_SECONDS, PROGRESS_SECONDS
 from gaas.metering.meter import Meter, Metered, metered
 from gaas.runtime.context import request_id_var, tenant_var
@@ -34,7 +34,7 @@ from gaas.runtime.status import translate
 from gaas.runtime.streams import merge
 from gaas.sessions import turns
 from gaas.sessions.turns import TurnEnds
-from gaas.contracts.services import GRPC_SERVICE, OPENAI_GENERATION_PATHS
+from gaas.contracts.services import GRPC_SERVICE, OPENAI_DIRECT_PATHS
 from gaas.v1 import common_pb2, worker_pb2
 from services.worker.carryon import CarryOn
 from services.worker.servicer import WorkerServicer
@@ -90,9 +90,14 @@ class DirectServicer:
         """POST /v1/chat/completions as the router decided it."""
         return self._serve(request, openai_api.parse_chat)
 
+    def embeddings(self, request: httpbody_pb2.HttpBody) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        """POST /v1/embeddings as the router decided it: the engine's one chunk of vectors,
+        answered in vLLM's shape."""
+        return self._embed(request)
+
     def http_routes(self) -> dict:
         """The HTTP front's routes: the paths the ingress sends them to (gaas.v1.OpenAI's methods)."""
-        return dict(zip(OPENAI_GENERATION_PATHS, (self.completions, self.chat_completions), strict=True))
+        return dict(zip(OPENAI_DIRECT_PATHS, (self.completions, self.chat_completions, self.embeddings), strict=True))
 
     async def Generate(self, d: worker_pb2.DirectGenerate, context):
         """gaas.v1.Inference's Generate as a router decided it at the ingress: the native API's
@@ -106,19 +111,28 @@ class DirectServicer:
 
     async def _serve(self, http: httpbody_pb2.HttpBody, parse):
         arrived, arrived_unix = time.perf_counter(), time.time()
-        if http.content_type != direct.CONTENT_TYPE:
-            raise errors.FailedPrecondition("a worker serves OpenAI requests only as a router decided them at the ingress")
-        try:
-            d = worker_pb2.DirectGenerate.FromString(http.data)
-        except DecodeError:
-            raise errors.InvalidArgument("the request is not a DirectGenerate") from None
-        _check(d)
+        d = _decided(http)
         parsed = parse(jsonbody.parse(d.openai_body, MAX_BODY_BYTES))
         fmt = openai_stream.Formatter(parsed, d.request_id, d.metering.adapter or d.metering.model)
         usage = openai_stream.Usage(prompt=d.metering.prompt_tokens, explain=d.explain)
         async for body in openai_stream.respond(parsed, fmt, usage, self._metered(d, None, arrived, arrived_unix),
                                                 d.session.truncation):
             yield body
+
+    async def _embed(self, http: httpbody_pb2.HttpBody):
+        arrived, arrived_unix = time.perf_counter(), time.time()
+        d = _decided(http)
+        parsed = openai_embeddings.parse_embedding(jsonbody.parse(d.openai_body, MAX_BODY_BYTES))
+        last = None
+        async for _, last in self._metered(d, None, arrived, arrived_unix):
+            pass
+        if last is None or len(last.embeddings) != len(parsed.inputs):
+            raise errors.Internal(errors.internal_message(d.request_id))
+        answer = openai_embeddings.embeddings_json("embd-" + d.request_id.removeprefix("req-"),
+                                                   d.metering.adapter or d.metering.model, last.embeddings,
+                                                   last.usage.prompt_tokens, parsed.encoding_format)
+        for piece in openai_stream.answer_pieces(answer):
+            yield piece
 
     def _metered(self, d: worker_pb2.DirectGenerate, context, arrived: float, arrived_unix: float):
         """(which prompt, chunk) of the generation, its usage event appended before its last chunk
@@ -251,6 +265,18 @@ class _Turn(turns.OpenTurn):
     """A session turn this worker streams; when its reply was committed (Unix ms, 0: not yet)."""
 
     committed_ms: int = 0
+
+
+def _decided(http: httpbody_pb2.HttpBody) -> worker_pb2.DirectGenerate:
+    """The DirectGenerate the router put in an OpenAI request's body at the ingress."""
+    if http.content_type != direct.CONTENT_TYPE:
+        raise errors.FailedPrecondition("a worker serves OpenAI requests only as a router decided them at the ingress")
+    try:
+        d = worker_pb2.DirectGenerate.FromString(http.data)
+    except DecodeError:
+        raise errors.InvalidArgument("the request is not a DirectGenerate") from None
+    _check(d)
+    return d
 
 
 def _check(d: worker_pb2.DirectGenerate) -> None:

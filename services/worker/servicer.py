@@ -160,12 +160,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         inputs: list[list[int] | str] = [list(i.token_ids) if i.token_ids else i.text for i in e.inputs]
         if not all(inputs):
             raise errors.InvalidArgument("every input needs text or token ids", param="input")
+        if self.handing_over:
+            raise EngineUnavailable("this worker is stopping; another worker may take the request")
+        if self._max_waiting and self._waiting >= self._max_waiting:
+            raise EngineBusy(f"this worker's queue is full ({self._waiting} requests waiting); another worker, or a "
+                             "retry shortly, may serve it", reason="worker_busy", retry_after=1.0)
         started = time.perf_counter()
-        out = await engine.embed(EmbeddingRequest(
-            request.request_id, inputs, e.dimensions if e.HasField("dimensions") else None,
-            priority=engine_priority(request),
-            cache_salt=request.cache_salt,
-            add_special_tokens=e.add_special_tokens if e.HasField("add_special_tokens") else True))
+        self._waiting += 1
+        try:
+            out = await engine.embed(EmbeddingRequest(
+                request.request_id, inputs, e.dimensions if e.HasField("dimensions") else None,
+                priority=engine_priority(request),
+                cache_salt=request.cache_salt,
+                add_special_tokens=e.add_special_tokens if e.HasField("add_special_tokens") else True))
+        finally:
+            self._waiting -= 1
         took_ms = (time.perf_counter() - started) * 1000
         chunk = common_pb2.GenerateChunk(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_STOP,
                                          embeddings=[vector_bytes(v) for v in out.vectors], worker_id=self._worker_id,

@@ -19,14 +19,14 @@ import pytest
 
 from bench.common.mesh import tiny_deployment
 from gaas.sdk.admin import BillingAdmin
-from tests.conftest import INGRESS_PATH, ROOT, on_direct_path
+from tests.conftest import INGRESS_PATH, ROOT
 from tests.e2e.support import instance, new_tenant
 from tests.meshutil import http, openai_client, own_mesh
 from tests.waiting import eventually
 
-pytestmark = [pytest.mark.mesh,
-              on_direct_path("the router serves /v1/embeddings on either path (the ingress's transcoder passes it "
-                             "there, as it does the Responses API): once per suite, CI's budget")]
+# (on both ingress paths: the direct path's worker answers /v1/embeddings itself, the router every
+# other pooling route, and all of them on the router path)
+pytestmark = pytest.mark.mesh
 EMBED = "gaas-embed"
 TEXTS = ["hello world", "the river runs down to the sea", "x"]
 

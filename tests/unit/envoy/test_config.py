@@ -13,6 +13,8 @@ from gaas.envoy.clusters import static_cluster
 from gaas.ops import pki, protogen, topology
 
 ROOT = Path(__file__).resolve().parents[3]
+# What the router decides on the direct path, the ingress then sending it to a worker straight.
+DECIDED = {f"/gaas.v1.OpenAI/{m}" for m in ("Completions", "ChatCompletions", "Embeddings")} | {"/gaas.v1.Inference/Generate"}
 
 
 def _render(out, ingress_path: str):
@@ -365,8 +367,7 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     assert {d["@type"].rsplit(".", 1)[-1] for d in body["details"]} == {"ErrorInfo", "RetryInfo"}
     routes = _routes(listener)["routes"]
     to_workers = [r for r in routes if r.get("route", {}).get("cluster") == "workers"]
-    generations = {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions", "/gaas.v1.Inference/Generate"}
-    assert {r["match"]["path"] for r in to_workers} == generations
+    assert {r["match"]["path"] for r in to_workers} == DECIDED
     assert all(r["match"]["headers"] == [{"name": "x-gaas-worker", "present_match": True}] for r in to_workers)
     # A request no worker answered, or one refused as not taken (x-gaas-unreached), goes to the router's
     # second choice, once; never after an answer began, nor on a failure's status alone (a
@@ -374,16 +375,16 @@ def test_direct_ingress_asks_the_router_and_routes_generations_to_the_named_work
     retry = to_workers[0]["route"]["retry_policy"]
     assert retry["num_retries"] == 1 and "reset" in retry["retry_on"] and "unavailable" not in retry["retry_on"]
     assert retry["retriable_headers"] == [{"name": "x-gaas-unreached", "present_match": True}]
-    # The router is asked about generations only, and checks their keys then: no key check of
-    # the ingress's own on them (one call to a router per generation), as on every other route.
+    # The router is asked about those only, and checks their keys then: no key check of the
+    # ingress's own on them (one call to a router per request), as on every other route.
     def off(route, name):
         return route.get("typed_per_filter_config", {}).get(name, {}).get("disabled", False)
 
     asked = [r for r in routes if not off(r, "envoy.filters.http.ext_proc")]
-    assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == generations
+    assert {r["match"].get("path") or r["match"]["prefix"] for r in asked} == DECIDED
     assert all("x-gaas-worker" not in str(r["match"]) for r in asked)  # (once sent to a worker: not again)
     asked_http = [r for r in routes if not off(r, "gaas.decision.openai")]
-    assert {r["match"]["path"] for r in asked_http} == {"/v1/completions", "/v1/chat/completions"}
+    assert {r["match"]["path"] for r in asked_http} == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"}
     # Untranscoded, such a request reaches nothing: only its transcoded form is routed.
     assert all(r["direct_response"]["status"] == 404 and "route" not in r for r in asked_http)
     assert [r for r in routes if off(r, "envoy.filters.http.ext_authz")] == [r for r in routes if r in asked + asked_http + to_workers]
@@ -405,8 +406,7 @@ def test_direct_path_lets_the_ingress_call_only_what_it_needs(rendered, rendered
 
     _, direct, _ = rendered_direct
     _, routed, _ = rendered
-    assert ingress_paths(direct, "worker-0") == {"/gaas.v1.OpenAI/Completions", "/gaas.v1.OpenAI/ChatCompletions",
-                                                 "/gaas.v1.Inference/Generate"}
+    assert ingress_paths(direct, "worker-0") == DECIDED
     assert ingress_paths(routed, "worker-0") == set()
     assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" in ingress_paths(direct, "router-0")
     assert "/envoy.service.ext_proc.v3.ExternalProcessor/Process" not in ingress_paths(routed, "router-0")

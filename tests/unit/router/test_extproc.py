@@ -16,7 +16,8 @@ from services.router.auth import Authenticator
 from services.router.stages import Stages
 from services.router.extproc import ExternalProcessor, _Pending
 from services.router.pipeline import Pipeline
-from services.router.scheduling import WorkerId
+from services.router.directory import ModelEntry
+from services.router.scheduling import Candidate, WorkerId
 from tests.unit.router import support
 from tests.waiting import eventually_async
 
@@ -301,11 +302,29 @@ def _asked(path: str, body: bytes | None, key: str = "gaas_acme", **extra: str):
     return messages()
 
 
-def _acme_processor(max_body: int = 1 << 20) -> ExternalProcessor:
+def _acme_processor(max_body: int = 1 << 20, d: Stages | None = None) -> ExternalProcessor:
     async def lookup(key):
         return ACME if key == "gaas_acme" else None
 
-    return ExternalProcessor(Pipeline(stages(), Authenticator(lookup, 1.0)), max_body, instance="router-0")
+    return ExternalProcessor(Pipeline(d or stages(), Authenticator(lookup, 1.0)), max_body, instance="router-0")
+
+
+async def test_an_embeddings_request_is_decided_for_a_worker_of_its_model_with_its_inputs_token_ids():
+    import json
+
+    from gaas.v1 import worker_pb2
+
+    d = support.stages(models=[ModelEntry("tiny", "1.0", 64, True), ModelEntry("embedder", "1.0", 64, False,
+                                                                                 task="embed")],
+                       candidates=[Candidate(WorkerId("w0"), "w0:1", "tiny", "1.0", 64),
+                                   Candidate(WorkerId("w1"), "w1:1", "embedder", "1.0", 64)])
+    body = json.dumps({"model": "embedder", "input": ["hi", [5, 6]]}).encode()
+    answers = [r async for r in _acme_processor(d=d).process(_asked("/v1/embeddings", body))]
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    decided = worker_pb2.DirectGenerate.FromString(answers[1].request_body.response.body_mutation.streamed_response.body)
+    assert decided.openai_body == body and decided.prompts[0].request.model == "embedder"
+    assert [list(i.token_ids) for i in decided.prompts[0].request.embed.inputs][1] == [5, 6]
+    assert decided.metering.prompt_tokens == sum(len(i.token_ids) for i in decided.prompts[0].request.embed.inputs)
 
 
 async def test_an_http_clients_openai_request_is_decided_on_its_json_and_its_worker_sent_the_decision_to_frame():

@@ -78,6 +78,44 @@ async def test_an_embeddings_request_is_one_engine_batch_answered_in_one_chunk_w
     assert (r.inputs, r.cache_salt, r.dimensions) == ([[4, 5, 6], [7]], "s", None)
 
 
+async def test_an_embeddings_request_to_a_worker_handing_over_or_full_is_refused_untaken():
+    engine = FakeEngine()
+    engine.info = dataclasses.replace(INFO, task="embed")
+    servicer = WorkerServicer("worker-7", engine, max_waiting=1)
+    request = wreq()
+    request.request.embed.inputs.add(token_ids=[4])
+    servicer.handing_over = True
+    with pytest.raises(EngineUnavailable, match="stopping"):
+        [c async for c in servicer.Generate(request, None)]
+    servicer.handing_over, servicer._waiting = False, 1  # (one request waits on the engine)
+    with pytest.raises(EngineBusy, match="queue is full"):
+        [c async for c in servicer.Generate(request, None)]
+    assert engine.requests == []
+
+
+async def test_an_embeddings_request_decided_at_the_ingress_is_answered_by_the_worker_in_vllms_shape():
+    import json
+
+    from google.api import httpbody_pb2
+
+    from gaas.metering import direct
+    from services.worker.direct import DirectServicer
+
+    engine = FakeEngine()
+    engine.info = dataclasses.replace(INFO, task="embed")
+    d = worker_pb2.DirectGenerate(request_id="req-9", openai_body=b'{"model": "tiny", "input": [[4, 5, 6], [7]]}')
+    d.metering.tenant, d.metering.model = "acme", "tiny"
+    d.prompts.append(wreq())
+    d.prompts[0].request.embed.inputs.add(token_ids=[4, 5, 6])
+    d.prompts[0].request.embed.inputs.add(token_ids=[7])
+    front = DirectServicer(WorkerServicer("worker-7", engine), None)
+    pieces = [b.data async for b in front.embeddings(httpbody_pb2.HttpBody(content_type=direct.CONTENT_TYPE,
+                                                                           data=d.SerializeToString()))]
+    answer = json.loads(b"".join(pieces))
+    assert (answer["id"], answer["model"], answer["usage"]["prompt_tokens"]) == ("embd-9", "tiny", 4)
+    assert [x["embedding"] for x in answer["data"]] == [[0.0, 3.0], [1.0, 1.0]]
+
+
 async def test_a_worker_asked_for_what_its_model_does_not_serve_says_what_it_serves():
     embeds = FakeEngine()
     embeds.info = dataclasses.replace(INFO, task="embed")
