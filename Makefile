@@ -13,7 +13,7 @@ help:
 	@echo "             KV figures and fleet simulation, metering, QoS under overload, mTLS cost per hop, kill -9 under load, a soak killing every kind of process in turn, the long-context switching cost of sessions,"
 	@echo "             what a refused request costs and slow clients at the edge, roll-outs (a breach back to 0%, failed requests"
 	@echo "             while promoting and switching, the cost of an apply), autoscaling (a step served by a new worker, scale-in, scale from zero),"
-	@echo "             LoRA, structured output, batches, what a hostile upload or batch costs the shared services, and the SITS2026 scorecard (gaas bench sits: its six dimensions"
+	@echo "             LoRA, structured output, embeddings, score and rerank beside vLLM's server, batches, what a hostile upload or batch costs the shared services, and the SITS2026 scorecard (gaas bench sits: its six dimensions"
 	@echo "             on a live mesh beside the seed's columns; also sits.png and sits.html), and how long a newcomer waits (a fresh clone's install, its first and second start, a worker killed until it serves)"
 	@echo "             (prints tables, writes bench/results/*.json)"
 	@echo "make gpu-check   on a host with NVIDIA GPUs: install, start the mesh (one worker per GPU), stream"
@@ -67,6 +67,7 @@ bench: proto
 	$(BIN)/python -m bench.autoscale
 	$(BIN)/python -m bench.lora
 	$(BIN)/python -m bench.structured
+	$(BIN)/python -m bench.embeddings
 	$(BIN)/python -m bench.batches
 	$(BIN)/python -m bench.abuse
 	$(BIN)/python -m bench.sits

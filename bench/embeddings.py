@@ -23,6 +23,7 @@ import json
 import os
 import random
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common.vllm import free_port, start_vllm_server, stop_group, wait_http
+    from bench.run import settle
     from gaas.host.placement import pin_descendants, worker_cpus
 
     deploy = Path(os.environ.get("TMPDIR", "/tmp")) / f"gaas-embeddings-bench-{os.getpid()}.yaml"
@@ -176,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             with admin(mesh) as a:
                 key = tenant_key(a, "embeddings-bench", "gold")
             port = free_port()
-            log = mesh.run_dir / "logs" / "vllm-openai-server-embed.log"
-            say(f"starting vLLM's OpenAI server (pooling runner) on 127.0.0.1:{port}, its runner on core {core}")
+            # (outside the mesh's run directory, which goes when the mesh stops: kept to read a failure)
+            log = Path(tempfile.mkdtemp(prefix="gaas-embeddings-vllm-")) / "vllm-openai-server-embed.log"
+            say(f"starting vLLM's OpenAI server (pooling runner) on 127.0.0.1:{port}, its runner on core {core} "
+                f"(log {log})")
             proc = start_vllm_server(ROOT / "models" / "gaas-tiny", MODEL, port, core, log,
                                      ["--runner", "pooling", "--convert", "embed"])
             wait_http(f"http://127.0.0.1:{port}/health", proc, 300, log)
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in range(args.rounds):
                     for name, t in targets.items():
                         say(f"{name}: {n // args.rounds} requests, {conc} at once (round {r + 1})")
+                        settle()
                         per[name].append(load(t, n // args.rounds, conc, args.input_words, 1 + r))
                 runs[label] = {name: merged(v) for name, v in per.items()}
                 runs[label]["throughput_vs_vllm"] = round(runs[label]["gaas"]["requests_per_s"]

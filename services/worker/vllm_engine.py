@@ -274,9 +274,10 @@ class VllmEngine(Engine):
                 pass
             return out
 
-        running = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(r.inputs)]
+        running = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(r.inputs)] if len(r.inputs) > 1 \
+            else []
         try:
-            outs = await asyncio.gather(*running)
+            outs = await asyncio.gather(*running) if running else [await one(0, r.inputs[0])]
         except Exception as exc:
             for task in running:  # (one input failed: the others' engine requests end with it)
                 task.cancel()

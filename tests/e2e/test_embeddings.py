@@ -9,6 +9,7 @@ serves."""
 
 from __future__ import annotations
 
+from http.client import HTTPConnection
 import io
 import json
 import re
@@ -16,12 +17,14 @@ import re
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from bench.common.mesh import tiny_deployment
 from gaas.sdk.admin import BillingAdmin
 from tests.conftest import INGRESS_PATH, ROOT
-from tests.e2e.support import instance, new_tenant
-from tests.meshutil import http, openai_client, own_mesh
+from tests.e2e.support import error_shaped, instance, new_tenant, send
+from gaas.v1 import inference_pb2
+from tests.meshutil import generate, http, openai_client, own_mesh
 from tests.waiting import eventually
 
 # (on both ingress paths: the direct path's worker answers /v1/embeddings itself, the router every
@@ -91,6 +94,31 @@ def test_the_openai_client_gets_each_inputs_vector_equal_to_the_models_own(emesh
     assert [d.embedding for d in decoded.data] == [d.embedding for d in floats.data]
     one = c.embeddings.create(model=EMBED, input="hello world", encoding_format="float")
     assert one.data[0].embedding == floats.data[0].embedding
+
+
+def test_langchains_openai_embeddings_pointed_at_the_ingress_gets_the_same_vectors(emesh):
+    from langchain_openai import OpenAIEmbeddings
+
+    # (as vLLM's docs configure it for vLLM's server: texts sent as they are, not tiktoken's ids)
+    lc = OpenAIEmbeddings(model=EMBED, base_url=f"http://{emesh.ingress}/v1", api_key=emesh.api_key,
+                          check_embedding_ctx_length=False)
+    want = [d.embedding for d in openai_client(emesh).embeddings.create(model=EMBED, input=TEXTS,
+                                                                        encoding_format="float").data]
+    got = lc.embed_documents(TEXTS)
+    assert len(got) == 3 and all(cosine(g, w) >= 0.9999 for g, w in zip(got, want))
+    assert cosine(lc.embed_query(TEXTS[1]), want[1]) >= 0.9999
+
+
+def test_the_native_grpc_api_embeds_as_the_openai_route_does(emesh):
+    request = inference_pb2.GenerateRequest(model=EMBED)
+    for text in TEXTS:
+        request.embed.inputs.add(text=text)
+    (chunk,) = generate(emesh, **{f.name: v for f, v in request.ListFields()})
+    want = [d.embedding for d in openai_client(emesh).embeddings.create(model=EMBED, input=TEXTS,
+                                                                        encoding_format="float").data]
+    got = [np.frombuffer(v, "<f4") for v in chunk.embeddings]
+    assert len(got) == 3 and all(cosine(g, w) >= 0.9999 for g, w in zip(got, want))
+    assert chunk.usage.prompt_tokens == sum(map(len, token_ids(TEXTS))) and chunk.usage.completion_tokens == 0
 
 
 def test_the_ledger_holds_exactly_the_prompt_tokens_the_client_was_told(emesh):
@@ -210,3 +238,54 @@ def test_a_batch_of_embeddings_answers_each_line_as_v1_embeddings_would_billed_o
 
     total = eventually(billed, 30, every=0.25, what=f"4 embeddings requests of {tenant} in the ledger")
     assert (total["requests"], total["prompt_tokens"]) == (4, told)
+
+
+_anything = st.recursive(st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+                         | st.text(max_size=8) | st.sampled_from(["", "\ud800", "\x00", "x" * 5000]),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                      max_size=3), max_leaves=6)
+_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30)
+_texts = _text | st.lists(_text, min_size=1, max_size=3)
+_fields = {
+    "/v1/embeddings": {"input": _texts | st.lists(st.integers(0, 4095), min_size=1, max_size=5),
+                       "encoding_format": st.sampled_from(["float", "base64", "binary"]),
+                       "dimensions": st.integers(-1, 300)},
+    "/pooling": {"input": _texts, "task": st.sampled_from(["embed", "classify", "token_embed"])},
+    "/score": {"queries": _texts, "documents": _texts},
+    "/v2/rerank": {"query": _texts, "documents": _texts, "top_n": st.integers(-1, 5),
+                   "return_documents": st.booleans()},
+}
+
+
+@st.composite
+def _pooling_body(draw):
+    path = draw(st.sampled_from(sorted(_fields)))
+    # (hypothesis draws small integers most: "== 3" is the rare case)
+    rare = lambda n: draw(st.integers(0, n)) == n  # noqa: E731
+    body = {"model": draw(_anything) if rare(7) else draw(st.sampled_from([EMBED] * 8 + ["gaas-tiny", "nope"]))}
+    for name, valid in _fields[path].items():
+        if not rare(4):
+            body[name] = draw(_anything if rare(3) else valid)
+    if rare(9):
+        body[draw(st.sampled_from(["text_1", "items", "data_2", "user", "priority", "x"]))] = draw(_anything)
+    raw = json.dumps(body).encode()
+    return path, raw[:draw(st.integers(0, len(raw)))] if rare(9) else raw
+
+
+@pytest.fixture(scope="module")
+def econn(emesh):
+    host, port = emesh.ingress.split(":")
+    c = HTTPConnection(host, int(port), timeout=60)
+    yield c
+    c.close()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(case=_pooling_body())
+def test_fuzz_embeddings_score_rerank_and_pooling_never_answer_5xx(emesh, econn, case):
+    path, raw = case
+    status, body = send(econn, "POST", path, raw, {"authorization": f"Bearer {emesh.api_key}",
+                                                  "content-type": "application/json"})
+    event(f"{path} HTTP {status}")
+    if status != 200:
+        error_shaped(status, body)
