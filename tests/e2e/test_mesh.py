@@ -256,7 +256,7 @@ def test_cli_generate_prints_text_and_stats(mesh):
     bad = gaas(mesh, "generate", "x", "--model", "nope")
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
     models = json.loads(gaas(mesh, "models", "--json").stdout)
-    assert {m["name"] for m in models} == {"gaas-tiny", "gaas-small", "gaas-long"}
+    assert {m["name"] for m in models} == {"gaas-tiny", "gaas-small", "gaas-long", "gaas-embed"}
 
 
 def test_services_expose_metrics(mesh):

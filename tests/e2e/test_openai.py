@@ -40,7 +40,8 @@ def test_models_list_shows_only_what_can_be_served(mesh):
     assert set(models) == {"gaas-tiny"}
     assert models[MODEL].owned_by == "gaas" and models[MODEL].root == MODEL
     catalogue = {m["name"]: m["ready_workers"] for m in json.loads(gaas(mesh, "models", "--json").stdout)}
-    assert catalogue == {"gaas-tiny": 2, "gaas-small": 0, "gaas-long": 0}, "`gaas models` keeps the whole catalogue"
+    assert catalogue == {"gaas-tiny": 2, "gaas-small": 0, "gaas-long": 0, "gaas-embed": 0}, \
+        "`gaas models` keeps the whole catalogue"
 
 
 def test_completion(mesh):

@@ -45,7 +45,7 @@ def test_bad_files_say_what_is_wrong(doc, message, tmp_path):
 
 def test_unknown_model_lists_known_ones():
     spec = deployspec.load(ROOT / "deploy" / "gaas.yaml")
-    with pytest.raises(SpecError, match="known: gaas-tiny, gaas-small, gaas-long"):
+    with pytest.raises(SpecError, match="known: gaas-tiny, gaas-small, gaas-long, gaas-embed"):
         spec.model("gpt-9")
 
 
