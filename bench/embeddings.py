@@ -4,9 +4,10 @@ with --runner pooling --convert embed, its model runner on the core GaaS gives i
 
   answers      each text's vector from both (min cosine, float and base64), /score and /rerank
                of a query against documents (max score difference, the same order)
-  load         POST /v1/embeddings of one text (about --input-words words) per request,
-               --requests requests one at a time, then --requests x 4 at --concurrency at once,
-               alternating targets by rounds: requests/s and latency p50/p99 of each
+  load         POST /v1/embeddings of one text (about --input-words words) per request: after
+               --requests requests at --concurrency to warm each, --requests requests one at a
+               time, then --requests x 4 at --concurrency at once, alternating targets by rounds:
+               requests/s and latency p50/p99 of each
 
 Prints a table and writes bench/results/embeddings.json (the goal: the mesh >= 0.85x the server's
 throughput; its vectors equal to the server's, cosine >= 0.9999, scores within 1e-4).
@@ -192,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                        "vllm": Target("vllm", f"127.0.0.1:{port}", None)}
             say("answers: vectors, scores and rankings of both")
             doc["answers"] = answers(targets["gaas"], targets["vllm"])
-            for t in targets.values():  # warm: both at the load's concurrency once
-                load(t, args.concurrency, args.concurrency, args.input_words, 0)
+            for t in targets.values():
+                # Warm, at the load's concurrency: the mesh's first few hundred requests at 32 clients
+                # have a tail of its own (p99 ~600 ms against ~180 ms after).
+                say(f"{t.name}: warming up, {args.requests} requests, {args.concurrency} at once")
+                load(t, args.requests, args.concurrency, args.input_words, 0)
             runs: dict = {}
             for label, n, conc in (("c1", args.requests, 1), (f"c{args.concurrency}", args.requests * 4,
                                                                 args.concurrency)):
