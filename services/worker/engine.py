@@ -107,8 +107,8 @@ class EmbeddingRequest:
 
 @dataclass(frozen=True, slots=True)
 class Embeddings:
-    # One per input, in order: the engine's float32 values.
-    vectors: list[list[float]]
+    # One per input, in order: the engine's float32 values, little-endian (embeddings.vector_bytes).
+    vectors: list[bytes]
     prompt_tokens: int
     cached_tokens: int = 0
 

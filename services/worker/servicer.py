@@ -7,7 +7,6 @@ import logging
 import time
 
 from gaas.contracts import errors, finish, genrequest, tasks
-from gaas.openai.embeddings import vector_bytes
 from gaas.model.tokenizer import template_tools
 from gaas.runtime.context import current_tenant
 from gaas.host.devices import CpuMonitor, DeviceSample, GpuMonitor
@@ -177,7 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._waiting -= 1
         took_ms = (time.perf_counter() - started) * 1000
         chunk = common_pb2.GenerateChunk(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_STOP,
-                                         embeddings=[vector_bytes(v) for v in out.vectors], worker_id=self._worker_id,
+                                         embeddings=out.vectors, worker_id=self._worker_id,
                                          tenant=current_tenant(), model=info.model, model_version=info.model_version)
         chunk.usage.prompt_tokens = out.prompt_tokens
         chunk.usage.cached_tokens = out.cached_tokens

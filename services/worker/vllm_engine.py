@@ -16,6 +16,7 @@ from gaas.contracts import errors, finish, genrequest, tasks
 from gaas.contracts.tasks import EMBED
 from gaas.host import devices, placement
 from gaas.model.tokenizer import ChatMessage, Tokenizer
+from gaas.openai.embeddings import vector_bytes
 from gaas.settings.worker import WorkerSettings
 from services.worker import enginefork, structured
 from services.worker.vllmfaults import check_build, failure, vllm_errors
@@ -284,7 +285,8 @@ class VllmEngine(Engine):
             if (mapped := failure(exc, r.request_id)) is exc:
                 raise
             raise mapped from None
-        return Embeddings([o.outputs.data.tolist() for o in outs], sum(len(o.prompt_token_ids) for o in outs),
+        return Embeddings([vector_bytes(o.outputs.data.float().numpy()) for o in outs],
+                          sum(len(o.prompt_token_ids) for o in outs),
                           sum(o.num_cached_tokens or 0 for o in outs))
 
     @staticmethod

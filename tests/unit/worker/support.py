@@ -4,6 +4,7 @@ generation request."""
 import asyncio
 
 from gaas.contracts.finish import LENGTH
+from gaas.openai.embeddings import vector_bytes
 from gaas.v1 import inference_pb2, worker_pb2
 from services.worker.engine import Delta, Embeddings, Engine, EngineInfo, EngineLoad
 
@@ -44,7 +45,7 @@ class FakeEngine(Engine):
         if self.info.task != "embed":
             await super().embed(r)  # (refused: its model generates)
         self.requests.append(r)
-        return Embeddings([[float(i), float(len(x))] for i, x in enumerate(r.inputs)], sum(map(len, r.inputs)), 1)
+        return Embeddings([vector_bytes([i, len(x)]) for i, x in enumerate(r.inputs)], sum(map(len, r.inputs)), 1)
 
     def load(self):
         return EngineLoad(running=len(self.requests), waiting=0, kv_cache_usage=0.25)
