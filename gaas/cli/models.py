@@ -1,6 +1,6 @@
-"""`gaas models`: the models the mesh serves, with their ready workers (asked at the ingress), and,
-for the mesh's operator, each model's versions with workers, their roles and the split between
-them (asked at control)."""
+"""`gaas models`: the models the mesh serves, with their ready workers (asked at the ingress) and
+what each serves (generations, or embeddings: its task), and, for the mesh's operator, each model's
+versions with workers, their roles and the split between them (asked at control)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def cmd_models(args) -> int:
             return fail(f"{exc.code}: {exc.message}")
     ready = {m.name: m.ready_workers for m in models}
     rows = [
-        {"name": m.name, "version": m.version, "ready_workers": m.ready_workers, "max_model_len": m.max_model_len}
+        {"name": m.name, "version": m.version, "ready_workers": m.ready_workers, "max_model_len": m.max_model_len,
+         "task": m.task or "generate"}
         for m in models
     ]
     deployed = None if args.api_only else _deployed(args)
@@ -31,7 +32,8 @@ def cmd_models(args) -> int:
         return 0
     for r in rows:
         print(f"{r['name']:<16} {r['version']:<10} {r['ready_workers']} worker(s) ready  context {r['max_model_len']}"
-              + (f"  replicas {r['replicas']}" if "replicas" in r else ""))
+              + (f"  replicas {r['replicas']}" if "replicas" in r else "")
+              + ("  embeddings" if r.get("task") == "embed" else ""))
         split = r.get("split") or {}
         for v in r.get("versions", []) if r.get("replicas", "0") != "0" else []:
             share = ""

@@ -172,7 +172,7 @@ class Admin(_Service):
             s = m.split
             out.append({
                 "name": m.name, "version": m.version, "is_default": m.is_default, "replicas": m.replicas or "0",
-                "max_model_len": m.max_model_len, "source": m.source,
+                "max_model_len": m.max_model_len, "source": m.source, "task": m.task or "generate",
                 "versions": [{"version": v.version, "role": v.role, "source": v.source, "tenants": list(v.tenants)}
                              for v in m.versions],
                 "split": {"stable": s.stable, "canary": s.canary, "weight": s.weight, "shadow": s.shadow,

@@ -24,7 +24,7 @@ from gaas.sdk.admin import BillingAdmin
 from tests.conftest import INGRESS_PATH, ROOT
 from tests.e2e.support import error_shaped, instance, new_tenant, send
 from gaas.v1 import inference_pb2
-from tests.meshutil import generate, http, openai_client, own_mesh
+from tests.meshutil import gaas, generate, http, openai_client, own_mesh
 from tests.waiting import eventually
 
 # (on both ingress paths: the direct path's worker answers /v1/embeddings itself, the router every
@@ -161,6 +161,8 @@ def test_a_malformed_input_is_a_400_in_openais_shape(emesh, given, says):
 def test_models_list_says_what_each_model_serves(emesh):
     listed = {m.id: m.task for m in openai_client(emesh).models.list().data}
     assert listed == {"gaas-tiny": "generate", EMBED: "embed"}
+    shown = {m["name"]: m["task"] for m in json.loads(gaas(emesh, "models", "--json").stdout)}
+    assert shown == listed, "`gaas models` says what each model serves too"
 
 
 def post(mesh, path: str, body: dict) -> dict:
