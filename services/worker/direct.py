@@ -1,5 +1,5 @@
-"""gaas.v1.OpenAI's generation and embeddings methods (served over the worker's HTTP front, http.py) and
-gaas.v1.Inference's Generate (gRPC) on a worker, for requests the router decided at the ingress
+"""gaas.v1.OpenAI's generation and embeddings methods (served over the worker's HTTP front,
+http.py) and gaas.v1.Inference's Generate (gRPC) on a worker, for requests the router decided at the ingress
 (topology: ingress.path: direct; gaas/metering/direct.py): the body is a DirectGenerate the router
 put there, never a client's. The worker generates (every prompt
 of a prompt list; a stream its engine cannot finish carried on at another worker: carryon.py),
