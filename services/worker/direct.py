@@ -1,12 +1,12 @@
 """gaas.v1.OpenAI's generation and embeddings methods (served over the worker's HTTP front,
-http.py) and gaas.v1.Inference's Generate (gRPC) on a worker, for requests the router decided at the ingress
-(topology: ingress.path: direct; gaas/metering/direct.py): the body is a DirectGenerate the router
-put there, never a client's. The worker generates (every prompt
-of a prompt list; a stream its engine cannot finish carried on at another worker: carryon.py),
-formats the OpenAI answer (the native API's chunks go out as they come), commits a session turn's
-reply and appends the usage event before the last chunk (gaas.sessions.turns, gaas.metering.meter,
-as the router does on its own routes) and reports the request's end to the router that decided
-it (gaas.metering.direct.report_channel)."""
+http.py) and gaas.v1.Inference's Generate (gRPC) on a worker, for requests the router decided at the
+ingress (topology: ingress.path: direct; gaas/metering/direct.py): the body is a DirectGenerate the
+router put there, never a client's. The worker generates (every prompt of a prompt list; a stream
+its engine cannot finish carried on at another worker: carryon.py) or embeds, formats the OpenAI
+answer (the native API's chunks go out as they come), commits a session turn's reply and appends
+the usage event before the last chunk (gaas.sessions.turns, gaas.metering.meter, as the router
+does on its own routes) and reports the request's end to the router that decided it
+(gaas.metering.direct.report_channel)."""
 
 from __future__ import annotations
 
