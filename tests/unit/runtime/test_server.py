@@ -13,6 +13,7 @@ from gaas.runtime import status
 from gaas.runtime.context import client_request_id_var, current_request_id, current_tenant, request_id_var
 from gaas.runtime.server import ServerOptions, ServiceRuntime
 from gaas.v1 import common_pb2, kvcache_pb2, kvcache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.waiting import eventually_async
 
 
 class EchoContext(kvcache_pb2_grpc.KVCacheServicer):
@@ -166,7 +167,14 @@ async def test_metrics_endpoint_counts_calls():
                 await kvcache_pb2_grpc.KVCacheStub(ch).Lookup(kvcache_pb2.LookupRequest(), timeout=2)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
         port = rt._metrics_server.port
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
+
+        async def counted() -> str | None:
+            # (a failed call is counted as its handler ends, just after its status reached the client)
+            body = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
+            return body if 'method="Lookup"' in body else None
+
+        body = await eventually_async(counted, 5, every=0.05, what="the failed call counted")
     finally:
         await rt.shutdown()
     assert 'gaas_test_grpc_requests_total{code="OK",method="GetStats"} 1.0' in body
