@@ -246,9 +246,14 @@ class MeshDirectory:
             serving = of(fresh.workers)
         if not serving:
             which = f"{model!r} {version}" if version else repr(model)
-            if await self.state(model) == STARTING:
+            state = await self.state(model)
+            if state == STARTING:
                 raise errors.Unavailable(f"no worker serves {which} yet: its workers are starting (vLLM loads the "
                                          "model); retry in a few seconds", retry_after=5.0)
+            if state == "" and not version:
+                raise errors.Unavailable(f"{which} is deployed with no workers (replicas: 0); the mesh's operator "
+                                         "gives it some in the deployment file and runs `gaas apply`; GET /v1/models "
+                                         "lists the models serving now")
             raise errors.Unavailable(f"no worker is serving {which} right now; retry in a few seconds")
         return serving
 

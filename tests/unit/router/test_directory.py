@@ -75,7 +75,7 @@ async def test_resolve_model(setup):
 async def test_workers_of_a_model(setup):
     d, clock, _, _ = setup
     assert len(await d.workers("tiny")) == 2
-    with pytest.raises(errors.Unavailable, match="no worker is serving 'small'"):
+    with pytest.raises(errors.Unavailable, match=r"'small' is deployed with no workers \(replicas: 0\).*gaas apply"):
         await d.workers("small")
 
 

@@ -62,7 +62,7 @@ async def test_a_prompt_under_a_public_prefix_is_salted_with_it_and_caps_its_cac
 async def test_a_model_nobody_serves_is_refused_before_it_is_tokenized():
     d = support.stages(candidates=[Candidate(WorkerId("w0"), "w0:1", "other", "1.0", 64)],
                        models=[ModelEntry("tiny", "1.0", 64, True), ModelEntry("other", "1.0", 64, False)])
-    with pytest.raises(errors.Unavailable, match="no worker is serving 'tiny'"):
+    with pytest.raises(errors.Unavailable, match="'tiny' is deployed with no workers"):
         await prepare(d, model="tiny", prompt="hi", max_tokens=4)
 
 

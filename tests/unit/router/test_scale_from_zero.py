@@ -65,7 +65,7 @@ async def test_past_its_tiers_queue_timeout_it_is_told_to_retry_later(setup):
 
 async def test_a_model_that_is_not_autoscaled_is_refused_at_once(setup, redis):
     p, _, _ = setup
-    with pytest.raises(errors.Unavailable, match="no worker is serving 'fixed'"):
+    with pytest.raises(errors.Unavailable, match="'fixed' is deployed with no workers"):
         await asyncio.wait_for(p.serving(FIXED, GOLD), 0.5)
     assert not await redis.exists(DEMAND_KEY.format("fixed"))
 

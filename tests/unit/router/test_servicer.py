@@ -122,7 +122,8 @@ async def test_no_workers_is_unavailable():
             await collect(rt, prompt="hi")
     finally:
         await rt.shutdown()
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no worker is serving 'tiny'" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE \
+        and "'tiny' is deployed with no workers" in err.value.details()
 
 
 def test_a_public_prefix_replaces_the_tenants_salt_only_for_prompts_that_begin_with_it():
