@@ -107,11 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         # Under a public prefix's salt, a hit past the prefix would be another tenant's continuation.
         cap = request.cached_tokens_cap if request.HasField("cached_tokens_cap") else None
-        if self._max_waiting and self._waiting >= self._max_waiting:
-            raise EngineBusy(
-                f"this worker's queue is full ({self._waiting} requests waiting for their first token); another "
-                "worker, or a retry shortly, may serve it", reason="worker_busy", retry_after=1.0,
-            )
+        self._check_room()
         started = time.perf_counter()
         first_token_ms = 0.0
         produced = 0
@@ -161,9 +157,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise errors.InvalidArgument("every input needs text or token ids", param="input")
         if self.handing_over:
             raise EngineUnavailable("this worker is stopping; another worker may take the request")
-        if self._max_waiting and self._waiting >= self._max_waiting:
-            raise EngineBusy(f"this worker's queue is full ({self._waiting} requests waiting); another worker, or a "
-                             "retry shortly, may serve it", reason="worker_busy", retry_after=1.0)
+        self._check_room()
         started = time.perf_counter()
         self._waiting += 1
         try:
@@ -182,6 +176,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         chunk.usage.cached_tokens = out.cached_tokens
         chunk.timings.ttft_ms = chunk.timings.engine_ms = took_ms
         return chunk
+
+    def _check_room(self) -> None:
+        """EngineBusy (untaken: another worker may serve it) while max_waiting requests wait on the
+        engine (for their first token, or their vectors)."""
+        if self._max_waiting and self._waiting >= self._max_waiting:
+            raise EngineBusy(
+                f"this worker's queue is full ({self._waiting} requests waiting for their first token or vectors); "
+                "another worker, or a retry shortly, may serve it", reason="worker_busy", retry_after=1.0,
+            )
 
     def _chunk_later(self, request_id: str, delta: "asyncio.Future[Delta | None]", cap: int | None) -> asyncio.Future:
         async def chunk() -> common_pb2.GenerateChunk | None:
