@@ -154,7 +154,8 @@ def vector_bytes(values: Sequence[float] | np.ndarray) -> bytes:
 def embeddings_json(request_id: str, model: str, vectors: Sequence[bytes], prompt_tokens: int, encoding: str,
                     created: int | None = None, pooling: bool = False) -> bytes:
     """The answer in vLLM's shape: one entry per input vector (float32 little-endian bytes), in
-    order, and the usage (prompt tokens only). pooling: as /pooling writes each entry.
+    order, and the usage (prompt tokens only); its id GaaS's request id's (req-X: embd-X, or pool-X
+    for /pooling). pooling: as /pooling writes each entry.
 
     Float vectors are written as vLLM's server writes them (each float32 value as the shortest text of
     its double) by orjson, from numpy: 2,048 vectors of 1,024 floats are 0.15 s of the event loop's
@@ -167,7 +168,7 @@ def embeddings_json(request_id: str, model: str, vectors: Sequence[bytes], promp
             embedding = np.frombuffer(raw, dtype="<f4").astype(np.float64)
         data.append({"index": i, "object": "pooling", "data": embedding} if pooling
                     else {"index": i, "object": "embedding", "embedding": embedding})
-    answer = {"id": request_id, "object": "list", "created": int(time.time()) if created is None else created,
+    answer = {"id": ("pool-" if pooling else "embd-") + request_id.removeprefix("req-"), "object": "list", "created": int(time.time()) if created is None else created,
               "model": model, "data": data,
               "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
                         "prompt_tokens_details": None}}

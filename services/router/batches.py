@@ -252,7 +252,7 @@ class BatchRunner:
     async def _embeddings(self, item: pb.BatchItem, parsed: openai_embeddings.EmbeddingRequest) -> bytes:
         g, last = await embed(self._pipeline, await self._principal(item.owner), parsed, Timing(), None, {},
                               price_factor=item.price_factor)
-        answer = openai_embeddings.embeddings_json("embd-" + g.request_id.removeprefix("req-"),
+        answer = openai_embeddings.embeddings_json(g.request_id,
                                                    g.prepared[0].model.served_name, last.embeddings,
                                                    last.usage.prompt_tokens, parsed.encoding_format)
         if len(answer) > terms.MAX_ANSWER_BYTES:

@@ -89,17 +89,17 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
         """A vector per input from a model that pools, every input in one engine request on one
         worker, answered in vLLM's shape (in pieces: a long list of vectors is megabytes)."""
         parsed = openai_embeddings.parse_embedding(jsonbody.parse(request.data, self._max_body))
-        async for piece in self._embeddings(parsed, "embd-", context):
+        async for piece in self._embeddings(parsed, context):
             yield piece
 
     async def Pooling(self, request: httpbody_pb2.HttpBody, context):
         parsed = openai_embeddings.parse_pooling(jsonbody.parse(request.data, self._max_body))
-        async for piece in self._embeddings(parsed, "pool-", context):
+        async for piece in self._embeddings(parsed, context):
             yield piece
 
-    async def _embeddings(self, parsed: openai_embeddings.EmbeddingRequest, id_prefix: str, context):
+    async def _embeddings(self, parsed: openai_embeddings.EmbeddingRequest, context):
         g, last = await self._embed(parsed, context)
-        answer = openai_embeddings.embeddings_json(id_prefix + g.request_id.removeprefix("req-"),
+        answer = openai_embeddings.embeddings_json(g.request_id,
                                                    g.prepared[0].model.served_name, last.embeddings,
                                                    last.usage.prompt_tokens, parsed.encoding_format,
                                                    pooling=parsed.pooling)

@@ -128,7 +128,7 @@ class DirectServicer:
             pass
         if last is None or len(last.embeddings) != len(parsed.inputs):
             raise errors.Internal(errors.internal_message(d.request_id))
-        answer = openai_embeddings.embeddings_json("embd-" + d.request_id.removeprefix("req-"),
+        answer = openai_embeddings.embeddings_json(d.request_id,
                                                    d.metering.adapter or d.metering.model, last.embeddings,
                                                    last.usage.prompt_tokens, parsed.encoding_format)
         for piece in openai_stream.answer_pieces(answer):

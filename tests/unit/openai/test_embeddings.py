@@ -84,7 +84,7 @@ VECTORS = [np.array([0.09639308601617813, -0.062220875173807144, 1.0], dtype=np.
 
 
 def test_the_answer_is_vllms_shape_with_float_vectors_equal_to_the_engines():
-    body = json.loads(embeddings_json("embd-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "float",
+    body = json.loads(embeddings_json("req-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "float",
                                       created=7))
     assert body == {"id": "embd-1", "object": "list", "created": 7, "model": "m",
                     "data": [{"index": i, "object": "embedding", "embedding": v.tolist()} for i, v in enumerate(VECTORS)],
@@ -93,7 +93,7 @@ def test_the_answer_is_vllms_shape_with_float_vectors_equal_to_the_engines():
 
 
 def test_base64_vectors_decode_as_the_openai_client_decodes_them():
-    body = json.loads(embeddings_json("embd-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "base64"))
+    body = json.loads(embeddings_json("req-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "base64"))
     for item, v in zip(body["data"], VECTORS):
         # (openai/resources/embeddings.py: np.frombuffer(base64.b64decode(data), dtype="float32"))
         assert np.frombuffer(base64.b64decode(item["embedding"]), dtype="float32").tolist() == v.tolist()
@@ -110,6 +110,7 @@ def test_a_pooling_request_is_an_embeddings_request_whose_task_is_embed():
 
 
 def test_a_pooling_answer_carries_each_vector_as_data_of_a_pooling_object():
-    body = json.loads(embeddings_json("pool-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "float",
+    body = json.loads(embeddings_json("req-1", "m", [vector_bytes(v.tolist()) for v in VECTORS], 9, "float",
                                       pooling=True))
     assert body["data"] == [{"index": i, "object": "pooling", "data": v.tolist()} for i, v in enumerate(VECTORS)]
+    assert body["id"] == "pool-1"
