@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gaas.contracts.autoscale import AWAITING_METRIC, AutoscalePolicy
 from gaas.contracts.device import DeviceRequirement
 from gaas.envoy import config as envoyconf
 from gaas.envoy.binary import ENVOY_ARGS
@@ -370,13 +371,15 @@ def gpu_affinity(need: DeviceRequirement) -> dict | None:
 
 
 def worker_replicas(inst: Instance, opts: Options) -> tuple[int, int, int]:
-    """(replicas, least, most) of a pool's Deployment: its autoscale bounds; auto (as many as the
-    load needs on a cluster): one to opts.max_workers; else its replicas, fixed."""
+    """(replicas, least, most) of a pool's Deployment: its autoscale bounds, starting at its
+    initial_scale (else min, at least one); auto (as many as the load needs on a cluster): one to
+    opts.max_workers; else its replicas, fixed."""
     from gaas.settings.deployspec import AUTO
 
     auto = inst.options.get("autoscale")
     if auto:
-        return max(int(auto["min"]), 1), int(auto["min"]), int(auto["max"])
+        policy = AutoscalePolicy.from_dict(auto)
+        return policy.initial, policy.min, policy.max
     r = inst.options.get("replicas", 1)
     if r == AUTO:
         return 1, 1, max(opts.max_workers, 1)
@@ -385,7 +388,8 @@ def worker_replicas(inst: Instance, opts: Options) -> tuple[int, int, int]:
 
 def scaled_object(name: str, model: str, low: int, high: int, auto: dict | None, opts: Options) -> dict:
     """KEDA scales a pool on the mesh's own signals, as the worker reports them (vLLM's metrics on
-    its /metrics): requests per worker (running and waiting) and KV-cache use."""
+    its /metrics): requests per worker (running and waiting) and KV-cache use; and from zero on the
+    requests the routers hold while no worker of it serves."""
     target_requests = (auto or {}).get("target_requests", 8.0)
     target_kv = (auto or {}).get("target_kv_usage", 0.85)
     selector_ = f'{pods.NAME_LABEL.replace(".", "_").replace("/", "_")}="{name}"'
@@ -405,6 +409,11 @@ def scaled_object(name: str, model: str, low: int, high: int, auto: dict | None,
                     "serverAddress": opts.prometheus,
                     "query": f"avg(vllm:kv_cache_usage_perc{{model_name=\"{model}\", {selector_}}})",
                     "threshold": str(target_kv)}},
+                # A pool at zero has no worker to report load: the requests the routers hold for it wake it.
+                {"type": "prometheus", "metricType": "AverageValue", "metadata": {
+                    "serverAddress": opts.prometheus,
+                    "query": f"sum({AWAITING_METRIC}{{model=\"{model}\"}})",
+                    "threshold": str(target_requests), "activationThreshold": "0"}},
             ],
         },
     }

@@ -8,7 +8,7 @@ import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ class ServiceMetrics:
 
     def counter(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(f"gaas_{self.service}_{what}", doc, list(labels), registry=self.registry)
+
+    def gauge(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(f"gaas_{self.service}_{what}", doc, list(labels), registry=self.registry)
 
     def histogram(self, what: str, doc: str, labels: tuple[str, ...] = (), buckets=LATENCY_BUCKETS) -> Histogram:
         return Histogram(f"gaas_{self.service}_{what}", doc, list(labels), buckets=buckets, registry=self.registry)

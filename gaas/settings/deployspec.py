@@ -43,7 +43,7 @@ MODEL_FIELDS = ("name", "version", "source", "hub", "preset", "seed", "max_model
 AUTOSCALE_FIELDS = {"min": "min", "max": "max", "target_requests": "target_requests",
                     "target_kv_usage": "target_kv_usage", "up_after_seconds": "up_after_s",
                     "down_after_seconds": "down_after_s", "cooldown_seconds": "cooldown_s",
-                    "zero_after_seconds": "zero_after_s"}
+                    "zero_after_seconds": "zero_after_s", "initial_scale": "initial_scale"}
 ROLLOUT_FIELDS = ("strategy", "steps", "hold_seconds", "start_timeout_seconds", "shadow_percent", "guard")
 GUARD_FIELDS = ("window_seconds", "ttft_p95_ms", "min_samples", "min_requests", "ttft_tolerance", "error_margin",
                 "throughput_tolerance")
@@ -310,7 +310,7 @@ class _Checker:
         for key, attr in AUTOSCALE_FIELDS.items():
             if key not in doc:
                 continue
-            if key in ("min", "max"):
+            if key in ("min", "max", "initial_scale"):
                 kw[attr] = self.integer(doc[key], (*path, key), f"autoscale.{key}", 0)
             else:
                 kw[attr] = self.number(doc[key], (*path, key), f"autoscale.{key}",

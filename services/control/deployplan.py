@@ -85,7 +85,8 @@ def sections_of(spec: DeploySpec) -> dict[str, object]:
 
 def _workers(m: ModelSpec) -> str:
     if (a := m.autoscale) is not None:
-        return f"{a.min}-{a.max} workers on load ({a.target_requests:g} requests each)"
+        start = f", starting at {a.initial_scale}" if a.initial_scale is not None else ""
+        return f"{a.min}-{a.max} workers on load ({a.target_requests:g} requests each{start})"
     if m.replicas == "auto":
         return "auto workers"
     return f"{m.replicas} worker{'s' if m.replicas != 1 else ''}" if m.replicas else "no workers (catalogued)"

@@ -1,12 +1,15 @@
 """A request for an autoscaled model that no worker serves (its pools at zero, or every worker
 gone) waits at the router while control's autoscaler starts one: what tells the autoscaler is a
 key in Redis per model (gaas.contracts.autoscale.DEMAND_KEY, with a TTL), set while such requests
-wait, at most once a second per model. Redis away: the waiting request times out as it would have."""
+wait, at most once a second per model. Redis away: the waiting request times out as it would have.
+How many requests wait for each model is a gauge (gaas.contracts.autoscale.AWAITING_METRIC), what
+KEDA wakes a pool at zero on where Kubernetes scales the pools."""
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 from gaas.contracts.autoscale import DEMAND_KEY, DEMAND_TTL_MS
 
@@ -17,9 +20,11 @@ MARK_EVERY_S = 1.0
 
 
 class Demand:
-    def __init__(self, redis, clock=time.monotonic) -> None:
+    def __init__(self, redis, clock=time.monotonic, awaiting=None) -> None:
+        """awaiting: a Prometheus gauge labelled by model (None: not counted)."""
         self._redis = redis
         self._clock = clock
+        self._awaiting = awaiting
         self._marked: dict[str, float] = {}
         self._failing = False
 
@@ -35,3 +40,16 @@ class Demand:
             if not self._failing:
                 log.warning("cannot tell the autoscaler that %s has requests waiting (%s)", model, exc)
             self._failing = True
+
+    @contextmanager
+    def awaiting(self, model: str):
+        """Counts a request as waiting for model's first worker while the block runs."""
+        if self._awaiting is None:
+            yield
+            return
+        gauge = self._awaiting.labels(model)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()

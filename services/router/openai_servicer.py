@@ -22,7 +22,7 @@ from gaas.openai import api as openai_api, batches as openai_batches, embeddings
 from gaas.runtime.status import translate
 from gaas.openai.stream import EXPLAIN_HEADER, SESSION_HEADER
 from gaas.v1 import billing_pb2, common_pb2, inference_pb2, openai_pb2, openai_pb2_grpc
-from services.router.directory import model_state
+from services.router.directory import READY, model_state
 from services.router.pipeline import Generation, Pipeline, Timing, note_client_id
 from services.router.responses import LEASE_RENEW_S, ResponseStore
 
@@ -47,9 +47,11 @@ class OpenAIServicer(openai_pb2_grpc.OpenAIServicer):
 
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         principal = await self._pipeline.caller()
-        # Every model that serves or is about to (its workers starting, or started by a first request).
-        served = [(m, n, by_version, state) for m, n, by_version in await self._stages.directory.serving()
-                  if (state := model_state(m, n))]
+        # Every model that serves or is about to (its workers starting, or started by a first request),
+        # those ready first and the default first of them: a client that takes the first listed
+        # model gets one that answers at once.
+        served = sorted(((m, n, by_version, state) for m, n, by_version in await self._stages.directory.serving()
+                         if (state := model_state(m, n))), key=lambda s: (s[3] != READY, not s[0].is_default))
         listed = [openai_api.ListedModel(m.name, n, m.max_model_len, {v: m.role(v) for v in by_version}, state, m.task)
                   for m, n, by_version, state in served]
         adapters = [(a.name, m.name, n, m.max_model_len) for m, n, _, _ in served for a in m.adapters.values()

@@ -246,17 +246,18 @@ class Preparer:
         wait = self._queue_timeout(principal.tier)
         deadline = time.monotonic() + wait
         log.info("no worker serves %s: the request waits up to %g s while its autoscaler starts one", model.name, wait)
-        while True:
-            await self._demand.mark(model.name)
-            await asyncio.sleep(SCALE_UP_POLL_S)
-            try:
-                return await self._directory.workers(model.name, model.pool)
-            except errors.Unavailable:
-                if time.monotonic() >= deadline:
-                    raise errors.Unavailable(
-                        f"no worker of {model.name!r} started within the {principal.tier} tier's queue timeout "
-                        f"({wait:g} s); its pool is scaling up from zero: retry in a few seconds",
-                        retry_after=5.0) from None
+        with self._demand.awaiting(model.name):
+            while True:
+                await self._demand.mark(model.name)
+                await asyncio.sleep(SCALE_UP_POLL_S)
+                try:
+                    return await self._directory.workers(model.name, model.pool)
+                except errors.Unavailable:
+                    if time.monotonic() >= deadline:
+                        raise errors.Unavailable(
+                            f"no worker of {model.name!r} started within the {principal.tier} tier's queue timeout "
+                            f"({wait:g} s); its pool is scaling up from zero: retry in a few seconds",
+                            retry_after=5.0) from None
 
     def _ask_prefix(self, prepared: Prepared, workers) -> None:
         """Hash the prompt's blocks and look them up in this router's replica of the KV

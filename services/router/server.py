@@ -107,7 +107,9 @@ async def serve(cfg: RouterSettings) -> None:
         flow=flow,
         coalescing=Coalescing(cfg.coalesce_per_step, max(1, cfg.coalesce_max)),
         reporter=reporter,
-        demand=Demand(redis),
+        demand=Demand(redis, awaiting=rt.metrics.gauge(
+            "requests_awaiting_workers", "Requests held while no worker of their (autoscaled) model serves",
+            ("model",))),
         metrics=RouterMetrics(
             routed=rt.metrics.counter("routed_total", "Requests sent to each worker, by policy", ("policy", "worker")),
             prediction_misses=rt.metrics.counter(

@@ -35,10 +35,12 @@ def tenants(mesh):
 
 def test_models_list_shows_only_what_can_be_served(mesh):
     """gaas-small is deployed but no worker serves it: a client picking the first listed model must
-    get one that answers."""
+    get one that answers. gaas-embed's pool starts at zero: listed, saying so, as its first request
+    brings a worker."""
     models = {m.id: m for m in client(mesh).models.list()}
-    assert set(models) == {"gaas-tiny"}
+    assert set(models) == {"gaas-tiny", "gaas-embed"} and next(iter(models)) == MODEL, "the default model first"
     assert models[MODEL].owned_by == "gaas" and models[MODEL].root == MODEL
+    assert (models["gaas-embed"].state, models["gaas-embed"].task) == ("scaled_to_zero", "embed")
     catalogue = {m["name"]: m["ready_workers"] for m in json.loads(gaas(mesh, "models", "--json").stdout)}
     assert catalogue == {"gaas-tiny": 2, "gaas-small": 0, "gaas-long": 0, "gaas-embed": 0}, \
         "`gaas models` keeps the whole catalogue"

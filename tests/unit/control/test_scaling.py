@@ -121,6 +121,20 @@ async def test_an_idle_pool_goes_to_zero_and_a_waiting_request_brings_it_back_at
     assert n == 1 and "a request waits" in reason
 
 
+async def test_a_pool_that_starts_at_zero_gets_its_first_worker_when_a_request_waits(setup, sql_deployment, redis):
+    deployment, registry, clock, _, driver = setup
+    text = TEXT.replace("min: %(min)d, max: 3", "min: 0, max: 3, initial_scale: 0")
+    await deployment.apply(parse_text(text, Path("/srv"), FILE), FILE, "test")
+    assert (await replicas(deployment))["tiny"] == (0, "")
+    d = driver()
+    await looks(d, clock, 3)
+    assert (await replicas(deployment))["tiny"][0] == 0, "no request, no worker"
+    await redis.set(DEMAND_KEY.format("tiny"), "1", px=10_000)
+    await looks(d, clock, 1)
+    n, reason = (await replicas(deployment))["tiny"]
+    assert n == 1 and "a request waits" in reason
+
+
 async def test_a_tiers_ttft_past_its_target_asks_for_a_worker_more(setup, redis):
     deployment, registry, clock, apply, driver = setup
     await apply()

@@ -114,6 +114,17 @@ def test_a_pool_scales_on_its_queue_and_kv_use_and_drains_before_it_stops(cpu_ob
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
 
 
+def test_a_pool_that_starts_at_zero_renders_no_pod_and_wakes_on_the_requests_routers_hold(cpu_objects):
+    from gaas.contracts.autoscale import AWAITING_METRIC
+
+    dep = _find(cpu_objects, "Deployment", "gaas-worker-gaas-embed-1-0-0")
+    assert dep["spec"]["replicas"] == 0
+    so = _find(cpu_objects, "ScaledObject", "gaas-worker-gaas-embed-1-0-0")
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (0, 1)
+    (awaiting,) = [t["metadata"] for t in so["spec"]["triggers"] if AWAITING_METRIC in t["metadata"]["query"]]
+    assert 'model="gaas-embed"' in awaiting["query"] and awaiting["activationThreshold"] == "0"
+
+
 def test_a_gpu_requirement_becomes_node_affinity():
     from gaas.contracts.device import DeviceRequirement
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge
 
 from gaas.contracts import errors
 from gaas.contracts.autoscale import DEMAND_KEY
@@ -36,8 +37,10 @@ async def setup(redis, monkeypatch):
 
     directory = MeshDirectory(fetch, refresh_seconds=0.01)
     timeouts = {"gold": 2.0}
-    p = Preparer(directory, scheduler=None, tokenizer_for=None, kv=None, demand=Demand(redis),
+    awaiting = Gauge("awaiting", "test", ["model"], registry=CollectorRegistry())
+    p = Preparer(directory, scheduler=None, tokenizer_for=None, kv=None, demand=Demand(redis, awaiting=awaiting),
                  queue_timeout=lambda tier: timeouts[tier])
+    p.awaiting = awaiting
     return p, workers, timeouts
 
 
@@ -50,9 +53,11 @@ async def test_a_request_for_a_pool_at_zero_waits_marks_demand_and_goes_on_when_
 
     await eventually_async(demand_marked, 5, every=0.01, what="the autoscaler told of the demand, with a TTL")
     assert not waiting.done(), "it waits for a worker"
+    assert p.awaiting.labels("tiny")._value.get() == 1, "counted for KEDA while it waits"
     workers.append(WORKER)
     got = await asyncio.wait_for(waiting, 2)
     assert [w.worker_id for w in got] == ["worker-0"]
+    assert p.awaiting.labels("tiny")._value.get() == 0
 
 
 async def test_past_its_tiers_queue_timeout_it_is_told_to_retry_later(setup):

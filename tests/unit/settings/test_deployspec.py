@@ -87,9 +87,11 @@ def test_a_pool_declares_its_version_replicas_engine_tenants_pins_and_rollout(tm
     assert spec.served == [m] and spec.digest == deployspec.parse_text(GOOD, tmp_path).digest
 
 
-def test_the_shipped_file_serves_the_default_model_only():
+def test_the_shipped_file_starts_workers_for_the_default_model_only_and_embeds_from_zero():
     spec = deployspec.load(ROOT / "deploy" / "gaas.yaml")
-    assert [m.name for m in spec.served] == ["gaas-tiny"] and spec.model("gaas-tiny").replicas == "auto"
+    assert [m.name for m in spec.served] == ["gaas-tiny", "gaas-embed"] and spec.model("gaas-tiny").replicas == "auto"
+    embed = spec.model("gaas-embed")
+    assert embed.engine["task"] == "embed" and (embed.autoscale.min, embed.autoscale.initial) == (0, 0)
 
 
 @pytest.mark.parametrize("change, line, field, message", [
@@ -107,6 +109,8 @@ def test_the_shipped_file_serves_the_default_model_only():
      "give replicas (a fixed count) or autoscale (min and max), not both"),
     (("    replicas: 2\n", "    autoscale: {min: 4, max: 3}\n"), 6, "models[0].autoscale.min", "0 <= min <= max"),
     (("    replicas: 2\n", "    autoscale: {min: 1}\n"), 6, "models[0].autoscale", "autoscale needs max"),
+    (("    replicas: 2\n", "    autoscale: {min: 1, max: 3, initial_scale: 0}\n"), 6,
+     "models[0].autoscale.initial_scale", "initial_scale must be between min and max (1 to 3), not 0"),
     (("    replicas: 2\n", "    autoscale: {max: 2, step: 1}\n"), 6, "models[0].autoscale.step", "unknown field 'step'"),
     (("    replicas: 2\n", "    autoscale: {max: 2, target_kv_usage: 2}\n"), 6, "models[0].autoscale.target_kv_usage",
      "must be in (0, 1]"),
@@ -153,6 +157,13 @@ def test_an_autoscaled_pool_serves_from_min_and_keeps_its_policy_through_a_revis
     assert m.serves, "a pool at min 0 is served: its first request brings a worker"
     assert deployspec.ModelSpec.from_dict(m.as_dict()) == m
     assert m.at(m.pool()).autoscale == a
+
+
+def test_a_pool_may_start_at_zero_and_keeps_that_through_a_revision(tmp_path):
+    text = GOOD.replace("    replicas: 2\n", "    autoscale: {min: 0, max: 2, initial_scale: 0}\n")
+    m = deployspec.parse_text(text, tmp_path, "d.yaml").model("chat")
+    assert (m.autoscale.initial, m.replicas) == (0, 0) and m.serves
+    assert deployspec.ModelSpec.from_dict(m.as_dict()) == m
 
 
 def test_a_device_requirement_is_kept_with_its_pool(tmp_path):
