@@ -12,7 +12,8 @@ workers' own queue and KV-cache use for the pools. Billing's replicas share one 
 claim for batch files. The ingress (gaas/k8s/edge.py) is an Envoy alone behind a LoadBalancer
 Service, serving HTTPS. Every container asks for and is limited in CPU, memory and ephemeral
 storage (and every emptyDir has a size limit), so no pod fills its node's disk. NetworkPolicies
-let only the mesh's pods reach an inbound listener, anyone reach the ingress, and only Redis's clients reach Redis (and the databases' clients PostgreSQL).
+(gaas/k8s/policies.py) let only the mesh's pods reach an inbound listener, anyone reach the
+ingress, and only Redis's clients reach Redis (and the databases' clients PostgreSQL).
 Redis (and for a trial PostgreSQL) are StatefulSets (gaas/k8s/stores.py); a managed PostgreSQL is
 named by URL instead.
 
@@ -454,50 +455,17 @@ def _label(inst: Instance) -> str:
     return pods.dns_label(str(inst.options["model"]))[:63]
 
 
-def network_policies(opts: Options) -> list[dict]:
-    """Nothing reaches a pod unless allowed: the mesh's pods reach each other's inbound listeners
-    (mutual TLS there decides who may call what), Prometheus in any namespace the metrics ports,
-    anyone the ingress, Redis's clients Redis, the databases' clients PostgreSQL."""
-    mesh = {"podSelector": {"matchLabels": {pods.MESH_LABEL: "true"}}}
-    metrics = [{"port": pods.METRICS_PORT, "protocol": "TCP"}, {"port": pods.ENVOY_STATS_PORT, "protocol": "TCP"}]
-
-    def policy(name: str, pod_selector: dict, ingress: list[dict]) -> dict:
-        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(name, "policy"),
-                "spec": {"podSelector": pod_selector, "policyTypes": ["Ingress"], "ingress": ingress}}
-
-    out = [
-        policy(f"{pods.PREFIX}-default-deny", {}, []),
-        policy(f"{pods.PREFIX}-mesh", {"matchLabels": {pods.MESH_LABEL: "true"}}, [
-            {"from": [mesh], "ports": [{"port": pods.INBOUND_PORT, "protocol": "TCP"}]},
-            {"from": [{"namespaceSelector": {}}], "ports": metrics},
-        ]),
-        policy(pods.INGRESS, {"matchLabels": selector(pods.INGRESS)}, [
-            {"ports": [{"port": opts.edge.port, "protocol": "TCP"}]},
-        ]),
-        policy(pods.REDIS, {"matchLabels": selector(pods.REDIS)}, [
-            {"from": [{"podSelector": {"matchLabels": {f"{pods.PREFIX}.dev/redis-client": "true"}}}],
-             "ports": [{"port": pods.REDIS_PORT, "protocol": "TCP"}]},
-        ]),
-    ]
-    if opts.postgres:
-        out.append(policy(pods.POSTGRES, {"matchLabels": selector(pods.POSTGRES)}, [
-            {"from": [{"podSelector": {"matchLabels": {f"{pods.PREFIX}.dev/postgres-client": "true"}}}],
-             "ports": [{"port": pods.POSTGRES_PORT, "protocol": "TCP"}]},
-        ]))
-    return out
-
-
 def objects(topo: Topology, opts: Options, descriptor: str | None = None) -> list[dict]:
     """Every object of the base, in a stable order. topo: pods.pod_topology's."""
     descriptor = descriptor or str(pods.APP_DIR / protogen.DESCRIPTOR_SET.relative_to(protogen.ROOT))
     out: list[dict] = []
     for inst in topo.instances:
         out += worker_objects(topo, inst, opts) if inst.service == "worker" else service_objects(topo, inst, opts)
-    from gaas.k8s import edge, stores
+    from gaas.k8s import edge, policies, stores
 
     out += edge.ingress_objects(topo, descriptor, opts.edge, pods.NAMESPACE)
     out += stores.redis_objects()
     if opts.postgres:
         out += stores.postgres_objects()
-    out += network_policies(opts)
+    out += policies.network_policies(opts)
     return out
