@@ -28,9 +28,12 @@ def cmd_status(args) -> int:
     print(f"ingress  {health.ingress:<22} {'READY' if health.ingress_ready else 'DOWN':<12} {path}")
     for i in health.instances:
         sidecar = "sidecar ready" if i.sidecar_ready else "sidecar DOWN"
-        line = f"{i.name:<10} {i.address:<22} {i.health:<12} {sidecar}"
-        if i.detail and i.health != "SERVING":
-            line += f"  ({i.detail})"
+        shown, detail = i.health, i.detail
+        if i.service == "worker" and i.health == "UNREACHABLE" and started_process_runs(state, i.name):
+            shown, detail = "STARTING", "its process runs and imports vLLM; it listens once that is done"
+        line = f"{i.name:<10} {i.address:<22} {shown:<12} {sidecar}"
+        if detail and i.health != "SERVING":
+            line += f"  ({detail})"
         print(line)
     if health.workers:
         print("\nregistered workers:")
@@ -79,6 +82,14 @@ def cmd_status(args) -> int:
     if not state and not any(i.health == "SERVING" for i in health.instances):
         print("\nno mesh seems to be running here: start one with `make run` (or `gaas up`)")
     return 0 if health.healthy else 1
+
+
+def started_process_runs(state: dict | None, name: str) -> bool:
+    """Whether the process `gaas up` started as name runs (the same process: its start time too)."""
+    from gaas.launcher.children import start_ticks
+
+    pid = ((state or {}).get("children") or {}).get(name)
+    return pid is not None and start_ticks(int(pid)) == ((state or {}).get("started") or {}).get(name)
 
 
 def router_flows(topo) -> list[dict]:

@@ -6,9 +6,11 @@ what share of its memory.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import math
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gaas.settings.env import default_of
@@ -167,3 +169,38 @@ def engine_executor(executor: str, on_gpu: bool, bind: str = "") -> tuple[str | 
     if not cpus:
         return "mp", {}
     return IN_PROCESS_EXECUTOR, {"OMP_NUM_THREADS": str(len(cpus))}
+
+
+def cpu_engine_environment(s: WorkerSettings, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What a CPU engine's processes need in their environment from their start: the cache's size
+    (vLLM otherwise reserves most of the RAM for it), one OpenMP thread per core of the worker's
+    bind (engine_executor), and the libraries vLLM's CPU platform preloads for its engine
+    process (torch's libgomp unless an OpenMP is preloaded already, its bundled tcmalloc), as its
+    check_and_update_config sets LD_PRELOAD before spawning one. environ: the worker's environment
+    (its VLLM_CPU_OMP_THREADS_BIND and LD_PRELOAD).
+
+    `gaas up` starts a CPU worker with these already (gaas.launcher.workerenv), so that the
+    engine's server can be forked from the worker itself (services/worker/enginefork.py)."""
+    _, env = engine_executor(s.executor, False, environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
+    preload = environ.get("LD_PRELOAD", "")
+    torch_dir, vllm_dir = _package_dir("torch"), _package_dir("vllm")
+    if torch_dir and not any(lib in preload for lib in ("libomp", "libgomp", "libiomp")):
+        site = os.path.dirname(torch_dir)
+        found = glob.glob(os.path.join(site, "torch.libs", "libgomp*.so*")) + glob.glob(
+            os.path.join(torch_dir, "lib", "libgomp*.so*"))
+        if found:
+            preload = f"{preload}:{found[0]}" if preload else found[0]
+    if vllm_dir and "libtcmalloc" not in preload:
+        found = glob.glob(os.path.join(vllm_dir, "libs", "libtcmalloc_minimal*.so*")) or glob.glob(
+            os.path.join(vllm_dir, "libs", "libtcmalloc.so*"))
+        if found:
+            preload = f"{found[0]}:{preload}" if preload else found[0]
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None

@@ -17,7 +17,7 @@ from gaas.ops import redisacl
 from gaas.ops.serviceenv import Placement, placed_values
 from gaas.ops.topology import Instance, LocalSockets
 from gaas.settings import worker as worker_settings
-from gaas.settings.env import env_of, value_from_env, variables
+from gaas.settings.env import ConfigError, env_of, value_from_env, variables
 from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 
 
@@ -64,6 +64,13 @@ class WorkerEnvironment:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(placement.worker_cpus(inst.index, len(self.topo.of("worker")))[0])
         env.update(env_of(settings, **values))
         env.update(self.extra_env)
+        if inst.service == "worker" and not self.gpus:
+            # What its engine needs from the start, given at the worker's: the engine's server is
+            # then forked from the worker (services/worker/enginefork.py), vLLM imported once.
+            try:
+                env.update(placement.cpu_engine_environment(worker_settings.WorkerSettings.from_env(env), env))
+            except ConfigError:
+                pass  # (the worker says what is wrong as it starts)
         return env
 
     def _gpu_slot(self, inst: Instance) -> placement.GpuSlot:

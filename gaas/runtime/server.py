@@ -284,9 +284,11 @@ class ServiceRuntime:
                 log.warning("%s %s took %.1f s", kind, name, took)
 
 
-def run_service(service: str, load_config: Callable[[], object], serve: Callable[[object], Awaitable[None]]) -> None:
-    """A service's main(): read its config, set up logs, serve; start-up failures exit with a
-    one-line reason instead of a traceback."""
+def run_service(service: str, load_config: Callable[[], object], serve: Callable[[object], Awaitable[None]],
+                before: Callable[[object], None] | None = None) -> None:
+    """A service's main(): read its config, set up logs, run before (what must happen while the
+    process has one thread), serve; start-up failures exit with a one-line reason instead of a
+    traceback."""
     import sys
 
     from gaas.settings.deployspec import SpecError
@@ -301,6 +303,8 @@ def run_service(service: str, load_config: Callable[[], object], serve: Callable
         sys.exit(2)
     setup_logging(service, getattr(cfg, "instance", service))
     try:
+        if before is not None:
+            before(cfg)
         asyncio.run(serve(cfg))
     except (RedisUnavailable, SpecError, ConfigError, OSError) as exc:
         log.error("%s cannot start: %s", service, exc)

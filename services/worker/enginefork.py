@@ -1,34 +1,37 @@
-"""How a CPU engine's process starts: forked from a server that imported vLLM while the worker
-started (multiprocessing's forkserver), rather than spawned afresh once the worker has built vLLM's
-config; and the environment it needs from its start (cpu_engine_environment).
+"""How a CPU engine's process starts: forked from a server that holds vLLM imported already
+(multiprocessing's forkserver), rather than spawned afresh once the worker has built vLLM's config.
 
 On the CPU vLLM starts its EngineCore with `spawn`: a new interpreter that imports vLLM and torch
-again, and only once the worker's own import of them is done. The forkserver imports them on the
-host's other core meanwhile, in a process with no gRPC threads, and forks each engine core from
-there. What a spawned process would have had, this one has too: the starting process's environment
-at the moment vLLM starts it (EngineProcess), and the libraries and OpenMP settings that only take
-effect when an interpreter starts (given to the server when it starts, `start_server`'s env).
+again (~17 CPU s here), after the worker's own import of them. Instead the engine cores are forked
+from a server process with no gRPC threads:
+- forked from the worker itself, once the worker has imported vLLM and before any thread starts,
+  where the worker started with what the engine needs from its start (the libraries and OpenMP
+  settings that only take effect when an interpreter starts: placement.cpu_engine_environment,
+  which `gaas up` gives its CPU workers): vLLM is imported once per worker, not twice;
+- otherwise (a worker started by hand or by a Kubernetes pod without them) a new interpreter given
+  them, which imports vLLM on the host's other core while the worker imports it too.
+What a spawned process would have had, an engine process has too: the starting process's
+environment at the moment vLLM starts it (EngineProcess).
 """
 
 from __future__ import annotations
 
-import glob
-import importlib.util
+import importlib
 import logging
 import multiprocessing
 import os
-from multiprocessing import context, forkserver
+import socket
+from multiprocessing import connection, context, forkserver
 
 from gaas.host import placement
-from gaas.settings.worker import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+# What lets a process forked from the server set its title: imported by the server alone.
+TITLE_MODULE = "services.worker.enginetitle"
 # What vLLM's engine core process imports on the CPU: its loop, the in-process executor, the CPU
-# model runner and the Llama family's model code (other architectures import theirs in the child);
-# first, what lets a process forked from the server set its title (enginetitle).
+# model runner and the Llama family's model code (other architectures import theirs in the child).
 ENGINE_MODULES = (
-    "services.worker.enginetitle",
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.cpu_worker",
@@ -67,15 +70,21 @@ _context: EngineContext | None = None
 def start_server(
     env: dict[str, str], cpus: set[int], modules: tuple[str, ...] = ENGINE_MODULES,
 ) -> EngineContext | None:
-    """Set env in this process's environment and start the forkserver with it on cpus (the engine's
-    cores, not this process's: the two import side by side), importing modules there now (in the
-    background: this returns at once). Returns the context that forks from it; None where it
-    cannot start (vLLM spawns then)."""
+    """Set env in this process's environment and start the engine's server with it on cpus (the
+    engine's cores, not this process's), holding modules imported. Where this process started with
+    env already, the modules are imported here and now and the server is forked from this process:
+    call it before any thread starts (gRPC's, the event loop's executor). Otherwise the server is a
+    new interpreter that imports them in the background (this returns at once). Returns the context
+    that forks from it; None where it cannot start (vLLM spawns then)."""
     global _context
+    started_with = all(os.environ.get(k) == v for k, v in env.items())
     os.environ.update(env)
     try:
-        multiprocessing.set_forkserver_preload(list(modules))
-        forkserver.ensure_running()
+        if started_with:
+            _fork_server(modules)
+        else:
+            multiprocessing.set_forkserver_preload([TITLE_MODULE, *modules])
+            forkserver.ensure_running()
     except (OSError, ValueError) as exc:
         log.warning("cannot start the engine's forkserver (%s); vLLM spawns its engine process instead", exc)
         return None
@@ -85,35 +94,35 @@ def start_server(
     return _context
 
 
-def cpu_engine_environment(s: WorkerSettings) -> dict[str, str]:
-    """What a CPU engine's processes need in their environment from their start: the cache's size
-    (vLLM otherwise reserves most of the RAM for it), one OpenMP thread per core of the worker's
-    bind (placement.engine_executor), and the libraries vLLM's CPU platform preloads for its engine
-    process (torch's libgomp unless an OpenMP is preloaded already, its bundled tcmalloc), as its
-    check_and_update_config sets LD_PRELOAD before spawning one."""
-    _, env = placement.engine_executor(s.executor, False, os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
-    preload = os.environ.get("LD_PRELOAD", "")
-    torch_dir, vllm_dir = _package_dir("torch"), _package_dir("vllm")
-    if torch_dir and not any(lib in preload for lib in ("libomp", "libgomp", "libiomp")):
-        site = os.path.dirname(torch_dir)
-        found = glob.glob(os.path.join(site, "torch.libs", "libgomp*.so*")) + glob.glob(
-            os.path.join(torch_dir, "lib", "libgomp*.so*"))
-        if found:
-            preload = f"{preload}:{found[0]}" if preload else found[0]
-    if vllm_dir and "libtcmalloc" not in preload:
-        found = glob.glob(os.path.join(vllm_dir, "libs", "libtcmalloc_minimal*.so*")) or glob.glob(
-            os.path.join(vllm_dir, "libs", "libtcmalloc.so*"))
-        if found:
-            preload = f"{found[0]}:{preload}" if preload else found[0]
-    if preload:
-        env["LD_PRELOAD"] = preload
-    return env
-
-
-def _package_dir(name: str) -> str | None:
-    spec = importlib.util.find_spec(name)
-    return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+def _fork_server(modules: tuple[str, ...]) -> None:
+    """Import modules here, then fork multiprocessing's forkserver from this process (what
+    forkserver.ensure_running does with a new interpreter): its socket, and the pipe whose end
+    (every process that may ask it for a fork holds the write side) stops it."""
+    for name in modules:
+        importlib.import_module(name)
+    server = forkserver._forkserver
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: serves until every process that held alive_w is gone
+            status = 0
+            try:
+                os.close(alive_w)
+                importlib.import_module(TITLE_MODULE)
+                forkserver.main(listener.detach(), alive_r, [])
+            except SystemExit:
+                pass
+            except BaseException:  # noqa: BLE001 - a child's last word, then its own exit
+                log.exception("the engine's forkserver failed")
+                status = 1
+            finally:
+                os._exit(status)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 def start_vllm_engines_from_server() -> None:

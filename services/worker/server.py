@@ -1,6 +1,7 @@
 """Worker service: one vLLM engine behind gaas.v1.Worker.
 
-Starts NOT_SERVING, builds the engine (~10-20 s on a CPU), then reports SERVING and registers with
+On the CPU imports vLLM and starts its engine's server first (enginefork), then listens NOT_SERVING,
+builds the engine (~5 s on a CPU), then reports SERVING and registers with
 the control plane through its sidecar, renewing the lease while alive. On SIGTERM: NOT_SERVING,
 deregister, let running streams finish (grace; routers' streams still running after
 GAAS_HANDOVER_SECONDS end, and each router carries its own on at another worker), stop the engine.
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gaas.host import placement
 from gaas.host.placement import parse_cpu_list
 from gaas.metering.meter import Meter
 from gaas.runtime import redisconn
@@ -80,13 +82,17 @@ async def sample_device(servicer: WorkerServicer) -> None:
         await asyncio.sleep(DEVICE_SAMPLE_SECONDS)
 
 
-async def serve(cfg: WorkerSettings) -> None:
+def start_engine_server(cfg: WorkerSettings) -> None:
+    """Before anything else (no thread runs yet): on the CPU, the server vLLM's engine process is
+    forked from (enginefork), from this process once it has imported vLLM where `gaas up` started
+    it so, else from a new interpreter importing on the other core while this one does."""
     if cfg.device == "cpu":
-        # vLLM's engine core process imports on the other core while this one does (enginefork).
-        # (This module first: importing services lets the server write bytecode, as this process does.)
-        enginefork.start_server(enginefork.cpu_engine_environment(cfg),
+        enginefork.start_server(placement.cpu_engine_environment(cfg),
                                 parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")),
-                                (__spec__.name, *enginefork.ENGINE_MODULES))
+                                ("vllm.v1.engine.async_llm", *enginefork.ENGINE_MODULES))
+
+
+async def serve(cfg: WorkerSettings) -> None:
     # What Envoy sends here that names another worker (it had not heard of that one yet) is refused untaken.
     rt = ServiceRuntime(options_for("worker", cfg, named_as=cfg.advertise))
     rt.install_signal_handlers()
@@ -297,7 +303,7 @@ def main() -> None:
     # GPUs as NVML does.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    run_service("worker", WorkerSettings.from_env, serve)
+    run_service("worker", WorkerSettings.from_env, serve, before=start_engine_server)
 
 
 if __name__ == "__main__":

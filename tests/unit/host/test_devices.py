@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from gaas.ops import topology
 from gaas.host import devices, placement
 from gaas.host.devices import GpuInfo, visible_gpus
+from gaas.settings.worker import WorkerSettings
 from tests.waiting import eventually_async
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -339,6 +340,11 @@ def test_cpu_workers_stay_pinned_and_say_so(tmp_path, monkeypatch):
     e = m.service_env(m.topo.of("worker")[0])
     assert e["GAAS_DEVICE"] == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" in e and "CUDA_VISIBLE_DEVICES" not in e
     assert e["GAAS_EXECUTOR"] == "uni"  # the topology's executor reaches the worker
+    # What its engine needs from its start, the worker has from its own (its engine's server is
+    # forked from it): exactly what the worker would set for its engine.
+    s = WorkerSettings.from_env(e)
+    assert e["OMP_NUM_THREADS"] == "1" and e["VLLM_CPU_KVCACHE_SPACE"] == str(s.kv_cache_gib)
+    assert placement.cpu_engine_environment(s, e).items() <= e.items()
 
 
 @pytest.mark.parametrize("executor, on_gpu, bind, backend, env", [

@@ -77,3 +77,28 @@ def write_titled_cmdline(title: str, path: str) -> None:
     setproctitle.setproctitle(title)
     with open(f"/proc/{os.getpid()}/cmdline", "rb") as f, open(path, "wb") as out:
         out.write(f.read())
+
+
+def fork_the_engine_server_and_report(out: str) -> None:
+    """Run as a worker started with GAAS_TEST_SERVER_START=server first in its environment: start
+    the engine's server as the worker does, change that variable, and write (as JSON to out) this
+    process's pid, the server's parent, and what a process started from the server saw."""
+    import json
+    import os
+    from multiprocessing import forkserver
+
+    from services.worker import enginefork
+
+    ctx = enginefork.start_server({"GAAS_TEST_SERVER_START": "server"}, set(), ())
+    server = forkserver._forkserver._forkserver_pid
+    with open(f"/proc/{server}/stat") as f:
+        server_parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    os.environ["GAAS_TEST_SERVER_START"] = "starter"
+    for target, args in ((write_environ_value, ("GAAS_TEST_SERVER_START", out + ".env")),
+                         (write_titled_cmdline, ("VLLM::EngineCore", out + ".cmdline"))):
+        p = ctx.Process(target=target, args=args)
+        p.start()
+        p.join(60)
+    with open(out + ".env") as env, open(out + ".cmdline", "rb") as cmdline, open(out, "w") as f:
+        json.dump({"pid": os.getpid(), "server_parent": server_parent, "engine_env": env.read(),
+                   "engine_cmdline": cmdline.read().decode(errors="replace")}, f)
