@@ -171,7 +171,7 @@ def engine_executor(executor: str, on_gpu: bool, bind: str = "") -> tuple[str | 
     return IN_PROCESS_EXECUTOR, {"OMP_NUM_THREADS": str(len(cpus))}
 
 
-def cpu_engine_environment(s: WorkerSettings, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def cpu_engine_environment(executor: str, kv_cache_gib: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """What a CPU engine's processes need in their environment from their start: the cache's size
     (vLLM otherwise reserves most of the RAM for it), one OpenMP thread per core of the worker's
     bind (engine_executor), and the libraries vLLM's CPU platform preloads for its engine
@@ -181,8 +181,8 @@ def cpu_engine_environment(s: WorkerSettings, environ: Mapping[str, str] = os.en
 
     `gaas up` starts a CPU worker with these already (gaas.launcher.workerenv), so that the
     engine's server can be forked from the worker itself (services/worker/enginefork.py)."""
-    _, env = engine_executor(s.executor, False, environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
+    _, env = engine_executor(executor, False, environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     preload = environ.get("LD_PRELOAD", "")
     torch_dir, vllm_dir = _package_dir("torch"), _package_dir("vllm")
     if torch_dir and not any(lib in preload for lib in ("libomp", "libgomp", "libiomp")):

@@ -117,6 +117,8 @@ class Mesh(WorkerEnvironment, PoolWorkers):
         self._build_errors: dict[str, str] = {}
         self._refused: set[tuple[str, str]] = set()
         self._control = None
+        # What CPU workers are forked from (gaas.launcher.zygote; None: each starts afresh).
+        self._zygote = None
         self._authority: pki.Authority | None = None
         self._last_reconcile = 0.0
 
@@ -144,6 +146,8 @@ class Mesh(WorkerEnvironment, PoolWorkers):
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
         os.chmod(self.sockets, 0o700)
+        if not self.gpus:
+            self._start_zygote(sys.executable, SERVICE_MODULES["worker"])
         authority = self._authority = pki.Authority(self.run_dir)
         pki.issue_certificates(self.topo, authority)
         configs = envoyconf.render(self.topo, self.run_dir / "envoy", protogen.DESCRIPTOR_SET, self.log_dir,
@@ -223,39 +227,39 @@ class Mesh(WorkerEnvironment, PoolWorkers):
             time.sleep(0.1)
 
     def _spawn(self, name: str, kind: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> Child:
-        self._close_control()  # (no gRPC channel open across a fork)
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-            argv, setup = child_launch(cmd, cpus)
-            proc = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: signalled as a whole at the end
-                preexec_fn=setup,
-            )
-        child = Child(name, kind, proc, log, cmd=cmd, env=env, cpus=cpus)
+        child = Child(name, kind, self._start_process(cmd, env, cpus, log), log, cmd=cmd, env=env, cpus=cpus)
         self.children.append(child)
         return child
 
     def _respawn(self, child: Child) -> None:
         """Start an exited child again in its place (same command, environment and log)."""
         signal_group(child.proc.pid, signal.SIGKILL)  # what the dead leader left behind (an engine's processes)
-        self._close_control()  # (no gRPC channel open across a fork)
         with open(child.log, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} restart {child.restarts + 1}: {' '.join(child.cmd)}\n".encode())
-            argv, setup = child_launch(child.cmd, child.cpus)
-            child.proc = subprocess.Popen(
-                argv, cwd=ROOT, env=child.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=setup,
-            )
+        child.proc = self._start_process(child.cmd, child.env, child.cpus, child.log)
         child.started = time.monotonic()
         child.restarts += 1
         child.restart_at = 0.0
+
+    def _start_process(self, cmd: list[str], env: dict[str, str], cpus: set[int] | None, log: Path):
+        """A child's process, in its own process group, its output appended to log: forked from the
+        worker zygote where it fits (gaas.launcher.zygote), else a new interpreter."""
+        zygote = next((c for c in self.children if c.kind == "zygote"), None)
+        if zygote is not None and self._zygote is not None and self._zygote.fits(cmd, env):
+            proc = self._zygote.spawn(env, cpus, log, ROOT, alive=lambda: zygote.proc.poll() is None)
+            if proc is not None:
+                return proc
+            self.progress(f"the worker zygote does not answer (its log: {zygote.log}); starting a worker afresh")
+        self._close_control()  # (no gRPC channel open across a fork)
+        with open(log, "ab") as out:
+            argv, setup = child_launch(cmd, cpus)
+            return subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT,
+                                    start_new_session=True,  # its own process group: signalled as a whole at the end
+                                    preexec_fn=setup)
 
     def _spawn_service(self, inst: Instance) -> None:
         cmd = [sys.executable, "-m", SERVICE_MODULES[inst.service]]

@@ -5,8 +5,8 @@ starting and draining workers to match (fleet.reconcile decides; this does it), 
 its sidecar, certificate and sockets; a pool that cannot run here is reported to control.
 
 It reads and changes the Mesh's state: topo, children, run_dir, gpus, _authority, _retiring,
-_refused, _builds, _build_errors, _profiles, _control, and spawns through its _spawn_service and
-_spawn_envoy."""
+_refused, _builds, _build_errors, _profiles, _control, _zygote, and spawns through its _spawn_service
+and _spawn_envoy; and it starts the worker zygote CPU workers are forked from."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from gaas.launcher import fleet
 from gaas.launcher.children import signal_group
 from gaas.launcher.errors import MeshError
 from gaas.launcher.rundir import port_in_use
+from gaas.launcher.zygote import Zygote
 from gaas.model.build import build_model, check_source, is_built, refresh_chat_template
 from gaas.ops import pki
 from gaas.ops.topology import LocalSockets, TopologyError, with_workers
@@ -126,6 +127,13 @@ class PoolWorkers:
                 continue
             self._spawn_worker(index, pool, report, quiet=initial)
         return bool(actions)
+
+    def _start_zygote(self, python: str, module: str) -> None:
+        """Start the process CPU workers are forked from (gaas.launcher.zygote): it imports vLLM once,
+        meanwhile; its first worker waits for that."""
+        env = self.zygote_env()
+        self._zygote = Zygote(self.sockets / "zygote.sock", env, module)
+        self._spawn("zygote", "zygote", [python, "-m", "gaas.launcher.zygote", str(self._zygote.path), module], env)
 
     def _spawn_worker(self, index: int, pool: fleet.PoolSpec, report: Callable[[str], None], quiet: bool) -> None:
         try:

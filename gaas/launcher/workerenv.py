@@ -17,7 +17,7 @@ from gaas.ops import redisacl
 from gaas.ops.serviceenv import Placement, placed_values
 from gaas.ops.topology import Instance, LocalSockets
 from gaas.settings import worker as worker_settings
-from gaas.settings.env import ConfigError, env_of, value_from_env, variables
+from gaas.settings.env import ConfigError, default_of, env_of, value_from_env, variables
 from gaas.settings.services import SETTINGS as SERVICE_SETTINGS
 
 
@@ -68,10 +68,26 @@ class WorkerEnvironment:
             # What its engine needs from the start, given at the worker's: the engine's server is
             # then forked from the worker (services/worker/enginefork.py), vLLM imported once.
             try:
-                env.update(placement.cpu_engine_environment(worker_settings.WorkerSettings.from_env(env), env))
+                s = worker_settings.WorkerSettings.from_env(env)
             except ConfigError:
                 pass  # (the worker says what is wrong as it starts)
+            else:
+                env.update(placement.cpu_engine_environment(s.executor, s.kv_cache_gib, env))
         return env
+
+    def zygote_env(self) -> dict[str, str]:
+        """What the worker zygote starts with (gaas.launcher.zygote): what a CPU worker's environment
+        holds (built as service_env builds it) but what is each worker's own (its settings, its cores,
+        its cache's size), and the workers' Redis URL, which all share (a worker forked from it shows
+        the zygote's environment in /proc)."""
+        env = {**without_secrets(dict(os.environ)), "PYTHONUNBUFFERED": "1", **self.extra_env}
+        user = self.redis_users.get("worker")
+        env["GAAS_REDIS_URL"] = redisacl.url_for(self.redis_url, user) if user else self.redis_url
+        # (A worker of another executor, or more cores, differs in its OpenMP threads: not forked.)
+        engine = placement.cpu_engine_environment(default_of(worker_settings.WorkerSettings, "executor"),
+                                                  default_of(worker_settings.WorkerSettings, "kv_cache_gib"),
+                                                  {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+        return {**env, **engine}
 
     def _gpu_slot(self, inst: Instance) -> placement.GpuSlot:
         """The GPU a worker computes on, and its share of the GPU's memory: the workers share the

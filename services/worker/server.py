@@ -82,14 +82,19 @@ async def sample_device(servicer: WorkerServicer) -> None:
         await asyncio.sleep(DEVICE_SAMPLE_SECONDS)
 
 
+# What a worker imports before it listens on the CPU (vLLM's front end and its engine's modules):
+# what `gaas up`'s worker zygote holds imported for the workers it forks (gaas.launcher.zygote).
+ZYGOTE_PRELOAD = ("vllm.v1.engine.async_llm", *enginefork.ENGINE_MODULES)
+
+
 def start_engine_server(cfg: WorkerSettings) -> None:
     """Before anything else (no thread runs yet): on the CPU, the server vLLM's engine process is
     forked from (enginefork), from this process once it has imported vLLM where `gaas up` started
     it so, else from a new interpreter importing on the other core while this one does."""
     if cfg.device == "cpu":
-        enginefork.start_server(placement.cpu_engine_environment(cfg),
+        enginefork.start_server(placement.cpu_engine_environment(cfg.executor, cfg.kv_cache_gib),
                                 parse_cpu_list(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")),
-                                ("vllm.v1.engine.async_llm", *enginefork.ENGINE_MODULES))
+                                ZYGOTE_PRELOAD)
 
 
 async def serve(cfg: WorkerSettings) -> None:

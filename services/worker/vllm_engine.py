@@ -75,7 +75,7 @@ class VllmEngine(Engine):
         on_gpu = current_platform.device_type == "cuda"
         check_build(current_platform.device_type, s.device)
         if not on_gpu:
-            os.environ.update(placement.cpu_engine_environment(s))
+            os.environ.update(placement.cpu_engine_environment(s.executor, s.kv_cache_gib))
             enginefork.start_vllm_engines_from_server()
         events = replay = ""
         extra: dict = {}

@@ -344,7 +344,7 @@ def test_cpu_workers_stay_pinned_and_say_so(tmp_path, monkeypatch):
     # forked from it): exactly what the worker would set for its engine.
     s = WorkerSettings.from_env(e)
     assert e["OMP_NUM_THREADS"] == "1" and e["VLLM_CPU_KVCACHE_SPACE"] == str(s.kv_cache_gib)
-    assert placement.cpu_engine_environment(s, e).items() <= e.items()
+    assert placement.cpu_engine_environment(s.executor, s.kv_cache_gib, e).items() <= e.items()
 
 
 @pytest.mark.parametrize("executor, on_gpu, bind, backend, env", [

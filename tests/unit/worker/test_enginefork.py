@@ -61,10 +61,10 @@ def test_a_cpu_engine_preloads_torchs_openmp_unless_one_is_preloaded(monkeypatch
     s = WorkerSettings.from_env({"GAAS_MODEL": "m", "GAAS_MODEL_PATH": "/m", "GAAS_KV_CACHE_GIB": "2"})
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    env = placement.cpu_engine_environment(s)
+    env = placement.cpu_engine_environment(s.executor, s.kv_cache_gib)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["OMP_NUM_THREADS"] == "2"
     assert "libgomp" in env["LD_PRELOAD"] and os.path.exists(env["LD_PRELOAD"].split(":")[-1])
     monkeypatch.setenv("LD_PRELOAD", "/opt/libiomp5.so")
-    assert env.get("LD_PRELOAD", "") != placement.cpu_engine_environment(s).get("LD_PRELOAD")
-    assert "libgomp" not in placement.cpu_engine_environment(s)["LD_PRELOAD"]
+    assert env.get("LD_PRELOAD", "") != placement.cpu_engine_environment(s.executor, s.kv_cache_gib).get("LD_PRELOAD")
+    assert "libgomp" not in placement.cpu_engine_environment(s.executor, s.kv_cache_gib)["LD_PRELOAD"]
