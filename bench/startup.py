@@ -2,8 +2,8 @@
 the package caches as they are, and with uv's cache empty when asked), its gRPC modules generated,
 its mesh started (`gaas up`: the model built, its first start writing the bytecode of what it runs)
 up to the first token through the ingress; then a second start, and a worker killed with kill -9
-until it serves again, each worker start split into the steps its log tells (imports, vLLM's
-engine, the warm-up).
+until it serves again (and the CPU seconds that restart cost, beside the worker zygote's), each
+worker start split into the steps its log tells (imports, vLLM's engine, the warm-up).
 
     python -m bench.startup [--cold] [--out bench/results/startup.json]
 
@@ -92,6 +92,23 @@ class Up:
     def worker_pid(self) -> int:
         return json.loads((self.run_dir / "mesh.json").read_text())["children"]["worker-0"]
 
+    def cpu_s(self, name: str) -> float | None:
+        """CPU seconds (user and system) of the mesh's child name and every process below it, from /proc."""
+        from gaas.host.placement import descendants
+
+        pid = json.loads((self.run_dir / "mesh.json").read_text())["children"].get(name)
+        if pid is None:
+            return None
+        total = 0
+        for p in (pid, *descendants(pid)):
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                pass
+        return round(total / os.sysconf("SC_CLK_TCK"), 1)
+
     def kill_worker(self) -> float:
         """kill -9 of worker-0; seconds until a completion through the ingress succeeds again."""
         old = self.worker_pid()
@@ -168,6 +185,8 @@ def run(cold: bool, port_base: int) -> dict:
         results["second_up_banner_s"] = up.banner_s()
         say("kill -9 of worker-0, until it serves again")
         results["worker_killed_to_token_s"] = up.kill_worker()
+        results["worker_restart_cpu_s"] = up.cpu_s("worker-0")
+        results["zygote_cpu_s"] = up.cpu_s("zygote")
         up.stop()
         results["worker_starts"] = worker_starts(up.run_dir / "logs" / "worker-0.log")
     except BaseException:
@@ -191,9 +210,16 @@ def report(r: dict) -> None:
         ("second gaas up to the first token", r.get("second_up_to_token_s"), ""),
         ("worker kill -9 to the first token again", r.get("worker_killed_to_token_s"), ""),
     ]
+    cpu = [
+        ("the restarted worker and its processes, to that first token", r.get("worker_restart_cpu_s")),
+        ("the worker zygote (vLLM imported once per gaas up; none: no zygote)", r.get("zygote_cpu_s")),
+    ]
     print(f"\n{'step':<66} {'seconds':>8}  goal")
     for name, value, goal in rows:
         print(f"{name:<66} {'-' if value is None else value:>8}  {goal}")
+    print(f"\n{'CPU seconds':<66}")
+    for name, value in cpu:
+        print(f"{name:<66} {'-' if value is None else value:>8}")
     print("\nworker starts (s from the process's start): listening / engine up / SERVING (goal: SERVING <= 15 s)")
     for i, s in enumerate(r.get("worker_starts", ())):
         print(f"  start {i + 1}: {s.get('listening_s', '-')} / {s.get('engine_up_s', '-')} / {s.get('serving_s', '-')}")
