@@ -166,3 +166,30 @@ def signal_pid(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def become_subreaper() -> bool:
+    """Make this process Linux's child subreaper: an orphan below it (a worker the zygote forked, an
+    engine process whose worker died) becomes its child, not init's. False where Linux refuses."""
+    return _LIBC is not None and _LIBC.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+
+
+def reap_strays(known: set[int]) -> int:
+    """Wait for this process's exited children that none of its own handles waits for (orphans it
+    adopted as a subreaper), so that none stays a zombie; returns how many."""
+    me, reaped = str(os.getpid()), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in known:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and fields[1] == me:
+            try:
+                os.waitpid(int(entry), os.WNOHANG)
+                reaped += 1
+            except ChildProcessError:
+                pass
+    return reaped

@@ -28,7 +28,8 @@ from gaas.host import placement
 from gaas.host.devices import visible_gpus
 from gaas.launcher import ingress
 from gaas.launcher.children import (
-    RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_launch, signal_group, start_ticks, stop_leftovers,
+    RESTART_BACKOFF_MAX, RESTART_STABLE_SECONDS, Child, child_launch, reap_strays, signal_group, start_ticks,
+    stop_leftovers,
 )
 from gaas.launcher.errors import MeshError
 from gaas.launcher.pools import PoolWorkers
@@ -422,6 +423,7 @@ class Mesh(WorkerEnvironment, PoolWorkers):
         if self._stopping:
             return
         now = time.monotonic()
+        reap_strays({c.proc.pid for c in self.children})  # (orphans adopted as a subreaper: no zombies)
         changed = self._retire_finished(report)
         for c in self.children:
             rc = c.proc.poll()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gaas.envoy import config as envoyconf
 from gaas.launcher import fleet
-from gaas.launcher.children import signal_group
+from gaas.launcher.children import become_subreaper, signal_group
 from gaas.launcher.errors import MeshError
 from gaas.launcher.rundir import port_in_use
 from gaas.launcher.zygote import Zygote
@@ -130,7 +130,9 @@ class PoolWorkers:
 
     def _start_zygote(self, python: str, module: str) -> None:
         """Start the process CPU workers are forked from (gaas.launcher.zygote): it imports vLLM once,
-        meanwhile; its first worker waits for that."""
+        meanwhile; its first worker waits for that. gaas up adopts the workers it forks (a subreaper)."""
+        if not become_subreaper():
+            return  # (the workers it forks would be init's, not gaas up's: each starts afresh instead)
         env = self.zygote_env()
         self._zygote = Zygote(self.sockets / "zygote.sock", env, module)
         self._spawn("zygote", "zygote", [python, "-m", "gaas.launcher.zygote", str(self._zygote.path), module], env)

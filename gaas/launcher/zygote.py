@@ -6,12 +6,15 @@ of starting a new interpreter that imports it all again.
 
 Zygote side (main): imports MODULE and the modules its ZYGOTE_PRELOAD names, then listens on the
 Unix socket SOCKET (0600): each connection sends one request (a JSON line: the environment, the
-cores, the log file, the working directory) and gets back the pid of a child forked for it, then,
-when that child exits, its exit code (as subprocess.Popen's returncode). The child starts as `gaas
-up` starts its other children: a session (process group) of its own, SIGTERM when the zygote dies
-(Linux's parent-death signal; the zygote has the same from `gaas up`), its cores, its log as
-stdout and stderr, and exactly the given environment; then runs MODULE as __main__, as `python -m`
-would, and exits as an interpreter would (threads joined, exit handlers run).
+cores, the log file, the working directory) and gets back the pid of a process forked for it. That
+process is forked twice (the first fork exits at once), so that it is not the zygote's child but
+`gaas up`'s: `gaas up` is a child subreaper (children.become_subreaper), so Linux hands it the
+orphan. A worker thus outlives a zygote that dies, and `gaas up` waits for it and reads its exit
+code as it does any child's. The process starts as `gaas up` starts its other children: a session
+(process group) of its own, SIGTERM when `gaas up` dies (Linux's parent-death signal, set once it is
+`gaas up`'s), its cores, its log as stdout and stderr, exactly the given environment; then it runs
+MODULE as __main__, as `python -m` would, and exits as an interpreter would (threads joined, exit
+handlers run).
 
 Launcher side: Zygote.spawn, and ZygoteChild, the part of subprocess.Popen the launcher uses. A
 child forked so shows the zygote's command line and the environment the zygote started with in
@@ -29,8 +32,6 @@ import importlib
 import json
 import os
 import runpy
-import select
-import selectors
 import signal
 import socket
 import subprocess
@@ -60,64 +61,37 @@ def fits(zygote_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
 
 
 class ZygoteChild:
-    """A child the zygote forked: what of subprocess.Popen `gaas up` uses (pid, poll, wait,
-    send_signal, returncode), its exit code read from the zygote's answer."""
+    """A child the zygote forked for `gaas up`, which became `gaas up`'s own child: what of
+    subprocess.Popen `gaas up` uses (pid, poll, wait, send_signal, returncode)."""
 
-    def __init__(self, pid: int, conn: socket.socket) -> None:
+    def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self._conn = conn
-        # What the zygote said so far; None once it closed without an answer.
-        self._answer: bytes | None = b""
 
     def poll(self) -> int | None:
-        if self.returncode is None and (self._answer is None or select.select([self._conn], [], [], 0)[0]):
-            self._read()
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # Not this process's child yet (the zygote's first fork is exiting), or gone unseen.
+                if not os.path.exists(f"/proc/{self.pid}"):
+                    self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            if self._answer is None:  # (the zygote went: nothing more to read)
-                time.sleep(min(left, 0.1))
-            else:
-                select.select([self._conn], [], [], min(left, 1.0))
+            time.sleep(0.02)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-    def _read(self) -> None:
-        data = b""
-        if self._answer is not None:
-            try:
-                data = self._conn.recv(64)
-            except OSError:
-                pass
-            self._answer += data
-        if self._answer and self._answer.endswith(b"\n"):
-            self.returncode = int(self._answer)
-        elif not data:
-            # The zygote went without a word: its children get SIGTERM as it dies.
-            self._answer = None
-            if not _alive(self.pid):
-                self.returncode = -signal.SIGTERM
-        if self.returncode is not None:
-            self._conn.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class Zygote:
@@ -154,11 +128,11 @@ class Zygote:
                 if not data:
                     raise OSError("the zygote closed the connection")
                 answer += data
-            conn.settimeout(None)
-            return ZygoteChild(int(answer), conn)
+            return ZygoteChild(int(answer))
         except (OSError, ValueError):
-            conn.close()  # (a child forked after this is killed by the zygote: nobody asked for it any more)
-            return None
+            return None  # (a child forked after this is killed by the zygote: nobody asked for it any more)
+        finally:
+            conn.close()
 
 
 # ----------------------------------------------------------------------------- the zygote itself
@@ -180,45 +154,16 @@ def main(argv: list[str]) -> None:
     os.chmod(path, 0o600)
     listener.listen(64)
     print(f"zygote: {module} and what it preloads imported; forking its processes from {path}", flush=True)
-    sig_r, sig_w = os.pipe()
-    os.set_blocking(sig_r, False)
-    os.set_blocking(sig_w, False)
-    signal.set_wakeup_fd(sig_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, socket.socket] = {}
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    selector.register(sig_r, selectors.EVENT_READ)
+    launcher = os.getppid()
     while True:
-        for key, _ in selector.select():
-            if key.fileobj == sig_r:
-                os.read(sig_r, 4096)
-                _reap(children)
-            else:
-                conn, _ = listener.accept()
-                _serve(conn, module, children, lambda: (selector.close(), listener.close(), os.close(sig_r),
-                                                        os.close(sig_w)))
+        conn, _ = listener.accept()
+        with conn:
+            _serve(conn, module, launcher, listener)
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is not None:
-            try:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:
-                pass
-            conn.close()
-
-
-def _serve(conn: socket.socket, module: str, children: dict[int, socket.socket], close: Callable[[], object]) -> None:
-    """Read conn's request, fork its child and answer its pid (its exit code follows: _reap)."""
+def _serve(conn: socket.socket, module: str, launcher: int, listener: socket.socket) -> None:
+    """Read conn's request, fork its process (twice: launcher, a child subreaper, adopts it) and
+    answer its pid."""
     try:
         conn.settimeout(10)
         line = b""
@@ -230,32 +175,36 @@ def _serve(conn: socket.socket, module: str, children: dict[int, socket.socket],
         request = json.loads(line)
     except (OSError, ValueError) as exc:
         print(f"zygote: a bad request ({exc}); ignored", flush=True)
-        conn.close()
         return
-    pid = os.fork()
-    if pid == 0:
-        for other in children.values():
-            other.close()
-        close()
-        conn.close()
-        _run_child(module, request)
-    try:
-        conn.sendall(f"{pid}\n".encode())
-        children[pid] = conn
-    except OSError:
-        os.kill(pid, signal.SIGKILL)  # nobody waits for it any more
-        conn.close()
+    first = os.fork()
+    if first == 0:
+        try:
+            listener.close()
+            middle = os.getpid()
+            child = os.fork()
+            if child == 0:
+                conn.close()
+                _run_child(module, request, middle, launcher)
+            try:
+                conn.sendall(f"{child}\n".encode())
+            except OSError:
+                os.kill(child, signal.SIGKILL)  # nobody waits for it any more
+        finally:
+            os._exit(0)
+    os.waitpid(first, 0)
 
 
-def _run_child(module: str, request: dict) -> None:
-    """In the forked child: become the process `gaas up` asked for, run module, exit."""
+def _run_child(module: str, request: dict, middle: int, launcher: int) -> None:
+    """In the forked child: become `gaas up`'s (once the fork between has exited), then the process
+    it asked for; run module, exit."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_DFL)
         os.setsid()
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        while os.getppid() == middle:
+            time.sleep(0.001)
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: gaas up's death
+        if os.getppid() != launcher:
+            raise SystemExit(f"gaas up (pid {launcher}) is gone, or did not adopt this process; not starting")
         if request["cpus"]:
             os.sched_setaffinity(0, set(request["cpus"]))
         fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

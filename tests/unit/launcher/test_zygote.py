@@ -1,75 +1,59 @@
 """The worker zygote (gaas.launcher.zygote): children forked from one process that imported their
-module's preloads once, started as `gaas up` starts its others (session, cores, log, environment,
-SIGTERM when their parent dies) and watched like subprocess.Popen."""
+module's preloads once, adopted by `gaas up` (a child subreaper) so that they outlive the zygote,
+started as `gaas up` starts its others (session, cores, log, environment, SIGTERM when `gaas up`
+dies) and watched like subprocess.Popen. Each scenario runs in a process of its own
+(zygote_launcher), as `gaas up` would."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from gaas.launcher.zygote import Zygote, fits
-from tests.conftest import ROOT
+from tests.conftest import ROOT, process_alive
 from tests.waiting import eventually
 
 MODULE = "tests.unit.launcher.zygote_child"
 
 
-@pytest.fixture
-def zygote(tmp_path):
-    path = tmp_path / "z.sock"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "gaas.launcher.zygote", str(path), MODULE], cwd=ROOT, env=env,
-                            stdout=open(tmp_path / "zygote.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    yield Zygote(path, env, MODULE), proc
-    proc.kill()
-    proc.wait(10)
+def _run(tmp_path: Path, scenario: str) -> tuple[dict, dict]:
+    out = tmp_path / "seen.json"
+    subprocess.run([sys.executable, "-c", "from tests.unit.launcher.zygote_launcher import run; "
+                    f"run({scenario!r}, {str(out)!r})"], cwd=ROOT, check=True, timeout=120)
+    return json.loads(out.read_text()), json.loads((tmp_path / "child.json").read_text())
 
 
-def _spawn(zygote, tmp_path, **env):
-    z, proc = zygote
-    child_env = {**z.env, "GAAS_TEST_REPORT": str(tmp_path / "report.json"), **env}
-    child = z.spawn(child_env, {0}, tmp_path / "child.log", ROOT, alive=lambda: proc.poll() is None, timeout=60)
-    assert child is not None
-    return child
-
-
-def test_a_forked_child_is_the_process_gaas_up_would_start_and_its_exit_code_comes_back(zygote, tmp_path):
-    child = _spawn(zygote, tmp_path, GAAS_TEST_EXIT="3", GAAS_TEST_OWN="mine")
-    assert child.wait(30) == 3 and child.poll() == 3 and child.returncode == 3
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["pid"] == child.pid
+def test_a_forked_child_is_the_process_gaas_up_would_start_and_gaas_up_reads_its_exit_code(tmp_path):
+    seen, child = _run(tmp_path, "exit")
+    assert seen["returncode"] == 3
+    assert child["pid"] == seen["child"]
     # Its own session and process group (signalled as a whole), its cores, the working directory.
-    assert report["sid"] == report["pgid"] == child.pid
-    assert report["cpus"] == [0] and report["cwd"] == str(ROOT)
+    assert child["sid"] == child["pgid"] == child["pid"]
+    assert child["cpus"] == [0] and child["cwd"] == str(ROOT)
     # Exactly its environment; the module's preloads already imported; run as `python -m` would.
-    assert report["env"]["GAAS_TEST_OWN"] == "mine" and report["env"] == {**zygote[0].env, **{
-        "GAAS_TEST_REPORT": str(tmp_path / "report.json"), "GAAS_TEST_EXIT": "3", "GAAS_TEST_OWN": "mine"}}
-    assert report["preloaded"] and report["argv"][0].endswith("zygote_child.py")
+    assert child["env"]["GAAS_TEST_OWN"] == "mine" and child["env"]["GAAS_TEST_EXIT"] == "3"
+    assert child["preloaded"] and child["argv"][0].endswith("zygote_child.py")
     # Its output in its log.
     assert "hello from the child" in (tmp_path / "child.log").read_text()
 
 
-def test_a_signalled_child_reports_the_signal_as_popen_does_and_waits_time_out_meanwhile(zygote, tmp_path):
-    child = _spawn(zygote, tmp_path, GAAS_TEST_WAIT="1")
-    eventually(lambda: (tmp_path / "report.json").exists(), 30, what="the child running")
-    with pytest.raises(subprocess.TimeoutExpired):
-        child.wait(0.2)
-    assert child.poll() is None
-    child.send_signal(signal.SIGTERM)
-    assert child.wait(30) == -signal.SIGTERM
+def test_a_child_is_gaas_ups_own_and_a_signal_ends_it_as_popen_tells(tmp_path):
+    seen, _ = _run(tmp_path, "signal")
+    assert seen["child_parent"] == seen["me"]
+    assert seen["timed_out"] and seen["returncode"] == -signal.SIGTERM
 
 
-def test_children_get_sigterm_when_the_zygote_dies_and_are_seen_gone(zygote, tmp_path):
-    child = _spawn(zygote, tmp_path, GAAS_TEST_WAIT="1")
-    eventually(lambda: (tmp_path / "report.json").exists(), 30, what="the child running")
-    zygote[1].kill()
-    assert child.wait(30) == -signal.SIGTERM
+def test_a_child_outlives_a_zygote_killed_with_kill_9(tmp_path):
+    seen, _ = _run(tmp_path, "zygote-dies")
+    assert seen["after_zygote"] is None and seen["returncode"] == -signal.SIGTERM
+
+
+def test_a_child_gets_sigterm_when_gaas_up_dies(tmp_path):
+    seen, _ = _run(tmp_path, "launcher-dies")
+    eventually(lambda: not process_alive(seen["child"]), 30, what="the child gone with the process that adopted it")
 
 
 def test_no_zygote_answering_means_no_child_rather_than_a_wait(tmp_path):
