@@ -17,8 +17,8 @@ MODULE as __main__, as `python -m` would, and exits as an interpreter would (thr
 handlers run).
 
 Launcher side: Zygote.spawn, and ZygoteChild, the part of subprocess.Popen the launcher uses. A
-child forked so shows the zygote's command line and the environment the zygote started with in
-/proc (its own is in its memory): `gaas up` gives the zygote a worker's environment but what is
+child forked so shows the zygote's command line (its short name, in `ps -o comm` and top, is its
+log's: worker-0) and the environment the zygote started with in /proc (its own is in its memory): `gaas up` gives the zygote a worker's environment but what is
 each worker's own (workerenv.zygote_env), and only a worker whose environment matches it
 elsewhere is forked (fits): what a library reads when it is imported or an interpreter starts
 (LD_PRELOAD, OpenMP's threads, Hugging Face's offline switches) is the zygote's.
@@ -203,6 +203,8 @@ def _run_child(module: str, request: dict, middle: int, launcher: int) -> None:
         while os.getppid() == middle:
             time.sleep(0.001)
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: gaas up's death
+        # Named in ps's and top's short form (its command line is the zygote's): its log's name.
+        _LIBC.prctl(15, ctypes.c_char_p(Path(request["log"]).stem.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
         if os.getppid() != launcher:
             raise SystemExit(f"gaas up (pid {launcher}) is gone, or did not adopt this process; not starting")
         if request["cpus"]:

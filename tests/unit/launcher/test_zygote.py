@@ -36,6 +36,8 @@ def test_a_forked_child_is_the_process_gaas_up_would_start_and_gaas_up_reads_its
     # Exactly its environment; the module's preloads already imported; run as `python -m` would.
     assert child["env"]["GAAS_TEST_OWN"] == "mine" and child["env"]["GAAS_TEST_EXIT"] == "3"
     assert child["preloaded"] and child["argv"][0].endswith("zygote_child.py")
+    # Named after its log in ps's short form (its command line is the zygote's).
+    assert child["comm"] == "child"
     # Its output in its log.
     assert "hello from the child" in (tmp_path / "child.log").read_text()
 

@@ -14,7 +14,8 @@ if __name__ == "__main__":
     with open(os.environ["GAAS_TEST_REPORT"], "w") as f:
         json.dump({"pid": os.getpid(), "sid": os.getsid(0), "pgid": os.getpgid(0), "cwd": os.getcwd(),
                    "cpus": sorted(os.sched_getaffinity(0)), "env": dict(os.environ),
-                   "preloaded": "decimal" in sys.modules, "argv": sys.argv}, f)
+                   "preloaded": "decimal" in sys.modules, "argv": sys.argv,
+                   "comm": open("/proc/self/comm").read().strip()}, f)
     print("hello from the child", flush=True)
     if os.environ.get("GAAS_TEST_WAIT"):
         signal.pause()
