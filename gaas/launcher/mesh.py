@@ -367,7 +367,7 @@ class Mesh(WorkerEnvironment, PoolWorkers):
                 hint = ""
                 if any("worker" in w for w in waiting):
                     hint = (" (vLLM loads the model, compiles it and captures CUDA graphs: a minute or two on a GPU)"
-                            if self.gpus else " (vLLM loads the model: ~10-20 s per worker on a CPU)")
+                            if self.gpus else " (vLLM imports, then loads the model: ~10-15 s on a CPU)")
                 self.progress(f"waiting for {', '.join(waiting)}{hint} ... {now - started:.0f} s")
                 last_note = now
             time.sleep(0.5)
