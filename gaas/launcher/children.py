@@ -86,13 +86,23 @@ class Child:
             return ""
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (the state first), or None when there
+    is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_ticks(pid: int) -> int | None:
     """When process pid started (clock ticks since boot, /proc/PID/stat), or None when there is
     none: with its pid, what tells a process from a later one that got the same pid."""
+    fields = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
         return None
 
 
@@ -101,12 +111,8 @@ def _group_members(pgid: int, not_before: int | None) -> list[int]:
     earlier than not_before (None: any)."""
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        fields = _stat(entry) if entry.isdigit() else None
+        if fields is None:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z" and (not_before is None or int(fields[19]) >= not_before):
             out.append(int(entry))
@@ -179,14 +185,8 @@ def reap_strays(known: set[int]) -> int:
     adopted as a subreaper), so that none stays a zombie; returns how many."""
     me, reaped = str(os.getpid()), 0
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in known:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] == "Z" and fields[1] == me:
+        fields = _stat(entry) if entry.isdigit() and int(entry) not in known else None
+        if fields is not None and fields[0] == "Z" and fields[1] == me:
             try:
                 os.waitpid(int(entry), os.WNOHANG)
                 reaped += 1
