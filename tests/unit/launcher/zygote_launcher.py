@@ -12,17 +12,10 @@ from pathlib import Path
 
 from gaas.launcher.children import become_subreaper
 from gaas.launcher.zygote import Zygote
+from tests.waiting import eventually
 
 MODULE = "tests.unit.launcher.zygote_child"
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path}")
-        time.sleep(0.02)
 
 
 def run(scenario: str, out: str) -> None:
@@ -40,7 +33,7 @@ def run(scenario: str, out: str) -> None:
     child = z.spawn({**env, "GAAS_TEST_REPORT": str(report_file), "GAAS_TEST_OWN": "mine", **extra}, {0},
                     tmp / "child.log", ROOT, alive=lambda: zygote.poll() is None, timeout=60)
     seen: dict = {"me": os.getpid(), "child": child.pid}
-    _wait_for(report_file)
+    eventually(report_file.exists, 60, every=0.02, what="the child running")
     seen["child_parent"] = int(Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
         if child.poll() is None else None
     if scenario == "exit":
@@ -56,7 +49,7 @@ def run(scenario: str, out: str) -> None:
     elif scenario == "zygote-dies":
         zygote.kill()
         zygote.wait(10)
-        time.sleep(0.5)
+        time.sleep(0.5)  # (a while after the zygote's death: a duration is what is tested)
         seen["after_zygote"] = child.poll()
         child.send_signal(signal.SIGTERM)
         seen["returncode"] = child.wait(30)
