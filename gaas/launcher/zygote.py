@@ -122,17 +122,22 @@ class Zygote:
         try:
             conn.settimeout(max(1.0, deadline - time.monotonic()))
             conn.sendall(request.encode() + b"\n")
-            answer = b""
-            while not answer.endswith(b"\n"):
-                data = conn.recv(64)
-                if not data:
-                    raise OSError("the zygote closed the connection")
-                answer += data
-            return ZygoteChild(int(answer))
+            return ZygoteChild(int(_read_line(conn, "the zygote closed the connection before its answer")))
         except (OSError, ValueError):
             return None  # (a child forked after this is killed by the zygote: nobody asked for it any more)
         finally:
             conn.close()
+
+
+def _read_line(conn: socket.socket, closed: str) -> bytes:
+    """One line from conn, the protocol's one message each way (OSError(closed) at an early end)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        data = conn.recv(65536)
+        if not data:
+            raise OSError(closed)
+        line += data
+    return line
 
 
 # ----------------------------------------------------------------------------- the zygote itself
@@ -166,13 +171,7 @@ def _serve(conn: socket.socket, module: str, launcher: int, listener: socket.soc
     answer its pid."""
     try:
         conn.settimeout(10)
-        line = b""
-        while not line.endswith(b"\n"):
-            data = conn.recv(65536)
-            if not data:
-                raise OSError("closed before its request")
-            line += data
-        request = json.loads(line)
+        request = json.loads(_read_line(conn, "closed before its request"))
     except (OSError, ValueError) as exc:
         print(f"zygote: a bad request ({exc}); ignored", flush=True)
         return
