@@ -33,6 +33,7 @@ from gaas.launcher.children import (
 )
 from gaas.launcher.errors import MeshError
 from gaas.launcher.pools import PoolWorkers
+from gaas.launcher.zygote import READY_TIMEOUT
 from gaas.launcher.rundir import STATE_FILE, port_in_use
 from gaas.launcher.secrets import (
     BARE_ENV, REDIS_PASSWORD_FILE, private_secret, redis_answers, redis_server_command, with_password, without_secrets,
@@ -250,7 +251,9 @@ class Mesh(WorkerEnvironment, PoolWorkers):
         worker zygote where it fits (gaas.launcher.zygote), else a new interpreter."""
         zygote = next((c for c in self.children if c.kind == "zygote"), None)
         if zygote is not None and self._zygote is not None and self._zygote.fits(cmd, env):
-            proc = self._zygote.spawn(env, cpus, log, ROOT, alive=lambda: zygote.proc.poll() is None)
+            # Its first start's import is waited for; a restarted one's is not (a worker starts afresh meanwhile).
+            proc = self._zygote.spawn(env, cpus, log, ROOT, alive=lambda: zygote.proc.poll() is None,
+                                      timeout=READY_TIMEOUT if not zygote.restarts else 0.0)
             if proc is not None:
                 return proc
             self.progress(f"the worker zygote does not answer (its log: {zygote.log}); starting a worker afresh")
